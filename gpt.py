@@ -1,0 +1,1396 @@
+"""
+gpt.py: the GPT-2 model, its tokenizers, and supervised training (pretraining and SFT) in one file.
+
+Training minimises next-token cross-entropy, summed over every target token of the optimizer step and divided
+by their count (all micro-batches and ranks together), so the loss does not depend on how the batch is split.
+For SFT data (`--data hh_sft`, `--data arithmetic`) only response tokens are targets: Assistant turns of
+HH-RLHF dialogues, the answer after `=` of arithmetic problems.
+
+The model is hand-written on purpose (reading it is the point): GPT-2 with pre-LN blocks, GELU (tanh) MLP,
+learned positions, tied embeddings, attention through scaled_dot_product_attention, left padding with
+position ids counted from each row's first real token, a preallocated KV cache and an exact inverse-CDF
+sampler. The code between the SHARED BLOCK markers is copied verbatim into every script of this project
+(tests/test_shared_blocks.py checks it), so each script can be forked on its own.
+
+Commands:
+    python gpt.py                                                    # char-level tiny Shakespeare, ~5 min on a CPU
+    python gpt.py --data shakespeare --init_from gpt2 --device cuda  # fine-tune GPT-2 124M on one GPU
+    torchrun --standalone --nproc_per_node=8 gpt.py --data hh_sft --init_from gpt2 --parallel fsdp
+    python gpt.py --data arithmetic --digits 2                       # warm start for grpo.py --task arithmetic
+
+Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
+dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
+(procedurally generated `12+345=357` lines), or the path of any text file (`--tokenizer char|gpt2`).
+
+Metrics (metrics.jsonl, one object per logged step):
+    train/loss        mean token cross-entropy of the optimizer step (nats)
+    train/lr          learning rate of the step
+    train/grad_norm   gradient norm before clipping
+    eval/train_loss   mean loss on --eval_iters fixed train batches
+    eval/val_loss     the same on the validation split
+    perf/tokens_per_s target tokens processed per second (all ranks)
+    perf/step_ms      wall time of the optimizer step
+    perf/mfu          model FLOPs utilisation (CUDA only)
+"""
+
+import argparse
+import dataclasses
+import gzip
+import inspect
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/gpt-<YYYYmmdd-HHMMSS>
+    data: str = "shakespeare_char"  # shakespeare_char | shakespeare | hh_sft | arithmetic | path of a text file
+    data_path: str = ""  # local copy of the named dataset (text file, or .jsonl/.jsonl.gz for hh_sft)
+    tokenizer: str = "auto"  # auto | char | gpt2 (auto: char for shakespeare_char and text files, else gpt2)
+    digits: int = 2  # arithmetic: largest number of digits of an operand
+    ops: str = "+-*"  # arithmetic: operators to draw from
+    init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | hub id | ckpt.pt | HF folder
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    n_layer: int = 4  # transformer blocks (scratch only)
+    n_head: int = 4  # attention heads (scratch only)
+    n_embd: int = 128  # embedding width (scratch only)
+    block_size: int = 128  # context length in tokens
+    dropout: float = 0.0  # dropout probability
+    bias: bool = True  # biases in Linear and LayerNorm layers (scratch only)
+    batch_size: int = 32  # sequences per micro-batch per rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 2000  # optimizer steps
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 100  # linear warm-up steps
+    lr_decay_steps: int = 0  # steps of cosine decay (0: max_steps)
+    weight_decay: float = 0.1  # AdamW weight decay on matrices
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
+    grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    eval_every: int = 250  # steps between evaluations
+    eval_iters: int = 20  # batches per evaluation
+    log_every: int = 50  # steps between log lines
+    save_every: int = 500  # steps between checkpoints (one is always written at the end)
+    num_samples: int = 3  # samples written to samples.txt at the end
+    sample_tokens: int = 120  # tokens per sample
+    sample_prompt: str = "\n"  # prompt of the samples
+    temperature: float = 0.8  # sampling temperature (0: greedy)
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the model
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (
+            config.n_layer,
+            batch_size,
+            config.n_head,
+            max_len,
+            config.n_embd // config.n_head,
+        )
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (
+            config.n_head,
+            config.n_embd,
+            config.dropout,
+        )
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for (
+            name,
+            p,
+        ) in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs). Returns (logits (B, T, V), mean cross-entropy or None)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(
+                os.path.join(path, "pytorch_model.bin"),
+                map_location="cpu",
+                weights_only=True,
+            )
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = (
+            "attn.c_attn.weight",
+            "attn.c_proj.weight",
+            "mlp.c_fc.weight",
+            "mlp.c_proj.weight",
+        )
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts,
+    max_new_tokens,
+    temperature=1.0,
+    top_k=None,
+    eos_id=None,
+    generator=None,
+    use_cache=True,
+):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(
+            os.path.isfile(saved_path),
+            f"--resume: no run at {cfg.out_dir} (config.json is missing)",
+        )
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(
+        self,
+    ):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(
+        cfg.device in ("auto", "cpu", "cuda", "mps"),
+        f"--device {cfg.device!r}: use auto, cpu, cuda or mps",
+    )
+    check(
+        cfg.dtype in ("auto", "float32", "bfloat16", "float16"),
+        f"--dtype {cfg.dtype!r}: unknown dtype",
+    )
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(
+        device != "cuda" or torch.cuda.is_available(),
+        "--device cuda: no CUDA device is available",
+    )
+    check(
+        device != "mps" or torch.backends.mps.is_available(),
+        "--device mps: MPS is not available",
+    )
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {
+        "H100": 989e12,
+        "H200": 989e12,
+        "H800": 989e12,
+        "A100": 312e12,
+        "A800": 312e12,
+        "L40": 181e12,
+    }
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130."""
+
+    def __init__(self):
+        self.signum = 0
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def exit_code(self):
+        return 128 + self.signum
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(
+        isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt,
+        f"{path} is not a checkpoint",
+    )
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (
+            self.enc.n_vocab,
+            self.enc.eot_token,
+            "gpt2",
+        )
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(
+        isinstance(spec, dict) and spec.get("type") == "char",
+        f"unknown tokenizer {spec!r}",
+    )
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(
+        records,
+        f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})",
+    )
+    if bad:
+        print(
+            f"{path}: skipped {bad} malformed line(s), kept {len(records)}",
+            file=sys.stderr,
+        )
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(
+            not os.path.exists(ckpt),
+            f"{out_dir} already holds a run; pass --resume or another --out_dir",
+        )
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            disable=not self.master,
+            dynamic_ncols=True,
+        )
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=os.path.basename(out_dir),
+                config=dataclasses.asdict(cfg),
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="." if len(pts) < 50 else None,
+        )
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: every dataset becomes one token stream per split, with a mask of the tokens that are targets.
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
+    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    op = rng.choice(ops)
+    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+
+
+def hh_dialogue(text, tok):
+    """Token ids of one HH-RLHF dialogue and the mask of its Assistant turns (the SFT targets), then <eot>."""
+    ids, mask, speaker = [], [], None
+    for part in re.split(r"(\n\nHuman:|\n\nAssistant:)", text):
+        if not part:
+            continue
+        if part in ("\n\nHuman:", "\n\nAssistant:"):
+            speaker = part
+        piece = tok.encode(part)
+        ids += piece
+        mask += [part not in ("\n\nHuman:", "\n\nAssistant:") and speaker == "\n\nAssistant:"] * len(piece)
+    return ids + [tok.eot_id], mask + [True]
+
+
+def load_splits(cfg, tok):
+    """(train, val) as pairs of (ids LongTensor, target mask BoolTensor or None)."""
+    if cfg.data == "arithmetic":
+        check(
+            cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"),
+            "--digits >= 1 and --ops from +-*",
+        )
+        splits = []
+        for seed, n in ((cfg.seed, 20000), (cfg.seed + 1, 1000)):
+            rng, ids, mask = random.Random(seed), [], []
+            for _ in range(n):
+                prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
+                p, a = tok.encode(prompt), tok.encode(answer)
+                ids += p + a
+                mask += [False] * len(p) + [True] * len(a)
+            splits.append((torch.tensor(ids), torch.tensor(mask)))
+        return splits
+    if cfg.data == "hh_sft":
+        if cfg.data_path:
+            texts = [r["chosen"] for r in read_jsonl(cfg.data_path, ["chosen"])]
+            order = random.Random(0).sample(range(len(texts)), len(texts))  # fixed split, whatever --seed
+            n_val = max(1, len(texts) // 20)
+            parts = [
+                [texts[i] for i in order[n_val:]],
+                [texts[i] for i in order[:n_val]],
+            ]
+        else:
+            try:
+                import datasets
+
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        splits = []
+        for texts in parts:
+            ids, mask = [], []
+            for text in texts:
+                i, m = hh_dialogue(text, tok)
+                ids += i
+                mask += m
+            splits.append((torch.tensor(ids), torch.tensor(mask)))
+        return splits
+    if cfg.data in ("shakespeare_char", "shakespeare"):
+        path = cfg.data_path or download(SHAKESPEARE_URL, os.path.join("data", "tinyshakespeare.txt"))
+    else:
+        path = cfg.data
+    text = read_text(path)
+    if isinstance(tok, CharTokenizer):
+        unknown = sorted(set(text) - set(tok.chars))
+        check(
+            not unknown,
+            f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary",
+        )
+    ids = torch.tensor(tok.encode(text))
+    n = int(0.9 * len(ids))
+    return [(ids[:n], None), (ids[n:], None)]
+
+
+def make_tokenizer(cfg, model_spec):
+    """The tokenizer of the model being trained (model_spec from a checkpoint), else the data's default."""
+    wanted = cfg.tokenizer
+    if wanted == "auto":
+        text_data = cfg.data not in ("shakespeare", "hh_sft", "arithmetic")
+        wanted = "char" if text_data else "gpt2"
+    check(
+        wanted in ("char", "gpt2"),
+        f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2",
+    )
+    if model_spec is not None:
+        model_kind = "gpt2" if model_spec == "gpt2" else "char"
+        check(
+            cfg.tokenizer in ("auto", model_kind),
+            f"--tokenizer {cfg.tokenizer} does not match the model's {model_kind} tokenizer",
+        )
+        check(
+            model_kind == "char" or wanted == "gpt2" or cfg.tokenizer == "auto",
+            "the model uses GPT-2 BPE; this data needs --tokenizer gpt2",
+        )
+        return get_tokenizer(model_spec)
+    if wanted == "gpt2":
+        return BPETokenizer()
+    if cfg.data in ("shakespeare_char", "shakespeare"):
+        path = cfg.data_path or download(SHAKESPEARE_URL, os.path.join("data", "tinyshakespeare.txt"))
+    else:
+        path = cfg.data
+    return CharTokenizer(sorted(set(read_text(path))))
+
+
+def get_batch(data, batch_size, block_size, device, generator=None):
+    """Random windows of the stream: inputs x and next-token targets y, with -1 where y is not a target."""
+    ids, mask = data
+    ix = torch.randint(len(ids) - block_size - 1, (batch_size,), generator=generator)
+    x = torch.stack([ids[i : i + block_size] for i in ix])  # (B, T)
+    y = torch.stack([ids[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
+    if mask is not None:
+        y = y.masked_fill(~torch.stack([mask[i + 1 : i + 1 + block_size] for i in ix]), -1)
+    return x.to(device), y.to(device)
+
+
+def target_loss_sum(logits, targets):
+    """Cross-entropy summed over target tokens (targets == -1 are skipped): (B, T, V), (B, T) -> scalar."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1, reduction="sum")
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate(cfg):
+    for name in (
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "block_size",
+        "eval_every",
+        "eval_iters",
+        "log_every",
+    ):
+        check(
+            getattr(cfg, name) > 0,
+            f"--{name} must be positive (got {getattr(cfg, name)})",
+        )
+    check(cfg.save_every > 0, f"--save_every must be positive (got {cfg.save_every})")
+    check(
+        cfg.lr > 0 and cfg.min_lr >= 0,
+        f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})",
+    )
+    check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
+    check(
+        cfg.warmup_steps >= 0 and cfg.lr_decay_steps >= 0,
+        "--warmup_steps and --lr_decay_steps must be >= 0",
+    )
+    check(
+        cfg.grad_clip >= 0 and cfg.weight_decay >= 0,
+        "--grad_clip and --weight_decay must be >= 0",
+    )
+    check(
+        cfg.temperature >= 0 and cfg.top_k >= 0,
+        "--temperature and --top_k must be >= 0",
+    )
+    check(
+        cfg.n_embd % cfg.n_head == 0,
+        f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}",
+    )
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "gpt", rt)
+    stop = GracefulExit()
+
+    # model and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
+    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt")) if cfg.resume else None
+    if ckpt is not None:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        tok = make_tokenizer(cfg, ckpt["tokenizer"])
+    elif cfg.init_from != "scratch":
+        model, spec, _ = load_model(cfg.init_from, cfg.dropout)
+        tok = make_tokenizer(cfg, spec)
+    else:
+        tok = make_tokenizer(cfg, None)
+        config = GPTConfig(
+            block_size=cfg.block_size,
+            vocab_size=tok.vocab_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            dropout=cfg.dropout,
+            bias=cfg.bias,
+        )
+        model = GPT(config)
+    check(
+        cfg.block_size <= model.config.block_size,
+        f"--block_size {cfg.block_size} is longer than the model's {model.config.block_size}",
+    )
+    check(
+        tok.vocab_size <= model.config.vocab_size,
+        "the tokenizer has more tokens than the model's vocabulary",
+    )
+    train_data, val_data = load_splits(cfg, tok)
+    for name, (ids, _) in (("train", train_data), ("val", val_data)):
+        check(
+            len(ids) > cfg.block_size + 1,
+            f"the {name} split has {len(ids)} tokens; it needs > --block_size + 1",
+        )
+    model.to(rt.device)
+    raw_model = model
+    model = wrap_model(model, rt, cfg.compile)
+    optimizer = make_optimizer(raw_model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    start_step = 0
+    if ckpt is not None:
+        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step = ckpt["step"]
+        del ckpt
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    eval_gen = torch.Generator().manual_seed(0)  # the same evaluation batches at every evaluation
+    eval_batches = {
+        split: [get_batch(data, cfg.batch_size, cfg.block_size, "cpu", eval_gen) for _ in range(cfg.eval_iters)]
+        for split, data in (("train", train_data), ("val", val_data))
+    }
+    if rt.master:
+        print(
+            f"{raw_model.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, device {rt.device}, "
+            f"{rt.world_size} process(es), out_dir {out_dir}"
+        )
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        out = {}
+        for split, batches in eval_batches.items():
+            total = torch.zeros(2, device=rt.device)  # (loss sum, target count)
+            for x, y in batches:
+                x, y = x.to(rt.device), y.to(rt.device)
+                with rt.autocast():
+                    logits, _ = model(x)
+                total += torch.stack([target_loss_sum(logits, y), (y != -1).sum()])
+            out[f"eval/{split}_loss"] = (total[0] / total[1].clamp(min=1)).item()
+        model.train()
+        return out
+
+    def checkpoint(step):
+        model_sd, optim_sd = training_state(raw_model, optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            save_checkpoint(
+                os.path.join(out_dir, "ckpt.pt"),
+                {
+                    "model": model_sd,
+                    "model_config": dataclasses.asdict(raw_model.config),
+                    "tokenizer": tok.spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                },
+            )
+
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    t_start, evals, last_eval = time.time(), [], {}
+    for step in range(start_step, cfg.max_steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval = evaluate()
+            evals.append(last_eval["eval/val_loss"])
+            logger.log(step, last_eval)
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # ALGO LOGIC: the loss is the sum of token losses over the whole step divided by the global target count
+        batches = [get_batch(train_data, cfg.batch_size, cfg.block_size, rt.device) for _ in range(cfg.grad_accum)]
+        n_targets = all_reduce(sum((y != -1).sum() for _, y in batches).float(), rt).clamp(min=1)
+        loss_sum = torch.zeros((), device=rt.device)
+        for micro, (x, y) in enumerate(batches):
+            grad_sync(model, micro == cfg.grad_accum - 1)
+            with rt.autocast():
+                logits, _ = model(x)
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(),
+                    y.flatten(),
+                    ignore_index=-1,
+                    reduction="sum",
+                )
+            # ranks' gradients are averaged, so each rank's share is scaled by world_size
+            scaler.scale(loss * rt.world_size / n_targets).backward()
+            loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        # one collective per step: the global loss, and whether any rank was asked to stop
+        flags = all_reduce(
+            torch.stack([loss_sum, torch.tensor(float(stop.signum), device=rt.device)]),
+            rt,
+        )
+        train_loss = (flags[0] / n_targets).item()
+        if not math.isfinite(train_loss):
+            print(
+                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint "
+                f"({os.path.join(out_dir, 'ckpt.pt')}) is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+        dt = time.time() - t0
+        logger.bar.update(1)
+        logger.bar.set_postfix(loss=f"{train_loss:.4f}")
+        n_tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * rt.world_size
+        metrics = {
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "perf/tokens_per_s": n_tokens / dt,
+            "perf/step_ms": 1000 * dt,
+            "perf/mfu": mfu(raw_model.flops_per_token(cfg.block_size) * n_tokens, dt, rt),
+        }
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or flags[1] > 0:
+            checkpoint(step + 1)
+        if flags[1] > 0:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: "
+                    f"--resume --out_dir {out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code() if stop.signum else 143)
+    checkpoint(cfg.max_steps)
+    logger.close()
+
+    # samples from the trained model (every rank takes part: under FSDP the forward is collective)
+    prompt = tok.encode(cfg.sample_prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
+    prompt = prompt[-(raw_model.config.block_size // 2) :]
+    n_new = min(cfg.sample_tokens, raw_model.config.block_size - len(prompt))
+    gen = torch.Generator(rt.device).manual_seed(cfg.seed)
+    raw_model.eval()
+    with rt.autocast():
+        tokens, mask = generate(
+            raw_model,
+            [prompt] * cfg.num_samples,
+            n_new,
+            cfg.temperature,
+            cfg.top_k or None,
+            eos_id=tok.eot_id,
+            generator=gen,
+        )
+    if rt.master:
+        texts = [tok.decode(prompt + t[m > 0].tolist()) for t, m in zip(tokens.cpu(), mask.cpu())]
+        with open(os.path.join(out_dir, "samples.txt"), "w") as f:
+            f.write("\n\n==========\n\n".join(texts) + "\n")
+        results = {
+            "final_val_loss": last_eval["eval/val_loss"],
+            "final_train_loss": last_eval["eval/train_loss"],
+            "best_val_loss": min(evals),
+            "steps": cfg.max_steps,
+            "wall_time_s": time.time() - t_start,
+            "params": raw_model.num_params(),
+            "tokens_per_step": cfg.batch_size * cfg.block_size * cfg.grad_accum * rt.world_size,
+        }
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"val loss {results['final_val_loss']:.4f}; samples in {out_dir}/samples.txt\n")
+        print(texts[0])
+    cleanup(rt)
+
+
+if __name__ == "__main__":
+    main()

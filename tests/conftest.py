@@ -1,0 +1,83 @@
+"""Shared fixtures: offline environment, small synthetic data (no downloads), subprocess runs of the scripts."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Offline by default. The GPT-2 BPE files come from ../shared/tiktoken_cache when that folder exists (this
+# project's CI); elsewhere tiktoken downloads them once, and tests that need them skip when it cannot.
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_shared_cache = ROOT.parent / "shared" / "tiktoken_cache"
+if "TIKTOKEN_CACHE_DIR" not in os.environ and _shared_cache.is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(_shared_cache)
+
+
+def _bpe_available():
+    try:
+        import tiktoken
+
+        tiktoken.get_encoding("gpt2")
+        return True
+    except Exception:
+        return False
+
+
+BPE_AVAILABLE = _bpe_available()
+needs_bpe = pytest.mark.skipif(not BPE_AVAILABLE, reason="GPT-2 BPE files unavailable (offline, no TIKTOKEN_CACHE_DIR)")
+
+
+def synthetic_text(n_chars=20000, seed=0):
+    """Shakespeare-like lines from a small vocabulary: structured enough to learn, made here, no download."""
+    rng = random.Random(seed)
+    names = ["ROMEO", "JULIET", "NURSE", "FRIAR"]
+    words = "the a my thou art love night day fair sweet doth not and to be of in what light".split()
+    lines = []
+    while sum(len(line) for line in lines) < n_chars:
+        speech = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+        lines.append(f"{rng.choice(names)}:\n{speech.capitalize()}.\n\n")
+    return "".join(lines)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(synthetic_text())
+    return path
+
+
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "4"]
+
+
+def run_script(script, *args, timeout=300, env=None, cwd=None):
+    """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd or ROOT,
+    )
+
+
+def torchrun(script, nproc, *args, timeout=300, env=None, cwd=None):
+    """Run a script under torchrun on CPU processes (gloo)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(
+        [*cmd, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd or ROOT,
+    )

@@ -1,0 +1,62 @@
+"""Every top-level script carries verbatim copies of gpt.py's shared blocks (SPEC section 2), and imports no file
+of this project. `python tests/test_shared_blocks.py --fix` copies gpt.py's blocks into every script."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"# -+ BEGIN SHARED BLOCK: (\w+) .*?\n(.*?)# -+ END SHARED BLOCK: \1 -+\n", re.S)
+SCRIPTS = sorted(p for p in ROOT.glob("*.py") if p.name != "gpt.py")
+
+
+def blocks(path):
+    return {m.group(1): m.group(2) for m in BLOCK.finditer(path.read_text())}
+
+
+REFERENCE = blocks(ROOT / "gpt.py")
+
+
+def test_gpt_py_defines_the_model_and_train_blocks():
+    assert set(REFERENCE) == {"model", "train"}
+    assert "class GPT(nn.Module)" in REFERENCE["model"]
+    assert "def parse_config(" in REFERENCE["train"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shared_blocks_are_verbatim_copies_of_gpt_py(script):
+    found = blocks(script)
+    for name, text in found.items():
+        assert name in REFERENCE, f"{script.name}: unknown shared block {name!r}"
+        assert text == REFERENCE[name], f"{script.name}: block {name!r} differs from gpt.py (run with --fix)"
+    begins = len(re.findall(r"# -+ BEGIN SHARED BLOCK", script.read_text()))
+    assert begins == len(found), f"{script.name}: a BEGIN marker has no matching END marker"
+
+
+@pytest.mark.parametrize("script", [ROOT / "gpt.py", *SCRIPTS], ids=lambda p: p.name)
+def test_scripts_import_no_project_file(script):
+    local = {p.stem for p in ROOT.glob("*.py")}
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [(node.module or "").split(".")[0]]
+        else:
+            continue
+        assert not set(names) & local, f"{script.name} imports {set(names) & local}: scripts must stand alone"
+
+
+def fix():
+    for script in SCRIPTS:
+        text = script.read_text()
+        new = BLOCK.sub(lambda m: m.group(0).replace(m.group(2), REFERENCE[m.group(1)], 1), text)
+        if new != text:
+            script.write_text(new)
+            print(f"updated {script.name}")
+
+
+if __name__ == "__main__" and "--fix" in sys.argv:
+    fix()
