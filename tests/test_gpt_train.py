@@ -1,0 +1,267 @@
+"""gpt.py end to end: the run folder, exact resume, checkpoints, data preparation, distributed gradients, and
+bad input answered with one line and exit code 2."""
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import ROOT, TINY, needs_bpe, run_script, torchrun
+
+import gpt
+
+RUN = [*TINY, "--eval_iters", "2", "--log_every", "1", "--num_samples", "1", "--sample_tokens", "8"]
+
+
+def metrics(out_dir):
+    """metrics.jsonl without timings (perf/ varies between runs)."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file):
+    """A short gpt.py run writes every file of SPEC section 4, and its val loss beats character frequencies."""
+    out = tmp_path / "run"
+    args = ["--data", text_file, "--out_dir", out, *RUN, "--max_steps", "80", "--eval_every", "40"]
+    proc = run_script("gpt.py", *args, "--warmup_steps", "5", "--lr", "1e-2")
+    assert_ok(proc)
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_steps"] == 80 and config["data"] == str(text_file)
+    results = json.loads((out / "final_results.json").read_text())
+    vocab = len(set(text_file.read_text()))
+    first = metrics(out)[0]["eval/val_loss"]
+    assert first == pytest.approx(torch.log(torch.tensor(float(vocab))).item(), abs=0.3)  # random init: ~uniform
+    counts = torch.tensor([float(text_file.read_text().count(c)) for c in set(text_file.read_text())])
+    unigram_entropy = -(counts / counts.sum() * (counts / counts.sum()).log()).sum().item()
+    assert results["final_val_loss"] < unigram_entropy - 0.3  # it uses context, not just character frequencies
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {"model", "model_config", "tokenizer", "step", "optimizer", "rng", "config"} <= set(ckpt)
+    assert ckpt["step"] == 80 and ckpt["tokenizer"]["type"] == "char"
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
+
+
+def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
+    """Stop after 8 of 12 steps, resume: metrics.jsonl equals the uninterrupted run's (dropout on, so RNG matters)."""
+    common = ["--data", text_file, *RUN, "--dropout", "0.1", "--eval_every", "4", "--save_every", "4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "12"))
+    assert_ok(run_script("gpt.py", *common, "--out_dir", part, "--max_steps", "8", "--lr_decay_steps", "12"))
+    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "12"))
+    assert metrics(part) == metrics(full)
+    a = torch.load(full / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(part / "ckpt.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file):
+    """ckpt.pt round-trips: load_model gives the saved weights and tokenizer, and --init_from trains from it."""
+    out = tmp_path / "run"
+    assert_ok(run_script("gpt.py", "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "3"))
+    model, spec, ckpt = gpt.load_model(str(out / "ckpt.pt"))
+    assert spec == {"type": "char", "chars": "".join(sorted(set(text_file.read_text())))}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ckpt["model"][k]), k
+    proc = run_script(
+        "gpt.py",
+        "--data",
+        text_file,
+        "--init_from",
+        out / "ckpt.pt",
+        "--out_dir",
+        tmp_path / "ft",
+        *RUN,
+        "--max_steps",
+        "2",
+    )
+    assert_ok(proc)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, text_file):
+    """SIGTERM mid-run: a checkpoint is written at the step boundary, exit code 143, and the run resumes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    args = ["--data", text_file, "--out_dir", out, *RUN, "--max_steps", "100000", "--eval_every", "100000"]
+    proc = subprocess.Popen([sys.executable, ROOT / "gpt.py", *map(str, args)], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out / "metrics.jsonl").exists() or len(metrics(out)) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert step >= 2 and "--resume" in err
+    assert_ok(run_script("gpt.py", "--resume", "--out_dir", out, "--max_steps", str(step + 2)))
+
+
+@needs_bpe
+def test_hh_sft_masks_everything_but_assistant_turns():
+    """In an HH dialogue only Assistant replies (and the final <|endoftext|>) are SFT targets."""
+    tok = gpt.BPETokenizer()
+    ids, mask = gpt.hh_dialogue("\n\nHuman: Hi there\n\nAssistant: Hello friend\n\nHuman: Bye\n\nAssistant: Ciao", tok)
+    targets = tok.decode([i for i, m in zip(ids, mask) if m and i != tok.eot_id])
+    assert targets == " Hello friend Ciao"
+    assert ids[-1] == tok.eot_id and mask[-1]
+    assert tok.decode(ids[:-1]) == "\n\nHuman: Hi there\n\nAssistant: Hello friend\n\nHuman: Bye\n\nAssistant: Ciao"
+
+
+def test_arithmetic_problems_have_correct_answers():
+    """Every generated problem's answer is the value of its expression, operands within --digits."""
+    rng = random.Random(0)
+    for _ in range(500):
+        prompt, answer = gpt.arithmetic_problem(rng, 3, "+-*")
+        a, op, b = prompt[:-1].partition(next(c for c in "+-*" if c in prompt[1:]))
+        expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert answer == f"{expected}\n" and prompt.endswith("=")
+        assert len(a) <= 3 and len(b) <= 3
+
+
+def test_read_jsonl_skips_bad_lines_and_rejects_a_file_with_none(tmp_path, capsys):
+    """Malformed lines are counted and skipped; a file with no usable line is an error (exit 2)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"chosen": "a"}\nnot json\n{"chosen": ""}\n{"other": "x"}\n\n{"chosen": "b"}\n')
+    assert [r["chosen"] for r in gpt.read_jsonl(str(path), ["chosen"])] == ["a", "b"]
+    assert "skipped 3 malformed" in capsys.readouterr().err
+    path.write_text("nope\n[1, 2]\n")
+    with pytest.raises(SystemExit) as e:
+        gpt.read_jsonl(str(path), ["chosen"])
+    assert e.value.code == 2
+
+
+def test_cosine_schedule_warms_up_then_decays_to_min_lr():
+    """Warm-up rises to lr; the decay ends at min_lr and stays there."""
+    lrs = [gpt.cosine_lr(s, 1.0, 0.1, 10, 100) for s in range(120)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
+    assert max(lrs) <= 1.0 and lrs[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:100], lrs[11:101]))
+    assert lrs[100] == lrs[119] == 0.1
+
+
+def test_config_flags_parse_types_booleans_and_help(capsys):
+    """Every Config field is a flag: --key value, --key=value, --flag/--no-flag; --help lists them all."""
+    cfg = gpt.parse_config(gpt.Config, ["--lr=0.01", "--max_steps", "7", "--compile", "--no-bias"])
+    assert (cfg.lr, cfg.max_steps, cfg.compile, cfg.bias) == (0.01, 7, True, False)
+    with pytest.raises(SystemExit):
+        gpt.parse_config(gpt.Config, ["--help"])
+    out = capsys.readouterr().out
+    for field in gpt.Config.__dataclass_fields__:
+        assert f"--{field}" in out
+    assert "peak learning rate" in out
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--no_such_flag", "1"], "--no_such_flag"),
+        (["--max_steps", "ten"], "--max_steps"),
+        (["--lr", "-0.1"], "--lr"),
+        (["--batch_size", "0"], "--batch_size"),
+        (["--data", "/nonexistent/file.txt"], "/nonexistent/file.txt"),
+        (["--resume", "--out_dir", "/nonexistent/run"], "--resume"),
+        (["--init_from", "/nonexistent/ckpt"], "--init_from"),
+        (["--n_embd", "30", "--n_head", "4"], "--n_embd"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+    """Bad flags, values and paths end with exit code 2 and one stderr line naming the culprit, no traceback."""
+    proc = run_script("gpt.py", "--out_dir", tmp_path / "run", "--max_steps", "1", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert needle in lines[0]
+
+
+@needs_bpe
+def test_malformed_jsonl_for_hh_sft_exits_2(tmp_path):
+    """A --data_path whose lines are all malformed is one clear error."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"rejected": "x"}\n{not json\n')
+    proc = run_script("gpt.py", "--data", "hh_sft", "--data_path", path, "--out_dir", tmp_path / "run")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no usable line" in proc.stderr
+
+
+def test_existing_run_is_never_overwritten(tmp_path, text_file):
+    """Starting a new run in a folder that holds one is refused; the checkpoint stays byte-identical."""
+    out = tmp_path / "run"
+    assert_ok(run_script("gpt.py", "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "2"))
+    before = (out / "ckpt.pt").read_bytes()
+    proc = run_script("gpt.py", "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "2")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path, text_file):
+    """--init_from a truncated ckpt.pt: exit 2, one line saying it is truncated."""
+    out = tmp_path / "run"
+    assert_ok(run_script("gpt.py", "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "1"))
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes((out / "ckpt.pt").read_bytes()[:5000])
+    proc = run_script("gpt.py", "--data", text_file, "--init_from", bad, "--out_dir", tmp_path / "x", *RUN)
+    assert proc.returncode == 2 and "truncated" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@needs_bpe
+@pytest.mark.parametrize("data", ["arithmetic", "hh_sft"])
+def test_bpe_datasets_train(tmp_path, data):
+    """--data arithmetic and --data hh_sft (local JSONL) train a few steps with GPT-2 BPE."""
+    extra = []
+    if data == "hh_sft":
+        path = tmp_path / "hh.jsonl"
+        rows = [
+            {"chosen": f"\n\nHuman: Question {i}?\n\nAssistant: Answer number {i}.", "rejected": "x"}
+            for i in range(200)
+        ]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        extra = ["--data_path", path]
+    out = tmp_path / "run"
+    proc = run_script("gpt.py", "--data", data, *extra, "--out_dir", out, *RUN, "--max_steps", "3")
+    assert_ok(proc)
+    assert torch.load(out / "ckpt.pt", weights_only=True)["tokenizer"] == "gpt2"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_distributed_gradients_equal_single_process_gradients(tmp_path, parallel):
+    """2 gloo ranks x 2 micro-batches give the same gradients as one process on the whole batch."""
+    result = tmp_path / "result.txt"
+    proc = torchrun(ROOT / "tests" / "ddp_grad_check.py", 2, parallel, result)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result.read_text() == "ok"
+
+
+@pytest.mark.distributed
+def test_fsdp_run_saves_a_checkpoint_that_loads_in_one_process(tmp_path, text_file):
+    """torchrun --parallel fsdp trains and saves a full (unsharded) checkpoint loadable without torchrun."""
+    out = tmp_path / "run"
+    proc = torchrun(
+        ROOT / "gpt.py",
+        2,
+        "--device",
+        "cpu",
+        "--parallel",
+        "fsdp",
+        "--data",
+        text_file,
+        "--out_dir",
+        out,
+        *RUN,
+        "--max_steps",
+        "4",
+        "--eval_every",
+        "2",
+    )
+    assert_ok(proc)
+    model, _, ckpt = gpt.load_model(str(out / "ckpt.pt"))
+    assert ckpt["step"] == 4 and len(ckpt["rng_ranks"]) == 2
+    assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in ckpt["model"].values())
+    assert len(metrics(out)) > 0 and (out / "samples.txt").is_file()
