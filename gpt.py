@@ -119,13 +119,7 @@ class KVCache:
     """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
 
     def __init__(self, config, batch_size, max_len, device):
-        self.shape = (
-            config.n_layer,
-            batch_size,
-            config.n_head,
-            max_len,
-            config.n_embd // config.n_head,
-        )
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
         self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
         self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
         self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
@@ -146,11 +140,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.n_head, self.n_embd, self.dropout = (
-            config.n_head,
-            config.n_embd,
-            config.dropout,
-        )
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -218,10 +208,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
-        for (
-            name,
-            p,
-        ) in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
@@ -308,19 +295,10 @@ class GPT(nn.Module):
 
             hf_sd = load_file(os.path.join(path, "model.safetensors"))
         else:
-            hf_sd = torch.load(
-                os.path.join(path, "pytorch_model.bin"),
-                map_location="cpu",
-                weights_only=True,
-            )
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
         model = cls(config)
         sd = model.state_dict()
-        conv1d = (
-            "attn.c_attn.weight",
-            "attn.c_proj.weight",
-            "mlp.c_fc.weight",
-            "mlp.c_proj.weight",
-        )
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         loaded = set()
         with torch.no_grad():
             for key, w in hf_sd.items():
@@ -365,16 +343,7 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
 
 
 @torch.no_grad()
-def generate(
-    model,
-    prompts,
-    max_new_tokens,
-    temperature=1.0,
-    top_k=None,
-    eos_id=None,
-    generator=None,
-    use_cache=True,
-):
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
     """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
     LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
     completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
@@ -446,10 +415,7 @@ def parse_config(cls, argv=None):
     if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
         check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
         saved_path = os.path.join(cfg.out_dir, "config.json")
-        check(
-            os.path.isfile(saved_path),
-            f"--resume: no run at {cfg.out_dir} (config.json is missing)",
-        )
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
         with open(saved_path) as f:
             saved = json.load(f)
         given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
@@ -486,9 +452,7 @@ class Runtime:
     def distributed(self):
         return self.world_size > 1
 
-    def autocast(
-        self,
-    ):  # mixed precision for forward passes; float32 runs without autocast
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
         if self.dtype == torch.float32:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
@@ -496,26 +460,14 @@ class Runtime:
 
 def setup_runtime(cfg):
     """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
-    check(
-        cfg.device in ("auto", "cpu", "cuda", "mps"),
-        f"--device {cfg.device!r}: use auto, cpu, cuda or mps",
-    )
-    check(
-        cfg.dtype in ("auto", "float32", "bfloat16", "float16"),
-        f"--dtype {cfg.dtype!r}: unknown dtype",
-    )
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
     check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check(
-        device != "cuda" or torch.cuda.is_available(),
-        "--device cuda: no CUDA device is available",
-    )
-    check(
-        device != "mps" or torch.backends.mps.is_available(),
-        "--device mps: MPS is not available",
-    )
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
     rank, local_rank, world_size = 0, 0, 1
     if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
         import torch.distributed as dist
@@ -633,14 +585,7 @@ def mfu(flops_per_step, seconds, rt):
     if rt.device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(rt.device)
-    peaks = {
-        "H100": 989e12,
-        "H200": 989e12,
-        "H800": 989e12,
-        "A100": 312e12,
-        "A800": 312e12,
-        "L40": 181e12,
-    }
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
     peak = next((v for k, v in peaks.items() if k in name), None)
     return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
 
@@ -684,11 +629,7 @@ def set_rng_state(state):
 def training_state(model, optimizer, rt):
     """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
     gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     fsdp = rt.distributed and rt.parallel == "fsdp"
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
@@ -698,10 +639,7 @@ def training_state(model, optimizer, rt):
 
 
 def load_optimizer_state(model, optimizer, state, rt):
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     fsdp = rt.distributed and rt.parallel == "fsdp"
     opts = StateDictOptions(full_state_dict=True) if fsdp else None
@@ -745,10 +683,7 @@ def load_checkpoint(path):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
-    check(
-        isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt,
-        f"{path} is not a checkpoint",
-    )
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
     return ckpt
 
 
@@ -808,11 +743,7 @@ class BPETokenizer:
                 f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
                 "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
             )
-        self.vocab_size, self.eot_id, self.spec = (
-            self.enc.n_vocab,
-            self.enc.eot_token,
-            "gpt2",
-        )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
 
     def encode(self, text):
         return self.enc.encode_ordinary(text)
@@ -825,10 +756,7 @@ def get_tokenizer(spec):
     """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
     if spec == "gpt2":
         return BPETokenizer()
-    check(
-        isinstance(spec, dict) and spec.get("type") == "char",
-        f"unknown tokenizer {spec!r}",
-    )
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
     return CharTokenizer(spec["chars"])
 
 
@@ -852,6 +780,17 @@ def download(url, path):
     return path
 
 
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
 def read_jsonl(path, required):
     """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
     skipped with a summary line; a file with no usable record is an error."""
@@ -873,15 +812,9 @@ def read_jsonl(path, required):
                     bad += 1
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(
-        records,
-        f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})",
-    )
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
     if bad:
-        print(
-            f"{path}: skipped {bad} malformed line(s), kept {len(records)}",
-            file=sys.stderr,
-        )
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
     return records
 
 
@@ -894,10 +827,7 @@ def prepare_out_dir(cfg, script, rt):
     if cfg.resume:
         check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
     else:
-        check(
-            not os.path.exists(ckpt),
-            f"{out_dir} already holds a run; pass --resume or another --out_dir",
-        )
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
     if rt.master:
         try:
             os.makedirs(out_dir, exist_ok=True)
@@ -928,19 +858,12 @@ class Logger:
             with open(self.path, "w") as f:
                 f.writelines(lines)
         self.file = open(self.path, "a") if self.master else None
-        self.bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            disable=not self.master,
-            dynamic_ncols=True,
-        )
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
         if self.master and cfg.wandb:
             import wandb
 
             self.wandb = wandb.init(
-                project=cfg.wandb_project,
-                name=os.path.basename(out_dir),
-                config=dataclasses.asdict(cfg),
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
             )
 
     def log(self, step, metrics, echo=True):
@@ -981,11 +904,7 @@ def plot_curves(metrics_path, png_path):
     fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
         pts = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            marker="." if len(pts) < 50 else None,
-        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
     for ax in list(axes.flat)[len(keys) :]:
@@ -1002,17 +921,6 @@ def plot_curves(metrics_path, png_path):
 # Data: every dataset becomes one token stream per split, with a mask of the tokens that are targets.
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
-def read_text(path):
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError:
-        die(f"{path} is not UTF-8 text")
-    check(text, f"data file {path} is empty")
-    return text
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -1039,10 +947,7 @@ def hh_dialogue(text, tok):
 def load_splits(cfg, tok):
     """(train, val) as pairs of (ids LongTensor, target mask BoolTensor or None)."""
     if cfg.data == "arithmetic":
-        check(
-            cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"),
-            "--digits >= 1 and --ops from +-*",
-        )
+        check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
         splits = []
         for seed, n in ((cfg.seed, 20000), (cfg.seed + 1, 1000)):
             rng, ids, mask = random.Random(seed), [], []
@@ -1058,10 +963,7 @@ def load_splits(cfg, tok):
             texts = [r["chosen"] for r in read_jsonl(cfg.data_path, ["chosen"])]
             order = random.Random(0).sample(range(len(texts)), len(texts))  # fixed split, whatever --seed
             n_val = max(1, len(texts) // 20)
-            parts = [
-                [texts[i] for i in order[n_val:]],
-                [texts[i] for i in order[:n_val]],
-            ]
+            parts = [[texts[i] for i in order[n_val:]], [texts[i] for i in order[:n_val]]]
         else:
             try:
                 import datasets
@@ -1086,10 +988,7 @@ def load_splits(cfg, tok):
     text = read_text(path)
     if isinstance(tok, CharTokenizer):
         unknown = sorted(set(text) - set(tok.chars))
-        check(
-            not unknown,
-            f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary",
-        )
+        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     ids = torch.tensor(tok.encode(text))
     n = int(0.9 * len(ids))
     return [(ids[:n], None), (ids[n:], None)]
@@ -1101,10 +1000,7 @@ def make_tokenizer(cfg, model_spec):
     if wanted == "auto":
         text_data = cfg.data not in ("shakespeare", "hh_sft", "arithmetic")
         wanted = "char" if text_data else "gpt2"
-    check(
-        wanted in ("char", "gpt2"),
-        f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2",
-    )
+    check(wanted in ("char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
     if model_spec is not None:
         model_kind = "gpt2" if model_spec == "gpt2" else "char"
         check(
@@ -1145,41 +1041,15 @@ def target_loss_sum(logits, targets):
 
 
 def validate(cfg):
-    for name in (
-        "batch_size",
-        "grad_accum",
-        "max_steps",
-        "block_size",
-        "eval_every",
-        "eval_iters",
-        "log_every",
-    ):
-        check(
-            getattr(cfg, name) > 0,
-            f"--{name} must be positive (got {getattr(cfg, name)})",
-        )
+    for name in ("batch_size", "grad_accum", "max_steps", "block_size", "eval_every", "eval_iters", "log_every"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     check(cfg.save_every > 0, f"--save_every must be positive (got {cfg.save_every})")
-    check(
-        cfg.lr > 0 and cfg.min_lr >= 0,
-        f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})",
-    )
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
-    check(
-        cfg.warmup_steps >= 0 and cfg.lr_decay_steps >= 0,
-        "--warmup_steps and --lr_decay_steps must be >= 0",
-    )
-    check(
-        cfg.grad_clip >= 0 and cfg.weight_decay >= 0,
-        "--grad_clip and --weight_decay must be >= 0",
-    )
-    check(
-        cfg.temperature >= 0 and cfg.top_k >= 0,
-        "--temperature and --top_k must be >= 0",
-    )
-    check(
-        cfg.n_embd % cfg.n_head == 0,
-        f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}",
-    )
+    check(cfg.warmup_steps >= 0 and cfg.lr_decay_steps >= 0, "--warmup_steps and --lr_decay_steps must be >= 0")
+    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
+    check(cfg.temperature >= 0 and cfg.top_k >= 0, "--temperature and --top_k must be >= 0")
+    check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
 
 
 def main():
@@ -1214,16 +1084,10 @@ def main():
         cfg.block_size <= model.config.block_size,
         f"--block_size {cfg.block_size} is longer than the model's {model.config.block_size}",
     )
-    check(
-        tok.vocab_size <= model.config.vocab_size,
-        "the tokenizer has more tokens than the model's vocabulary",
-    )
+    check(tok.vocab_size <= model.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
     train_data, val_data = load_splits(cfg, tok)
     for name, (ids, _) in (("train", train_data), ("val", val_data)):
-        check(
-            len(ids) > cfg.block_size + 1,
-            f"the {name} split has {len(ids)} tokens; it needs > --block_size + 1",
-        )
+        check(len(ids) > cfg.block_size + 1, f"the {name} split has {len(ids)} tokens; it needs > --block_size + 1")
     model.to(rt.device)
     raw_model = model
     model = wrap_model(model, rt, cfg.compile)
@@ -1301,12 +1165,7 @@ def main():
             grad_sync(model, micro == cfg.grad_accum - 1)
             with rt.autocast():
                 logits, _ = model(x)
-                loss = F.cross_entropy(
-                    logits.flatten(0, 1).float(),
-                    y.flatten(),
-                    ignore_index=-1,
-                    reduction="sum",
-                )
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="sum")
             # ranks' gradients are averaged, so each rank's share is scaled by world_size
             scaler.scale(loss * rt.world_size / n_targets).backward()
             loss_sum += loss.detach()
@@ -1316,10 +1175,7 @@ def main():
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         # one collective per step: the global loss, and whether any rank was asked to stop
-        flags = all_reduce(
-            torch.stack([loss_sum, torch.tensor(float(stop.signum), device=rt.device)]),
-            rt,
-        )
+        flags = all_reduce(torch.stack([loss_sum, torch.tensor(float(stop.signum), device=rt.device)]), rt)
         train_loss = (flags[0] / n_targets).item()
         if not math.isfinite(train_loss):
             print(

@@ -1,0 +1,1444 @@
+"""
+char_grpo.py: can a GPT learn language from reward alone? Character-level GRPO with dense per-character rewards.
+
+The policy continues real text: for each of --batch_size contexts of --context_len characters it samples
+--group_size rollouts of --horizon characters. Character t of a rollout earns r_t = 1 if it equals the true
+continuation at the same offset (`--reward_mode plus1`; `pm1` gives +1/-1), plus `w * log p(true char | rollout
+prefix)` with `--partial_logprob w`. The objective is GRPO's (Shao et al. 2024, DeepSeekMath):
+
+    J = E[ 1/|o| sum_t min(ratio_t A_t, clip(ratio_t, 1-eps, 1+eps) A_t) ] - beta * KL(pi || pi_ref),
+    ratio_t = pi(o_t | prefix) / pi_old(o_t | prefix)
+
+with process advantages (`--adv process`, DeepSeekMath process supervision: each reward normalised by its
+group's mean and std, A_t = sum of normalised rewards from t on) or outcome advantages (`--adv outcome`: the
+rollout's mean reward, normalised within the group). Where we depart from the paper, on purpose:
+  - the reference policy is a choice (`--reference bigram|random|init|none`): a frozen add-one-smoothed bigram
+    model of the training text by default, since a model trained from scratch has no sensible "initial" policy;
+  - beta is annealed linearly from 0 to --beta_kl over --kl_warmup_tokens generated characters;
+  - `--loss_type` swaps the GRPO aggregation for DAPO, Dr. GRPO, GSPO, CISPO or REINFORCE (see policy_loss).
+`--supervised` trains the same model on the same data and token budget with cross-entropy on the true
+continuations (the baseline); `--compare` runs GRPO, then the baseline, and writes both into final_results.json.
+The model and the losses are hand-written on purpose: reading them is the point.
+
+Commands:
+    python char_grpo.py                                         # tiny Shakespeare, a few minutes on a laptop CPU
+    python char_grpo.py --compare                               # GRPO, then the supervised baseline, same budget
+    python char_grpo.py --device cuda --n_layer 6 --n_embd 384 --batch_size 64 --max_steps 2000   # one GPU
+    torchrun --standalone --nproc_per_node=8 char_grpo.py --batch_size 32 --max_steps 2000          # 8 GPUs
+
+Metrics (metrics.jsonl):
+    rl/reward_mean, rl/reward_std   mean and std of the per-character rewards of the step's rollouts
+    rl/char_match                   fraction of rollout characters equal to the true continuation
+    rl/zero_std_frac                fraction of groups whose rewards are all equal (no learning signal)
+    rl/kl, rl/beta                  mean KL estimate to the reference (--kl_estimator), and its coefficient
+    rl/clip_frac, rl/ratio_mean     fraction of clipped tokens and mean policy ratio (last epoch)
+    rl/entropy                      mean entropy of the policy over rollout positions (nats)
+    rl/tokens                       characters generated (GRPO) or trained on (supervised) so far, all ranks
+    train/loss, train/lr, train/grad_norm
+    eval/next_char_acc, eval/bpc    teacher-forced next-character accuracy and bits per character on val
+    eval/greedy_match               fraction of greedy --horizon rollouts matching the true val continuation
+    perf/tokens_per_s, perf/rollout_ms, perf/step_ms
+"""
+
+import argparse
+import dataclasses
+import gzip
+import inspect
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/char_grpo-<YYYYmmdd-HHMMSS>
+    data: str = "shakespeare"  # shakespeare (tiny Shakespeare, downloaded once) or the path of a text file
+    data_path: str = ""  # local copy of tiny Shakespeare (offline)
+    init_from: str = "scratch"  # scratch | ckpt.pt of gpt.py or any script (same char vocabulary)
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    n_layer: int = 4  # transformer blocks (scratch only)
+    n_head: int = 4  # attention heads (scratch only)
+    n_embd: int = 128  # embedding width (scratch only)
+    block_size: int = 128  # context length of the model (scratch only)
+    context_len: int = 32  # characters of real text before each rollout
+    horizon: int = 16  # characters per rollout
+    batch_size: int = 16  # contexts per step per rank
+    group_size: int = 8  # rollouts per context (a group)
+    temperature: float = 1.0  # sampling temperature of rollouts
+    reward_mode: str = "plus1"  # plus1: 1 per correct character, else 0 | pm1: +1 correct, -1 wrong
+    partial_logprob: float = 0.0  # w: add w * log p(true char | rollout prefix) to every character's reward
+    adv: str = "process"  # process: per-character returns of normalised rewards | outcome: per-rollout
+    scale_rewards: str = "group"  # outcome advantages: group | batch | none (Dr. GRPO: no std scaling)
+    reference: str = "bigram"  # KL reference: bigram | random | init | none
+    beta_kl: float = 0.02  # final KL coefficient
+    kl_warmup_tokens: int = 200000  # generated characters over which beta rises linearly from 0 to beta_kl
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
+    clip_eps: float = 0.2  # PPO clip range
+    clip_eps_high: float = 0.0  # upper clip range for dapo and cispo (0: clip_eps; DAPO uses 0.28)
+    ppo_epochs: int = 1  # optimizer steps per batch of rollouts (>1 reuses them through the ratio)
+    grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
+    max_steps: int = 300  # rollout batches
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 20  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and token budget
+    compare: bool = False  # run GRPO, then the supervised baseline; final_results.json holds both
+    eval_every: int = 25  # steps between evaluations
+    eval_contexts: int = 256  # val windows per evaluation
+    log_every: int = 10  # steps between log lines
+    save_every: int = 100  # steps between checkpoints (one is always written at the end)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the policy's training forward
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs). Returns (logits (B, T, V), mean cross-entropy or None)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130."""
+
+    def __init__(self):
+        self.signum = 0
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def exit_code(self):
+        return 128 + self.signum
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). grpo.py and rookworld_grpo.py carry
+# copies; tests/test_grpo_math.py checks them against hand-derived values and against each other.
+
+
+def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+    """Outcome advantages of (N,) rewards in contiguous groups: (r - group mean) / (group std + eps), unbiased std.
+    scale="batch" divides by the std of the whole batch instead; scale="none" only subtracts the mean (Dr. GRPO)."""
+    r = rewards.view(-1, group_size)  # (N/G, G)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}")
+    return adv.flatten()  # (N,)
+
+
+def process_advantages(token_rewards, mask, group_size, eps=1e-4):
+    """Process supervision (DeepSeekMath 4.1.3): every (N, T) reward is normalised by the mean and unbiased std of
+    all real rewards of its group, and the advantage at t is the sum of normalised rewards at positions >= t."""
+    N, T = token_rewards.shape
+    r = token_rewards.reshape(-1, group_size * T)  # (N/G, G*T): one row per group
+    m = mask.reshape(-1, group_size * T).float()
+    count = m.sum(1, keepdim=True)
+    mean = (r * m).sum(1, keepdim=True) / count.clamp(min=1)
+    std = ((((r - mean) * m) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    normed = ((r - mean) / (std + eps) * m).view(N, T)  # (N, T)
+    return normed.flip(1).cumsum(1).flip(1) * mask  # (N, T): reversed cumulative sum, zero on padding
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0)."""
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    loss_type="grpo",
+    clip_eps=0.2,
+    clip_eps_high=None,
+    max_len=None,
+    num_seqs=None,
+    num_tokens=None,
+):
+    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high or clip_eps.
+      grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
+      dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
+      dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
+      gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
+      cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
+      reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
+    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats)."""
+    mask = mask.float()
+    N, T = logp.shape
+    num_seqs = N if num_seqs is None else num_seqs
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
+    log_ratio = logp - old_logp.detach()  # (N, T)
+    if loss_type == "gspo":
+        seq_len = mask.sum(1).clamp(min=1)  # (N,)
+        ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
+        seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
+        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
+        clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
+        return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
+    ratio = log_ratio.exp()  # (N, T)
+    if loss_type in ("grpo", "dapo", "dr_grpo"):
+        high = 1 + (eps_high if loss_type == "dapo" else clip_eps)
+        clipped_ratio = ratio.clamp(1 - clip_eps, high)
+        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+        clipped = (clipped_ratio * adv < ratio * adv).float()
+    elif loss_type == "cispo":
+        per_token = -ratio.clamp(max=1 + eps_high).detach() * adv * logp
+        clipped = (ratio > 1 + eps_high).float()
+    elif loss_type == "reinforce":
+        per_token = -adv * logp
+        clipped = torch.zeros_like(ratio)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+    else:
+        loss = (per_token * mask).sum() / num_tokens
+    n = mask.sum().clamp(min=1)
+    stats = {"clip_frac": ((clipped * mask).sum() / n).detach(), "ratio_mean": ((ratio * mask).sum() / n).detach()}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reward and reference
+
+
+def char_rewards(rollouts, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H): each rollout character against the true continuation at the same offset.
+    plus1: 1 if equal else 0; pm1: +1 / -1. Partial credit adds partial_logprob * log p(true char | prefix)."""
+    match = (rollouts == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach()
+    return rewards
+
+
+def bigram_logprobs(ids, vocab_size):
+    """Add-one-smoothed bigram model of a token stream: (V, V) table of log p(next | previous)."""
+    counts = torch.ones(vocab_size, vocab_size)
+    counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1), accumulate=True)
+    return (counts / counts.sum(1, keepdim=True)).log()
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+def completion_logprobs(model, seq, context_len, targets):
+    """log p(targets) at the completion positions of seq (N, C+H): the logits at C-1 .. C+H-2 predict them.
+    Returns (token log-probs (N, H), logits (N, H, V))."""
+    logits = model(seq[:, :-1])[0][:, context_len - 1 :]  # (N, H, V)
+    return token_logprobs(logits, targets), logits
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate(cfg):
+    for name in ("context_len", "horizon", "batch_size", "max_steps", "ppo_epochs", "grad_accum", "eval_every"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in ("log_every", "save_every", "eval_contexts", "n_layer", "n_head", "n_embd", "block_size"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    check(
+        cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts within a group (got {cfg.group_size})"
+    )
+    check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
+    check(
+        cfg.temperature > 0,
+        f"--temperature must be > 0: greedy rollouts of a group are identical (got {cfg.temperature})",
+    )
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(cfg.beta_kl >= 0 and cfg.kl_warmup_tokens >= 0, "--beta_kl and --kl_warmup_tokens must be >= 0")
+    check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
+    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
+    check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
+    choices = {
+        "reward_mode": ("plus1", "pm1"),
+        "adv": ("process", "outcome"),
+        "scale_rewards": ("group", "batch", "none"),
+        "reference": ("bigram", "random", "init", "none"),
+        "kl_estimator": ("k1", "k2", "k3"),
+        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
+    }
+    for name, allowed in choices.items():
+        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    check(not (cfg.compare and cfg.supervised), "--compare already runs the supervised baseline; drop --supervised")
+
+
+def train(cfg, out_dir, rt):
+    """One run (GRPO, or the supervised baseline with cfg.supervised) into out_dir; returns its final results."""
+    seed_everything(cfg.seed + rt.rank)
+    stop = GracefulExit()
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
+    if rt.master:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+    # data, tokenizer and policy: a resumed run, a checkpoint with a char vocabulary, or a new model
+    if cfg.data == "shakespeare":
+        url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+        path = cfg.data_path or download(url, os.path.join("data", "tinyshakespeare.txt"))
+    else:
+        path = cfg.data
+    text = read_text(path)
+    if ckpt is not None or cfg.init_from != "scratch":
+        model, spec, _ = (
+            (GPT(GPTConfig(**ckpt["model_config"])), ckpt["tokenizer"], ckpt) if ckpt else load_model(cfg.init_from)
+        )
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+        check(spec != "gpt2", f"--init_from {cfg.init_from}: a GPT-2 BPE model; char_grpo.py needs a char vocabulary")
+        tok = CharTokenizer(spec["chars"])
+        unknown = sorted(set(text) - set(tok.chars))
+        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the checkpoint's vocabulary")
+    else:
+        tok = CharTokenizer(sorted(set(text)))
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    C, H, G = cfg.context_len, cfg.horizon, cfg.group_size
+    check(C + H <= model.config.block_size, f"--context_len + --horizon ({C + H}) exceeds block_size")
+    ids = torch.tensor(tok.encode(text))
+    n_train = int(0.9 * len(ids))
+    train_ids, val_ids = ids[:n_train], ids[n_train:]
+    for name, split in (("train", train_ids), ("val", val_ids)):
+        check(
+            len(split) > C + H,
+            f"the {name} split of {path} has {len(split)} characters; it needs > --context_len + --horizon",
+        )
+    model.to(rt.device)
+    raw = model
+
+    # frozen reference: never wrapped, never trained
+    ref_table = ref_model = None
+    if cfg.reference == "bigram":
+        ref_table = bigram_logprobs(train_ids, raw.config.vocab_size).to(rt.device)  # (V, V)
+    elif cfg.reference in ("random", "init"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
+            ref_model = GPT(raw.config)
+        if cfg.reference == "init":
+            ref_model.load_state_dict(ckpt["reference"] if ckpt is not None else raw.state_dict())
+        ref_model.to(rt.device).eval().requires_grad_(False)
+
+    policy = wrap_model(model, rt, cfg.compile)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    start_step, tokens = 0, 0
+    if ckpt is not None:
+        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step, tokens = ckpt["step"], ckpt["tokens"]
+
+    with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+        torch.manual_seed(0)
+        eval_ctx, eval_truth = sample_windows(val_ids, cfg.eval_contexts, C, H)
+
+    @torch.no_grad()
+    def evaluate():
+        raw.eval()
+        x = torch.cat([eval_ctx, eval_truth], 1).to(rt.device)  # (E, C+H)
+        with rt.autocast():
+            logits = raw(x[:, :-1])[0].float()  # (E, C+H-1, V)
+            greedy, _ = generate(raw, x[:, :C], H, temperature=0)
+            sample, _ = generate(raw, x[:1, :C], H * 4 if C + 4 * H <= raw.config.block_size else H, cfg.temperature)
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        raw.train()
+        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(sample[0].tolist())
+        return {
+            "eval/next_char_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
+            "eval/bpc": nll.item() / math.log(2),
+            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
+        }, text
+
+    def checkpoint(step):
+        model_sd, optim_sd = training_state(raw, optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            extras = {"tokens": tokens, "supervised": cfg.supervised}
+            if cfg.reference == "init":
+                extras["reference"] = ref_model.state_dict()
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": model_sd,
+                    "model_config": dataclasses.asdict(raw.config),
+                    "tokenizer": tok.spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                    **extras,
+                },
+            )
+
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
+    n_micro = cfg.batch_size // cfg.grad_accum * G  # rows per micro-batch: whole groups
+    t_start, last_eval = time.time(), {}
+    for step in range(start_step, cfg.max_steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval, text = evaluate()
+            logger.log(step, {**last_eval, "rl/tokens": tokens})
+            if samples:
+                samples.write(f"--- step {step} (context|sample)\n{text}\n")
+                samples.flush()
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        N = cfg.batch_size * G
+        n_global = all_reduce(torch.tensor(float(N * H), device=rt.device), rt)  # target tokens of the step
+        metrics = {}
+        if cfg.supervised:
+            # the baseline: cross-entropy on true continuations, as many target characters as GRPO generates
+            ctx, truth = sample_windows(train_ids, N, C, H)
+            seq, target = torch.cat([ctx, truth], 1).to(rt.device), truth.to(rt.device)
+            t_rollout = 0.0
+            loss_sum = torch.zeros((), device=rt.device)
+            for i in range(0, N, n_micro):
+                grad_sync(policy, i + n_micro >= N)
+                with rt.autocast():
+                    logp, _ = completion_logprobs(policy, seq[i : i + n_micro], C, target[i : i + n_micro])
+                    loss = -logp.sum()
+                scaler.scale(loss * rt.world_size / n_global).backward()
+                loss_sum += loss.detach()
+            train_loss = all_reduce(loss_sum, rt) / n_global
+        else:
+            # ALGO LOGIC 1. rollouts: G continuations of each context, groups contiguous
+            t_roll = time.time()
+            ctx, truth = sample_windows(train_ids, cfg.batch_size, C, H)
+            prompts = ctx.repeat_interleave(G, 0).to(rt.device)  # (N, C)
+            truth = truth.repeat_interleave(G, 0).to(rt.device)  # (N, H)
+            raw.eval()
+            with rt.autocast():
+                completion, mask = generate(raw, prompts, H, cfg.temperature)  # (N, H), (N, H)
+            raw.train()
+            seq = torch.cat([prompts, completion], 1)  # (N, C+H)
+            # 2. one no-grad pass: old log-probs, log p(true char) for partial credit, and the reference
+            with torch.no_grad(), rt.autocast():
+                old_logp, logits = completion_logprobs(raw, seq, C, completion)  # (N, H)
+                logp_true = token_logprobs(logits, truth)  # (N, H)
+                if ref_table is not None:
+                    ref_logp = ref_table[seq[:, C - 1 : -1], completion]  # (N, H): bigram of (previous, sampled)
+                elif ref_model is not None:
+                    ref_logp, _ = completion_logprobs(ref_model, seq, C, completion)
+                else:
+                    ref_logp = old_logp
+            t_rollout = time.time() - t_roll
+            # 3. rewards and advantages
+            rewards = char_rewards(completion, truth, cfg.reward_mode, logp_true, cfg.partial_logprob)  # (N, H)
+            if cfg.adv == "process":
+                adv = process_advantages(rewards, mask, G)  # (N, H)
+            else:
+                adv = group_advantages(rewards.mean(1), G, cfg.scale_rewards)  # (N,)
+            warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
+            beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
+            n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+            n_tokens = all_reduce(mask.sum(), rt)
+            # 4. policy update: --ppo_epochs optimizer steps over the same rollouts, old_logp fixed
+            for epoch in range(cfg.ppo_epochs):
+                sums = torch.zeros(5, device=rt.device)  # this rank's share of loss, kl, entropy, clip_frac, ratio
+                for i in range(0, N, n_micro):
+                    rows = slice(i, i + n_micro)
+                    grad_sync(policy, i + n_micro >= N)
+                    with rt.autocast():
+                        logp, logits = completion_logprobs(policy, seq[rows], C, completion[rows])
+                    pg_loss, stats = policy_loss(
+                        logp,
+                        old_logp[rows],
+                        adv[rows],
+                        mask[rows],
+                        cfg.loss_type,
+                        cfg.clip_eps,
+                        cfg.clip_eps_high or None,
+                        max_len=H,
+                        num_seqs=n_seqs,
+                        num_tokens=n_tokens,
+                    )
+                    kl = (kl_penalty(logp, ref_logp[rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
+                    loss = pg_loss + beta * kl
+                    scaler.scale(loss * rt.world_size).backward()
+                    with torch.no_grad():
+                        probs = torch.softmax(logits.float(), -1)
+                        entropy = -(probs * torch.log_softmax(logits.float(), -1)).sum(-1)  # (n, H)
+                        share = mask[rows].sum() / n_tokens
+                        sums += torch.stack(
+                            [
+                                loss.detach(),
+                                kl.detach(),
+                                (entropy * mask[rows]).sum() / n_tokens,
+                                stats["clip_frac"] * share,
+                                stats["ratio_mean"] * share,
+                            ]
+                        )
+                if epoch < cfg.ppo_epochs - 1:
+                    scaler.unscale_(optimizer)
+                    clip_grad_norm(policy, cfg.grad_clip)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+            sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
+            train_loss = sums[0]
+            groups = rewards.view(-1, G * H) if cfg.adv == "process" else rewards.mean(1).view(-1, G)
+            metrics = {
+                "rl/reward_mean": rewards.mean().item(),
+                "rl/reward_std": rewards.std().item(),
+                "rl/char_match": (completion == truth).float().mean().item(),
+                "rl/zero_std_frac": (groups.std(1) == 0).float().mean().item(),
+                "rl/kl": sums[1].item(),
+                "rl/beta": beta,
+                "rl/entropy": sums[2].item(),
+                "rl/clip_frac": sums[3].item(),
+                "rl/ratio_mean": sums[4].item(),
+            }
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(policy, cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += int(n_global.item())
+        train_loss = train_loss.item()
+        stop_requested = all_reduce(torch.tensor(float(stop.signum), device=rt.device), rt, op="max").item() > 0
+        if not math.isfinite(train_loss):
+            print(
+                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
+                "is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+        dt = time.time() - t0
+        logger.bar.update(1)
+        logger.bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{last_eval.get('eval/next_char_acc', 0):.3f}")
+        metrics.update(
+            {
+                "train/loss": train_loss,
+                "train/lr": lr,
+                "train/grad_norm": grad_norm.item(),
+                "rl/tokens": tokens,
+                "perf/tokens_per_s": n_global.item() / dt,
+                "perf/rollout_ms": 1000 * t_rollout,
+                "perf/step_ms": 1000 * dt,
+            }
+        )
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            checkpoint(step + 1)
+        if stop_requested:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
+                    f"{out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code() if stop.signum else 143)
+    checkpoint(cfg.max_steps)
+    logger.close()
+    if samples:
+        samples.close()
+    results = {
+        "mode": "supervised" if cfg.supervised else "grpo",
+        "steps": cfg.max_steps,
+        "tokens": tokens,
+        "wall_time_s": time.time() - t_start,
+        **{k.removeprefix("eval/"): v for k, v in last_eval.items()},
+    }
+    if rt.master:
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def plot_compare(out_dir, runs):
+    """compare.png: val next-char accuracy against characters generated (GRPO) or trained on (supervised)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, folder in runs.items():
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            rows = [r for r in map(json.loads, f) if "eval/next_char_acc" in r]
+        for ax, key in zip(axes, ("eval/next_char_acc", "eval/greedy_match")):
+            ax.plot([r["rl/tokens"] for r in rows], [r[key] for r in rows], marker=".", label=name)
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("characters (generated or trained on)", fontsize=8)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
+    plt.close(fig)
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "char_grpo", rt)
+    if not cfg.compare:
+        train(cfg, out_dir, rt)
+    else:
+        runs = {"grpo": out_dir, "supervised": os.path.join(out_dir, "supervised")}
+        results = {
+            name: train(dataclasses.replace(cfg, supervised=name == "supervised", compare=False), folder, rt)
+            for name, folder in runs.items()
+        }
+        if rt.master:
+            with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+                json.dump(results, f, indent=2)
+            plot_compare(out_dir, runs)
+            for name, r in results.items():
+                print(
+                    f"{name}: val next-char accuracy {r['next_char_acc']:.3f}, bpc {r['bpc']:.3f}, "
+                    f"greedy match {r['greedy_match']:.3f}, {r['tokens']} characters, {r['wall_time_s']:.0f} s"
+                )
+    cleanup(rt)
+
+
+if __name__ == "__main__":
+    main()
