@@ -604,18 +604,25 @@ def mfu(flops_per_step, seconds, rt):
 
 class GracefulExit:
     """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
-    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130."""
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
 
     def __init__(self):
         self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._handler)
 
     def _handler(self, signum, frame):
         self.signum = signum
 
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
     def exit_code(self):
-        return 128 + self.signum
+        return 128 + (self.signum or signal.SIGTERM)
 
 
 def rng_state():
@@ -938,7 +945,8 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """Outcome advantages of (N,) rewards in contiguous groups: (r - group mean) / (group std + eps), unbiased std.
     scale="batch" divides by the std of the whole batch instead; scale="none" only subtracts the mean (Dr. GRPO)."""
     r = rewards.view(-1, group_size)  # (N/G, G)
-    adv = r - r.mean(dim=1, keepdim=True)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
+    adv = (r - r.mean(dim=1, keepdim=True)).masked_fill(same, 0.0)
     if scale == "group":
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":
@@ -957,7 +965,8 @@ def process_advantages(token_rewards, mask, group_size, eps=1e-4):
     count = m.sum(1, keepdim=True)
     mean = (r * m).sum(1, keepdim=True) / count.clamp(min=1)
     std = ((((r - mean) * m) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-    normed = ((r - mean) / (std + eps) * m).view(N, T)  # (N, T)
+    same = ((r == r.max(1, keepdim=True).values) | (m == 0)).all(1, keepdim=True)  # no spread: exactly 0
+    normed = ((r - mean) / (std + eps) * m).masked_fill(same, 0.0).view(N, T)  # (N, T)
     return normed.flip(1).cumsum(1).flip(1) * mask  # (N, T): reversed cumulative sum, zero on padding
 
 
@@ -970,7 +979,7 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     if kind == "k2":
         return 0.5 * d**2
     if kind == "k3":
-        return torch.exp(-d) - 1 + d
+        return torch.expm1(-d) + d  # exp(-d) - 1 + d, without cancellation for small d
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
@@ -1323,12 +1332,13 @@ def train(cfg, out_dir, rt):
                     optimizer.zero_grad(set_to_none=True)
             sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
             train_loss = sums[0]
-            groups = rewards.view(-1, G * H) if cfg.adv == "process" else rewards.mean(1).view(-1, G)
+            # a group without signal: all its rollouts got the same rewards (then every advantage is 0)
+            groups = rewards.view(-1, G, H) if cfg.adv == "process" else rewards.mean(1).view(-1, G, 1)
             metrics = {
                 "rl/reward_mean": rewards.mean().item(),
                 "rl/reward_std": rewards.std().item(),
                 "rl/char_match": (completion == truth).float().mean().item(),
-                "rl/zero_std_frac": (groups.std(1) == 0).float().mean().item(),
+                "rl/zero_std_frac": (groups == groups[:, :1]).all(2).all(1).float().mean().item(),
                 "rl/kl": sums[1].item(),
                 "rl/beta": beta,
                 "rl/entropy": sums[2].item(),
@@ -1342,7 +1352,7 @@ def train(cfg, out_dir, rt):
         optimizer.zero_grad(set_to_none=True)
         tokens += int(n_global.item())
         train_loss = train_loss.item()
-        stop_requested = all_reduce(torch.tensor(float(stop.signum), device=rt.device), rt, op="max").item() > 0
+        stop_requested = stop.requested(step + 1, rt)
         if not math.isfinite(train_loss):
             print(
                 f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
@@ -1376,7 +1386,7 @@ def train(cfg, out_dir, rt):
                     file=sys.stderr,
                 )
             cleanup(rt)
-            sys.exit(stop.exit_code() if stop.signum else 143)
+            sys.exit(stop.exit_code())
     checkpoint(cfg.max_steps)
     logger.close()
     if samples:

@@ -592,18 +592,25 @@ def mfu(flops_per_step, seconds, rt):
 
 class GracefulExit:
     """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
-    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130."""
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
 
     def __init__(self):
         self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._handler)
 
     def _handler(self, signum, frame):
         self.signum = signum
 
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
     def exit_code(self):
-        return 128 + self.signum
+        return 128 + (self.signum or signal.SIGTERM)
 
 
 def rng_state():
@@ -1174,9 +1181,8 @@ def main():
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        # one collective per step: the global loss, and whether any rank was asked to stop
-        flags = all_reduce(torch.stack([loss_sum, torch.tensor(float(stop.signum), device=rt.device)]), rt)
-        train_loss = (flags[0] / n_targets).item()
+        train_loss = (all_reduce(loss_sum, rt) / n_targets).item()
+        stop_requested = stop.requested(step + 1, rt)
         if not math.isfinite(train_loss):
             print(
                 f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint "
@@ -1198,9 +1204,9 @@ def main():
             "perf/mfu": mfu(raw_model.flops_per_token(cfg.block_size) * n_tokens, dt, rt),
         }
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
-        if (step + 1) % cfg.save_every == 0 or flags[1] > 0:
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
             checkpoint(step + 1)
-        if flags[1] > 0:
+        if stop_requested:
             if rt.master:
                 print(
                     f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: "
@@ -1208,7 +1214,7 @@ def main():
                     file=sys.stderr,
                 )
             cleanup(rt)
-            sys.exit(stop.exit_code() if stop.signum else 143)
+            sys.exit(stop.exit_code())
     checkpoint(cfg.max_steps)
     logger.close()
 
