@@ -1132,19 +1132,21 @@ def train(cfg, out_dir, rt):
     else:
         path = cfg.data
     text = read_text(path)
-    if ckpt is not None or cfg.init_from != "scratch":
-        model, spec, _ = (
-            (GPT(GPTConfig(**ckpt["model_config"])), ckpt["tokenizer"], ckpt) if ckpt else load_model(cfg.init_from)
-        )
-        if ckpt is not None:
-            model.load_state_dict(ckpt["model"])
+    spec = None
+    if ckpt is not None:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        spec = ckpt["tokenizer"]
+    elif cfg.init_from != "scratch":
+        model, spec, _ = load_model(cfg.init_from)
+    if spec is None:
+        tok = CharTokenizer(sorted(set(text)))
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    else:
         check(spec != "gpt2", f"--init_from {cfg.init_from}: a GPT-2 BPE model; char_grpo.py needs a char vocabulary")
         tok = CharTokenizer(spec["chars"])
         unknown = sorted(set(text) - set(tok.chars))
         check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the checkpoint's vocabulary")
-    else:
-        tok = CharTokenizer(sorted(set(text)))
-        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
     C, H, G = cfg.context_len, cfg.horizon, cfg.group_size
     check(C + H <= model.config.block_size, f"--context_len + --horizon ({C + H}) exceeds block_size")
     ids = torch.tensor(tok.encode(text))
@@ -1184,13 +1186,14 @@ def train(cfg, out_dir, rt):
         eval_ctx, eval_truth = sample_windows(val_ids, cfg.eval_contexts, C, H)
 
     @torch.no_grad()
-    def evaluate():
+    def evaluate(step):
         raw.eval()
         x = torch.cat([eval_ctx, eval_truth], 1).to(rt.device)  # (E, C+H)
         with rt.autocast():
             logits = raw(x[:, :-1])[0].float()  # (E, C+H-1, V)
             greedy, _ = generate(raw, x[:, :C], H, temperature=0)
-            sample, _ = generate(raw, x[:1, :C], H * 4 if C + 4 * H <= raw.config.block_size else H, cfg.temperature)
+            gen = torch.Generator(rt.device).manual_seed(step)  # its own stream: training randomness stays as is
+            sample, _ = generate(raw, x[:1, :C], min(4 * H, raw.config.block_size - C), cfg.temperature, generator=gen)
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         raw.train()
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(sample[0].tolist())
@@ -1228,7 +1231,7 @@ def train(cfg, out_dir, rt):
     t_start, last_eval = time.time(), {}
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval, text = evaluate()
+            last_eval, text = evaluate(step)
             logger.log(step, {**last_eval, "rl/tokens": tokens})
             if samples:
                 samples.write(f"--- step {step} (context|sample)\n{text}\n")
