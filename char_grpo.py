@@ -248,6 +248,8 @@ class GPT(nn.Module):
             cache.padded = cache.padded or not bool(attention_mask.all())
         if attention_mask is None and (cache is None or not cache.padded):
             pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
             mask = None  # plain causal attention
             if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
@@ -373,6 +375,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
             attn[i, width - len(p) :] = True
         idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
     B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
     cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
