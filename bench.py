@@ -1,0 +1,552 @@
+"""
+bench.py: speed and memory of the shared GPT model, as numbers (not pass/fail), one JSON line per measurement.
+
+Measurements (`--only`, comma-separated; all by default), each the median of `--repeats` runs after `--warmup`
+warm-up runs, CUDA synchronized around every timed run:
+    sample_kv       new tokens/s of generate(..., use_cache=True): batch_size prompts of prompt_len random tokens
+    sample_nocache  the same with use_cache=False (the whole sequence is recomputed for every new token)
+    train           training tokens/s of one step (forward with targets, backward, AdamW) at train_batch x
+                    train_seq; `mfu` against the GPU's dense bf16 peak (null off CUDA and on unknown GPUs)
+    memory          peak MB (2^20 bytes) over two train steps (the second holds the AdamW state of the first): CUDA
+                    max_memory_allocated; CPU the process's peak resident set (ru_maxrss, which includes the
+                    Python and torch baseline, reported as `before_mb`), so on CPU it is measured first
+Models are built from scratch with random weights (nothing is downloaded): tiny (4 layers, 4 heads, 128 wide),
+small (6, 6, 384), gpt2 (12, 12, 768, the 124M GPT-2); all with the GPT-2 vocabulary and 1024 positions.
+
+Commands:
+    python bench.py --model tiny                                     # CPU, float32, a few minutes on 2 cores
+    python bench.py --model gpt2 --device cuda                       # one GPU, bf16 autocast
+    python bench.py --model gpt2 --device cuda --compile --only train,memory --train_batch 16 --train_seq 1024
+"""
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import re
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    model: str = "tiny"  # tiny | small | gpt2 (random weights, GPT-2 vocabulary)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 autocast on CUDA if supported, else float32)
+    compile: bool = False  # torch.compile the model
+    batch_size: int = 64  # sampling: prompts per batch
+    prompt_len: int = 32  # sampling: random prompt tokens per row
+    new_tokens: int = 64  # sampling: tokens generated per row
+    train_batch: int = 8  # train and memory: sequences per step
+    train_seq: int = 256  # train and memory: tokens per sequence
+    warmup: int = 1  # untimed runs before the timed ones
+    repeats: int = 3  # timed runs; the median is reported
+    only: str = "sample_kv,sample_nocache,train,memory"  # comma-separated measurements to run
+    seed: int = 1337  # seed of the weights, the prompts and the sampler
+
+
+MODELS = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128),
+    "small": dict(n_layer=6, n_head=6, n_embd=384),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+}
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs). Returns (logits (B, T, V), mean cross-entropy or None), or with
+        return_hidden the final hidden states (B, T, C) instead of logits (for reward and value heads)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        if return_hidden:
+            return x, None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def die(message):
+    """Bad input: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        die(f"{message} (see --help)")
+
+
+def parse_config(argv=None):
+    """Each Config field is a flag; the field's trailing comment is its help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(Config), re.M))
+    parser = _ArgParser(
+        description=__doc__.strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(Config):
+        if f.type is bool:
+            parser.add_argument(
+                f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name]
+            )
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, default=f.default, help=helps[f.name])
+    cfg = Config(**vars(parser.parse_args(argv)))
+    if cfg.model not in MODELS:
+        die(f"--model {cfg.model!r}: use {' | '.join(MODELS)}")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        die(f"--device {cfg.device!r}: use auto, cpu or cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        die("--device cuda: no CUDA device is available")
+    if cfg.dtype not in ("auto", "float32", "bfloat16"):
+        die(f"--dtype {cfg.dtype!r}: use auto, float32 or bfloat16")
+    unknown = set(cfg.only.split(",")) - set(BENCHES)
+    if unknown:
+        die(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}; choose from {','.join(BENCHES)}")
+    for name in ("batch_size", "prompt_len", "new_tokens", "train_batch", "train_seq", "repeats"):
+        if getattr(cfg, name) <= 0:
+            die(f"--{name} must be positive (got {getattr(cfg, name)})")
+    if cfg.warmup < 0:
+        die(f"--warmup must be >= 0 (got {cfg.warmup})")
+    if cfg.prompt_len + cfg.new_tokens > 1024 or cfg.train_seq > 1024:
+        die("--prompt_len + --new_tokens and --train_seq must be at most 1024 (the model's block_size)")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measurements: each takes (model, cfg, env) and returns (value, unit, details).
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device, warmup, repeats):
+    """Median wall time of fn() over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)  # kernels are asynchronous: stop the clock when the device is done, not when they are queued
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_sample(model, cfg, env, use_cache):
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(model.config.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=gen)  # (B, T)
+
+    def run():
+        sampler = torch.Generator(env["device"]).manual_seed(cfg.seed)  # the same tokens in every run
+        with env["autocast"]():
+            generate(model, prompts, cfg.new_tokens, temperature=1.0, generator=sampler, use_cache=use_cache)
+
+    model.eval()
+    seconds = median_seconds(run, env["device"], cfg.warmup, cfg.repeats)
+    details = dict(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seconds=seconds)
+    return cfg.batch_size * cfg.new_tokens / seconds, "tokens/s", details
+
+
+def train_setup(model, cfg, env):
+    """A fresh AdamW and a step function on a fixed batch of random tokens."""
+    device = env["device"]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x, y = torch.randint(model.config.vocab_size, (2, cfg.train_batch, cfg.train_seq), generator=gen).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        with env["autocast"]():
+            _, loss = model(x, targets=y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    return step
+
+
+def bench_train(model, cfg, env):
+    step = train_setup(model, cfg, env)
+    seconds = median_seconds(step, env["device"], cfg.warmup, cfg.repeats)
+    tokens = cfg.train_batch * cfg.train_seq
+    mfu = None
+    if env["peak_flops"]:
+        mfu = env["raw_model"].flops_per_token(cfg.train_seq) * tokens / seconds / env["peak_flops"]
+    details = dict(train_batch=cfg.train_batch, train_seq=cfg.train_seq, step_ms=1000 * seconds, mfu=mfu)
+    return tokens / seconds, "tokens/s", details
+
+
+def rss_peak_mb():
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10  # bytes on macOS, KiB on Linux
+
+
+def bench_memory(model, cfg, env):
+    device = env["device"]
+    step = train_setup(model, cfg, env)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) / 2**20
+        for _ in range(2):
+            step()
+        sync(device)
+        peak, what = torch.cuda.max_memory_allocated(device) / 2**20, "torch.cuda.max_memory_allocated"
+    else:
+        before = rss_peak_mb()
+        for _ in range(2):
+            step()
+        peak, what = rss_peak_mb(), "peak resident set size of the process (ru_maxrss)"
+    details = dict(train_batch=cfg.train_batch, train_seq=cfg.train_seq, before_mb=before, measure=what)
+    return peak, "MB", details
+
+
+# memory first: on CPU the peak resident set never goes down, and sampling without a cache holds (B, T, V) logits
+BENCHES = {
+    "memory": bench_memory,
+    "train": bench_train,
+    "sample_kv": lambda model, cfg, env: bench_sample(model, cfg, env, use_cache=True),
+    "sample_nocache": lambda model, cfg, env: bench_sample(model, cfg, env, use_cache=False),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main():
+    cfg = parse_config()
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto_device if cfg.device == "auto" else cfg.device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(GPTConfig(block_size=1024, vocab_size=50257, **MODELS[cfg.model])).to(device)
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    env = dict(
+        device=device,
+        raw_model=raw_model,
+        autocast=lambda: (
+            nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
+        ),
+        peak_flops=next((v for k, v in PEAK_FLOPS.items() if k in gpu), None) if gpu else None,
+    )
+    common = dict(model=cfg.model, device=device.type, dtype=dtype)
+    extra = dict(compile=cfg.compile, params=raw_model.num_params(), gpu=gpu, threads=torch.get_num_threads())
+    wanted = set(cfg.only.split(","))
+    for name, bench in BENCHES.items():
+        if name in wanted:
+            value, unit, details = bench(model, cfg, env)
+            row = {"bench": name, **common, "value": value, "unit": unit, **details, **extra}
+            row = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}  # 4 significant digits
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""bench.py prints one parseable JSON line per measurement, and ddp_launch.sh documents itself, rejects bad
+arguments with exit code 2 and launches a real two-process gpt.py run through torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_script
+
+LAUNCH = ROOT / "ddp_launch.sh"
+# the launcher finds torchrun (or python) on PATH: put this interpreter's bin folder first, as an activated venv does
+LAUNCH_ENV = {
+    **os.environ,
+    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    "OMP_NUM_THREADS": "1",
+    "WANDB_MODE": "disabled",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def launch(*args, timeout=60):
+    return subprocess.run(
+        ["bash", str(LAUNCH), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=LAUNCH_ENV,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_bench_prints_one_json_line_with_a_positive_value_per_measurement():
+    """A tiny CPU run of all four measurements: stdout is only JSON lines, one per name, each positive."""
+    names = ["sample_kv", "sample_nocache", "train", "memory"]
+    args = ["--model", "tiny", "--only", ",".join(names), "--batch_size", "4", "--prompt_len", "8"]
+    args += ["--new_tokens", "8", "--train_batch", "2", "--train_seq", "32", "--repeats", "1", "--warmup", "0"]
+    proc = run_script("bench.py", *args, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert sorted(r["bench"] for r in rows) == sorted(names)
+    for r in rows:
+        assert r["value"] > 0 and r["model"] == "tiny" and r["device"] == "cpu" and r["dtype"] == "float32", r
+    units = {r["bench"]: r["unit"] for r in rows}
+    assert units == {"sample_kv": "tokens/s", "sample_nocache": "tokens/s", "train": "tokens/s", "memory": "MB"}
+    assert next(r for r in rows if r["bench"] == "train")["mfu"] is None  # no peak FLOPs on CPU
+
+
+@pytest.mark.parametrize("args", [["--only", "nope"], ["--batch_size", "0"], ["--model", "huge"], ["--bogus"]])
+def test_bench_bad_flag_exits_2_with_one_line(args):
+    """Bad input is refused before any model is built: one line on stderr, exit code 2."""
+    proc = run_script("bench.py", *args, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_launch_help_exits_0_and_documents_multi_node(flag):
+    """--help prints the usage with the multi-node variables and the CPU smoke example, and exits 0."""
+    proc = launch(flag)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "--device cpu"):
+        assert word in proc.stdout, word
+
+
+@pytest.mark.parametrize("args", [[], ["gpt.py"], ["gpt.py", "0"], ["gpt.py", "-1"], ["gpt.py", "two"], ["no.py", "2"]])
+def test_launch_missing_or_bad_arguments_exit_2_with_one_line(args):
+    """Missing SCRIPT/NPROC, an NPROC that is not a positive integer, or no such script: one line, exit 2."""
+    proc = launch(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_launch_is_executable():
+    """git keeps the mode bit, so `./ddp_launch.sh` works in a fresh clone."""
+    assert os.access(LAUNCH, os.X_OK)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_launch_runs_gpt_py_on_two_cpu_processes_and_saves_a_checkpoint(tmp_path, text_file):
+    """ddp_launch.sh gpt.py 2 --device cpu trains under torchrun (gloo) with 2 ranks and writes ckpt.pt."""
+    out = tmp_path / "run"
+    args = ["--device", "cpu", "--data", text_file, "--n_layer", "1", "--n_head", "2", "--n_embd", "16"]
+    args += ["--block_size", "16", "--batch_size", "2", "--max_steps", "3", "--eval_every", "3", "--eval_iters", "1"]
+    args += ["--log_every", "1", "--num_samples", "1", "--sample_tokens", "4", "--out_dir", out]
+    proc = launch("gpt.py", "2", *args, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout
+    assert (out / "ckpt.pt").is_file()
