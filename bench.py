@@ -187,11 +187,12 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False):
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False, keep_last=0):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
         padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
-        computed (all that sampling needs). Returns (logits (B, T, V), mean cross-entropy or None), or with
-        return_hidden the final hidden states (B, T, C) instead of logits (for reward and value heads)."""
+        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
+        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
+        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads)."""
         B, T = idx.size()
         past = 0 if cache is None else cache.pos
         if past + T > self.config.block_size:
@@ -225,6 +226,8 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos += T
             x = x[:, -1:]  # (B, 1, C)
+        elif keep_last:
+            x = x[:, -keep_last:]  # (B, keep_last, C)
         if return_hidden:
             return x, None
         logits = self.lm_head(x)  # (B, T, V)

@@ -1,0 +1,1855 @@
+"""
+grpo.py: the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE) on GPT-2 BPE tokens, one flag at a time.
+
+For every prompt q the policy samples a group of G completions o_1..o_G, a task scores them, and the rewards become
+group-relative advantages A. The policy then maximises a clipped surrogate (Shao et al. 2024, DeepSeekMath):
+
+    J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * KL(pi || pi_ref) + c_H * H(pi)
+    r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)     (pi_old: the policy that sampled; --num_iterations > 1
+                                                              reuses one batch of rollouts for several updates)
+Advantages (--adv):
+    group     A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std; --scale_rewards batch divides by the batch's
+              std instead, none only subtracts the mean (Dr. GRPO)
+    rloo      A_i = R_i - mean of the other G - 1 rewards (Ahmadian et al. 2024): G/(G-1) times the centred reward
+    process   per-token rewards normalised by their group's mean and std, A_t = sum of those from t on (DeepSeekMath
+              process supervision; the next_token task, whose rewards are per token)
+Loss types (--loss_type): what differs is the clip and, above all, the normaliser. N sequences of |o_i| tokens in
+the optimizer step (all micro-batches and ranks together), L = --horizon, term_it the clipped token term above:
+    grpo       -1/N sum_i 1/|o_i| sum_t term_it        each sequence weighs the same, so a token of a long
+                                                         completion weighs less (the length bias of Dr. GRPO)
+    dapo       -1/(sum_i |o_i|) sum_i,t term_it         clip [1 - eps, 1 + eps_high] (Yu et al. 2025); every token
+                                                         of the step weighs the same
+    dr_grpo    -1/(N L) sum_i,t term_it                 a constant normaliser: no length bias (Liu et al. 2025);
+                                                         pair it with --scale_rewards none
+    gspo       -1/N sum_i min(s_i A_i, clip(s_i) A_i)   sequence ratio s_i = exp(mean_t log r_it) (Zheng et al. 2025)
+    cispo      -1/(sum |o_i|) sum sg(min(r_it, 1 + eps_high)) A_it log pi(o_it)   the ratio is a detached weight,
+                                                         so clipped tokens still get a gradient (MiniMax-M1, 2025)
+    reinforce  -1/(sum |o_i|) sum A_it log pi(o_it)     no ratio, no clip; with --adv rloo this is RLOO
+The KL term is beta * mean over tokens of kl_penalty(logp, ref_logp, --kl_estimator) (k3 by default, as in
+DeepSeekMath), a loss term rather than a reward penalty.
+
+Tasks (--task):
+    next_token    dense reward on real text (char_grpo.py on BPE tokens): each generated token scores 1 if it equals
+                  the true continuation at the same offset (`--reward_mode plus1`; `pm1`: +1 / -1), plus
+                  `--partial_logprob w` times log p(true token | rollout prefix); tiny Shakespeare or `--data FILE`
+    arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
+                  by a newline, --format_reward for another well-formed integer followed by a newline, 0 otherwise;
+                  start from `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out
+                  set is reported before and after training
+    reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
+                  through `datasets`, or --data_path .jsonl/.jsonl.gz); the reference is the starting policy
+Where we depart from the papers, on purpose:
+  - the KL coefficient can warm up linearly over --kl_warmup_tokens generated tokens, and the reference is a choice
+    (--reference bigram|random|init|none): a model trained from scratch has no sensible "initial" policy;
+  - --dynamic_sampling (DAPO) samples at most --max_sampling_rounds rounds; if the batch is still short of groups
+    with signal, it is topped up with zero-advantage groups, so every rank keeps the same batch shape;
+  - --mask_truncated (DAPO's overlong filtering) drops completions that never reached the end token from the loss.
+The model and the losses are hand-written on purpose: reading them is the point.
+
+Commands:
+    python grpo.py                                                        # next_token on tiny Shakespeare, CPU
+    python gpt.py --data arithmetic --digits 1 --out_dir out/arith                 # a warm start, then
+    python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --loss_type dapo --clip_eps_high 0.28
+    python grpo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --device cuda
+    torchrun --standalone --nproc_per_node=8 grpo.py --horizon 70         # 8 GPUs, one process each
+
+Metrics (metrics.jsonl):
+    rl/reward_mean, rl/reward_std  rewards of the step's rollouts (per sequence; per token for next_token)
+    rl/accuracy                    arithmetic: exact answers; next_token: tokens equal to the true continuation
+    rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
+    rl/kl, rl/beta                 mean k3 estimate of KL(pi || pi_ref) per token, and the coefficient in use
+    rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration)
+    rl/entropy                     mean policy entropy over completion tokens (nats)
+    rl/completion_len, rl/truncated_frac   tokens per completion; completions without an end token
+    rl/sampling_rounds             rollout rounds of the step (> 1 only with --dynamic_sampling)
+    rl/tokens                      completion tokens generated so far, all ranks
+    train/loss, train/lr, train/grad_norm
+    eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
+                                   format_rate; reward_model: rm_score, kl (per sequence, k1), completion_len
+    perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
+"""
+
+import argparse
+import dataclasses
+import gzip
+import inspect
+import json
+import math
+import os
+import random
+import re
+import resource
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/grpo-<YYYYmmdd-HHMMSS>
+    task: str = "next_token"  # next_token | arithmetic | reward_model
+    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
+    data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
+    init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
+    tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    reward_model: str = ""  # reward_model task: ckpt.pt written by reward_model.py
+    n_layer: int = 4  # transformer blocks (scratch only)
+    n_head: int = 4  # attention heads (scratch only)
+    n_embd: int = 128  # embedding width (scratch only)
+    block_size: int = 128  # context length of the model (scratch only)
+    context_len: int = 32  # next_token: tokens of real text before each rollout
+    horizon: int = 16  # most tokens per completion
+    reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
+    partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
+    digits: int = 1  # arithmetic: most digits per operand
+    ops: str = "+-*"  # arithmetic: operators to draw from
+    format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
+    max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
+    batch_size: int = 16  # prompts (groups) per step per rank
+    group_size: int = 8  # completions per prompt (G)
+    temperature: float = 1.0  # sampling temperature of rollouts
+    top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
+    adv: str = "auto"  # auto | group | rloo | process (auto: process for next_token, group otherwise)
+    scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
+    clip_eps: float = 0.2  # PPO clip range (lower, and upper unless clip_eps_high is set)
+    clip_eps_high: float = 0.0  # upper clip range of dapo, gspo and cispo (0: clip_eps; DAPO uses 0.28)
+    beta: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
+    kl_estimator: str = "k3"  # k1 | k2 | k3, the KL term of the loss
+    kl_warmup_tokens: int = 0  # beta rises linearly from 0 over this many generated tokens (0: no warm-up)
+    reference: str = (
+        "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
+    )
+    entropy_coef: float = 0.0  # entropy bonus coefficient
+    num_iterations: int = 1  # policy updates per batch of rollouts (the ratio uses the sampling policy's log-probs)
+    mask_truncated: bool = False  # DAPO: completions without an end token within --horizon leave the loss
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts
+    max_sampling_rounds: int = 4  # dynamic_sampling: most rollout rounds per step
+    grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
+    max_steps: int = 200  # optimizer steps (batches of rollouts)
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 10  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    eval_every: int = 25  # steps between evaluations
+    eval_size: int = 128  # held-out windows, problems or prompts per evaluation
+    log_every: int = 10  # steps between log lines
+    save_every: int = 100  # steps between checkpoints (one is always written at the end)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the policy's training forward
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False, keep_last=0):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
+        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
+        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        elif keep_last:
+            x = x[:, -keep_last:]  # (B, keep_last, C)
+        if return_hidden:
+            return x, None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
+
+    def __init__(self):
+        self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
+    def exit_code(self):
+        return 128 + (self.signum or signal.SIGTERM)
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). char_grpo.py and rookworld_grpo.py carry
+# copies; tests/test_grpo_math.py checks them against hand-derived values and against each other.
+
+
+def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+    """Outcome advantages of (N,) rewards in contiguous groups: (r - group mean) / (group std + eps), unbiased std.
+    scale="batch" divides by the std of the whole batch instead; scale="none" only subtracts the mean (Dr. GRPO)."""
+    r = rewards.view(-1, group_size)  # (N/G, G)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
+    adv = (r - r.mean(dim=1, keepdim=True)).masked_fill(same, 0.0)
+    if scale == "group":
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}")
+    return adv.flatten()  # (N,)
+
+
+def process_advantages(token_rewards, mask, group_size, eps=1e-4):
+    """Process supervision (DeepSeekMath 4.1.3): every (N, T) reward is normalised by the mean and unbiased std of
+    all real rewards of its group, and the advantage at t is the sum of normalised rewards at positions >= t."""
+    N, T = token_rewards.shape
+    r = token_rewards.reshape(-1, group_size * T)  # (N/G, G*T): one row per group
+    m = mask.reshape(-1, group_size * T).float()
+    count = m.sum(1, keepdim=True)
+    mean = (r * m).sum(1, keepdim=True) / count.clamp(min=1)
+    std = ((((r - mean) * m) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    same = ((r == r.max(1, keepdim=True).values) | (m == 0)).all(1, keepdim=True)  # no spread: exactly 0
+    normed = ((r - mean) / (std + eps) * m).masked_fill(same, 0.0).view(N, T)  # (N, T)
+    return normed.flip(1).cumsum(1).flip(1) * mask  # (N, T): reversed cumulative sum, zero on padding
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0)."""
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.expm1(-d) + d  # exp(-d) - 1 + d, without cancellation for small d
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    loss_type="grpo",
+    clip_eps=0.2,
+    clip_eps_high=None,
+    max_len=None,
+    num_seqs=None,
+    num_tokens=None,
+):
+    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high or clip_eps.
+      grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
+      dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
+      dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
+      gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
+      cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
+      reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
+    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats)."""
+    mask = mask.float()
+    N, T = logp.shape
+    num_seqs = N if num_seqs is None else num_seqs
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
+    log_ratio = logp - old_logp.detach()  # (N, T)
+    if loss_type == "gspo":
+        seq_len = mask.sum(1).clamp(min=1)  # (N,)
+        ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
+        seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
+        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
+        clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
+        return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
+    ratio = log_ratio.exp()  # (N, T)
+    if loss_type in ("grpo", "dapo", "dr_grpo"):
+        high = 1 + (eps_high if loss_type == "dapo" else clip_eps)
+        clipped_ratio = ratio.clamp(1 - clip_eps, high)
+        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+        clipped = (clipped_ratio * adv < ratio * adv).float()
+    elif loss_type == "cispo":
+        per_token = -ratio.clamp(max=1 + eps_high).detach() * adv * logp
+        clipped = (ratio > 1 + eps_high).float()
+    elif loss_type == "reinforce":
+        per_token = -adv * logp
+        clipped = torch.zeros_like(ratio)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+    else:
+        loss = (per_token * mask).sum() / num_tokens
+    n = mask.sum().clamp(min=1)
+    stats = {"clip_frac": ((clipped * mask).sum() / n).detach(), "ratio_mean": ((ratio * mask).sum() / n).detach()}
+    return loss, stats
+
+
+def rloo_advantages(rewards, group_size):
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each (N,) reward minus the mean of the other G-1 rewards of
+    its group, which equals G/(G-1) * (r - group mean)."""
+    r = rewards.view(-1, group_size)  # (N/G, G)
+    others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - others).flatten()  # (N,)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (..., V) -> (...), computed in float32."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+
+
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def to(self, device):
+        self.keys, self.pair_counts, self.prev_counts = (
+            t.to(device) for t in (self.keys, self.pair_counts, self.prev_counts)
+        )
+        return self
+
+    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
+        key = prev * self.vocab_size + nxt
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
+
+
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n") (as gpt.py)."""
+    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    op = rng.choice(ops)
+    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
+    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
+    horizon, anything else before the end, not a number)."""
+    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    return 1.0 if m.group(1) == answer.strip() else format_reward
+
+
+class NextTokenTask:
+    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
+    the true continuation at the same offset."""
+
+    eos_id = None  # rollouts always run the whole horizon
+
+    def __init__(self, cfg, tok, text, path):
+        ids = torch.tensor(tok.encode(text))
+        n_train = int(0.9 * len(ids))
+        self.train_ids, self.val_ids, self.cfg = ids[:n_train], ids[n_train:], cfg
+        C, H = cfg.context_len, cfg.horizon
+        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
+            need = C + H
+            check(len(split) > need, f"the {name} split of {path} has {len(split)} tokens; it needs > {need}")
+        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+            torch.manual_seed(0)
+            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
+
+    def sample(self, n):
+        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
+        return ctx.tolist(), truth  # prompts, and the true continuations (n, H)
+
+    def rewards(self, prompts, completion, mask, truth, logits):
+        """(N, H) dense rewards; truth (N, H) on the completion's device, logits (N, H, V) of the sampling policy."""
+        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
+        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
+
+    def correct(self, completion, truth, rewards):
+        return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        C, H = self.cfg.context_len, self.cfg.horizon
+        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
+        with rt.autocast():
+            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
+            greedy, _ = generate(model, x[:, :C], H, temperature=0)
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
+        return {
+            "eval/next_token_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
+            "eval/loss": nll.item(),
+            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
+        }, text
+
+
+def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
+    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    match = (completion == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach().float()
+    return rewards
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+class ArithmeticTask:
+    """Generated problems; the reward checks the decoded answer (arithmetic_reward)."""
+
+    def __init__(self, cfg, tok):
+        self.cfg, self.tok = cfg, tok
+        newline = tok.encode("\n")
+        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
+        self.eos_id = newline[0]
+        rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
+        self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+
+    def sample(self, n):
+        problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
+        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def texts(self, completion, mask):
+        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
+
+    def rewards(self, prompts, completion, mask, answers, logits):
+        texts = self.texts(completion, mask)
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(texts, answers)]
+        return torch.tensor(r, device=completion.device)  # (N,)
+
+    def correct(self, completion, truth, rewards):
+        return (rewards == 1.0).float()
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
+        with rt.autocast():
+            completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+        texts = self.texts(completion, mask)
+        scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
+        well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
+        shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
+        return {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}, shown
+
+
+HH_TURN = "\n\nAssistant:"
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
+    return (prompt, response) if response.strip() else None
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states (reward_model.py's, copied)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, return_hidden=True)
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """(RewardModel, tokenizer spec, task) from a ckpt.pt written by reward_model.py."""
+    ckpt = load_checkpoint(path)
+    check(
+        "reward_head" in ckpt,
+        f"{path} is not a reward model checkpoint (no reward_head); train one with reward_model.py",
+    )
+    rm = RewardModel(GPTConfig(**ckpt["model_config"]))
+    rm.body.load_state_dict(ckpt["model"])
+    rm.head.load_state_dict(ckpt["reward_head"])
+    return rm, ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+class RewardModelTask:
+    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
+
+    def __init__(self, cfg, tok, rt):
+        self.cfg, self.tok, self.eos_id = cfg, tok, tok.eot_id
+        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
+        self.rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+        check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+        check(
+            cfg.max_prompt_len + cfg.horizon <= self.rm.body.config.block_size,
+            f"--max_prompt_len + --horizon exceeds the reward model's block_size {self.rm.body.config.block_size}",
+        )
+        self.rm.to(rt.device).eval().requires_grad_(False)
+        if cfg.data_path:
+            records = read_jsonl(cfg.data_path, ["chosen"])
+            order = random.Random(0).sample(range(len(records)), len(records))  # gpt.py's hh_sft split
+            n_val = max(1, len(records) // 20)
+            parts = [[records[i]["chosen"] for i in order[n_val:]], [records[i]["chosen"] for i in order[:n_val]]]
+        else:
+            try:
+                import datasets
+
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        self.train_prompts, self.val_prompts = (
+            [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None] for texts in parts
+        )
+        check(self.train_prompts and self.val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
+        self.eval_set = self.val_prompts[: cfg.eval_size]
+
+    def sample(self, n):
+        return [random.choice(self.train_prompts) for _ in range(n)], None
+
+    @torch.no_grad()
+    def score(self, prompts, completion, mask):
+        """Reward model scores (N,) of prompt + completion (its real tokens), right-padded in one batch."""
+        rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+        lengths = torch.tensor([len(r) for r in rows])
+        idx = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+        for i, r in enumerate(rows):
+            idx[i, : len(r)] = torch.tensor(r)
+        scores = self.rm(idx.to(completion.device))  # (N, T)
+        return scores.gather(1, (lengths - 1)[:, None].to(completion.device)).squeeze(1)  # (N,)
+
+    def rewards(self, prompts, completion, mask, info, logits):
+        return self.score(prompts, completion, mask)
+
+    def correct(self, completion, truth, rewards):
+        return None
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
+        prompts = self.eval_set
+        with rt.autocast():
+            completion, mask = sample_completions(
+                model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
+            )
+            scores = self.score(prompts, completion, mask)
+            seq, attn = join(prompts, completion)
+            logp, _ = completion_logprobs(model, seq, attn, completion.size(1))
+            ref_logp = completion_logprobs(ref, seq, attn, completion.size(1))[0] if ref is not None else logp
+        kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
+        shown = "\n\n".join(
+            f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
+            for p, t, m, s in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4]
+        )
+        metrics = {
+            "eval/rm_score": scores.mean().item(),
+            "eval/kl": kl.mean().item(),
+            "eval/completion_len": mask.sum(1).mean().item(),
+        }
+        return metrics, shown
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+def left_pad(prompts, device):
+    """Token-id lists -> (N, P) ids left-padded with 0 and a (N, P) bool mask of the real tokens."""
+    width = max(len(p) for p in prompts)
+    idx = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if p:
+            idx[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = True
+    return idx.to(device), attn.to(device)
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+def completion_logprobs(model, seq, attn, H):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them: (N, H), and the logits (N, H, V)."""
+    logits = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]  # (N, H, V)
+    return token_logprobs(logits, seq[:, -H:]), logits
+
+
+def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
+    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon.
+    Under FSDP every forward pass is collective, so ranks cannot stop early at different steps: there the whole
+    horizon is sampled and the mask is cut after the first end token instead."""
+    collective = rt.distributed and rt.parallel == "fsdp"
+    tokens, mask = generate(model, prompts, horizon, temperature, top_k, None if collective else eos_id, generator)
+    if collective and eos_id is not None:
+        is_end = (tokens == eos_id).float()
+        mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
+    pad = horizon - tokens.size(1)
+    if pad:
+        tokens = F.pad(tokens, (0, pad), value=eos_id if eos_id is not None else 0)
+        mask = F.pad(mask, (0, pad))
+    return tokens, mask
+
+
+def collect(task, raw, ref, cfg, rt, n_prompts):
+    """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
+    sampling policy's and the reference's log-probs, then the rewards. Returns a dict of per-row tensors."""
+    G, H = cfg.group_size, cfg.horizon
+    prompts, info = task.sample(n_prompts)
+    rows = [p for p in prompts for _ in range(G)]
+    raw.eval()
+    with torch.no_grad(), rt.autocast():
+        completion, mask = sample_completions(
+            raw, rows, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt
+        )  # (N, H), (N, H)
+    raw.train()
+    truncated = torch.zeros(len(rows), dtype=torch.bool, device=rt.device)
+    if task.eos_id is not None:
+        truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+    if isinstance(info, torch.Tensor):
+        info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
+    elif info is not None:
+        info = [x for x in info for _ in range(G)]
+    seq, attn = join(rows, completion)
+    old_logp, ref_logp, rewards = [], [], []
+    n_micro = len(rows) // cfg.grad_accum
+    with torch.no_grad(), rt.autocast():
+        for i in range(0, len(rows), n_micro):
+            s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
+            logp, logits = completion_logprobs(raw, s, a, H)  # (n, H)
+            old_logp.append(logp)
+            if isinstance(ref, BigramReference):
+                ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
+            elif ref is not None:
+                ref_logp.append(completion_logprobs(ref, s, a, H)[0])
+            part = info[i : i + n_micro] if info is not None else None
+            rewards.append(
+                task.rewards(rows[i : i + n_micro], completion[i : i + n_micro], mask[i : i + n_micro], part, logits)
+            )
+    return {
+        "prompts": rows,
+        "completion": completion,
+        "mask": mask,
+        "truncated": truncated,
+        "old_logp": torch.cat(old_logp),
+        "ref_logp": torch.cat(ref_logp) if ref_logp else None,
+        "rewards": torch.cat(rewards).float(),
+        "info": info,
+    }
+
+
+def zero_std_groups(rewards, group_size):
+    """(N/G,) True for groups whose rewards (per sequence, or per token) are all equal: every advantage is 0."""
+    r = rewards.view(-1, group_size, rewards[0].numel())  # (N/G, G, 1 or H)
+    return (r == r[:, :1]).all(2).all(1)
+
+
+def group_rows(selected, group_size):
+    """Row indices (of a batch with contiguous groups) of the groups where the (N/G,) bool selected is True."""
+    groups = torch.nonzero(selected).flatten()  # (K,)
+    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()  # (K*G,)
+
+
+def select_rows(batch, keep):
+    """The rows of a collected batch at the (N,) indices keep."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v[keep]
+        elif isinstance(v, list):
+            out[k] = [v[i] for i in keep.tolist()]
+        else:
+            out[k] = v
+    return out
+
+
+def concat_batches(batches):
+    out = {}
+    for k in batches[0]:
+        vals = [b[k] for b in batches]
+        if isinstance(vals[0], torch.Tensor):
+            out[k] = torch.cat(vals)
+        elif isinstance(vals[0], list):
+            out[k] = [x for v in vals for x in v]
+        else:
+            out[k] = vals[0]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate(cfg):
+    for name in ("horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "eval_size"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in ("log_every", "save_every", "max_sampling_rounds", "n_layer", "n_head", "n_embd", "block_size"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    check(cfg.context_len > 0 and cfg.max_prompt_len > 0, "--context_len and --max_prompt_len must be positive")
+    check(
+        cfg.group_size >= 2,
+        f"--group_size must be >= 2, GRPO compares completions within a group (got {cfg.group_size})",
+    )
+    check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
+    check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(
+        cfg.beta >= 0 and cfg.kl_warmup_tokens >= 0 and cfg.entropy_coef >= 0,
+        "negative --beta/--kl_warmup_tokens/--entropy_coef",
+    )
+    check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
+    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
+    check(cfg.top_k >= 0 and cfg.digits >= 1, "--top_k must be >= 0 and --digits >= 1")
+    check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
+    check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
+    choices = {
+        "task": ("next_token", "arithmetic", "reward_model"),
+        "tokenizer": ("gpt2", "char"),
+        "reward_mode": ("plus1", "pm1"),
+        "adv": ("auto", "group", "rloo", "process"),
+        "scale_rewards": ("group", "batch", "none"),
+        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
+        "kl_estimator": ("k1", "k2", "k3"),
+        "reference": ("auto", "bigram", "random", "init", "none"),
+    }
+    for name, allowed in choices.items():
+        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    check(cfg.adv != "process" or cfg.task == "next_token", "--adv process needs per-token rewards (--task next_token)")
+    check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
+    check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "grpo", rt)
+    stop = GracefulExit()
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    G, H = cfg.group_size, cfg.horizon
+    adv_kind = cfg.adv if cfg.adv != "auto" else ("process" if cfg.task == "next_token" else "group")
+    reference = cfg.reference
+    if reference == "auto":
+        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
+
+    # policy and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
+    text = path = None
+    if cfg.task == "next_token":
+        url_path = os.path.join("data", "tinyshakespeare.txt")
+        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, url_path)
+        text = read_text(path)
+    spec = None
+    if ckpt is not None:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        spec = ckpt["tokenizer"]
+    elif cfg.init_from != "scratch":
+        model, spec, _ = load_model(cfg.init_from)
+    if spec is None:
+        if cfg.tokenizer == "gpt2":
+            tok = BPETokenizer()
+        else:
+            tok = CharTokenizer(sorted(set(text)) if text is not None else ARITHMETIC_CHARS)
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    else:
+        tok = get_tokenizer(spec)
+    if text is not None and isinstance(tok, CharTokenizer):
+        unknown = sorted(set(text) - set(tok.chars))
+        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    if cfg.task == "next_token":
+        task = NextTokenTask(cfg, tok, text, path)
+        longest = cfg.context_len + H
+    elif cfg.task == "arithmetic":
+        task = ArithmeticTask(cfg, tok)
+        longest = 2 * cfg.digits + 2 + H
+    else:
+        task = RewardModelTask(cfg, tok, rt)
+        longest = cfg.max_prompt_len + H
+    check(
+        longest <= model.config.block_size,
+        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
+    )
+    model.to(rt.device)
+    raw = model
+
+    # frozen reference: never wrapped, never trained
+    ref = None
+    if reference == "bigram":
+        ref = BigramReference(task.train_ids, raw.config.vocab_size).to(rt.device)
+    elif reference in ("random", "init"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
+            ref = GPT(raw.config)
+        if reference == "init":
+            ref.load_state_dict(ckpt["reference"] if ckpt is not None else raw.state_dict())
+        ref.to(rt.device).eval().requires_grad_(False)
+
+    policy = wrap_model(model, rt, cfg.compile)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    start_step, tokens, first_eval = 0, 0, None
+    if ckpt is not None:
+        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step, tokens, first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+    if rt.master:
+        print(
+            f"{raw.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, task {cfg.task}, loss {cfg.loss_type}, "
+            f"adv {adv_kind}, reference {reference}, device {rt.device}, {rt.world_size} process(es), out_dir {out_dir}"
+        )
+
+    def evaluate(step):
+        raw.eval()
+        metrics, text = task.evaluate(raw, ref if isinstance(ref, GPT) else None, rt, tok, step)
+        raw.train()
+        return metrics, text
+
+    def checkpoint(step):
+        model_sd, optim_sd = training_state(raw, optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            extras = {"tokens": tokens, "first_eval": first_eval}
+            if reference == "init":
+                extras["reference"] = ref.state_dict()
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": model_sd,
+                    "model_config": dataclasses.asdict(raw.config),
+                    "tokenizer": tok.spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                    **extras,
+                },
+            )
+
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
+    t_start, last_eval = time.time(), {}
+    for step in range(start_step, cfg.max_steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval, text = evaluate(step)
+            first_eval = first_eval or last_eval
+            logger.log(step, {**last_eval, "rl/tokens": tokens})
+            if samples:
+                samples.write(f"--- step {step}\n{text}\n")
+                samples.flush()
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ALGO LOGIC 1-3. rollouts, log-probs, rewards; --dynamic_sampling keeps only groups with signal
+        batch, rounds, kept, spare = None, 0, [], []
+        while True:
+            rounds += 1
+            part = collect(task, raw, ref, cfg, rt, cfg.batch_size)
+            zero = zero_std_groups(part["rewards"], G)  # (B,)
+            if rounds == 1:
+                first = part
+                zero_std_frac = zero.float().mean().item()
+            if not cfg.dynamic_sampling:
+                batch = part
+                break
+            kept.append(select_rows(part, group_rows(~zero, G)))
+            spare.append(select_rows(part, group_rows(zero, G)))
+            have = sum(len(b["prompts"]) for b in kept) // G
+            # every rank samples as many rounds (FSDP's forward passes are collective)
+            short = all_reduce(torch.tensor(float(have < cfg.batch_size), device=rt.device), rt, op="max").item()
+            if not short or rounds == cfg.max_sampling_rounds:
+                batch = concat_batches(kept + spare)  # groups with signal first, then zero-advantage fill
+                batch = select_rows(batch, torch.arange(cfg.batch_size * G, device=rt.device))
+                break
+        t_rollout = time.time() - t0
+        completion, mask, rewards = batch["completion"], batch["mask"].clone(), batch["rewards"]
+        seq, attn = join(batch["prompts"], completion)
+        if cfg.mask_truncated:
+            mask[batch["truncated"]] = 0.0
+
+        # 4. advantages
+        if adv_kind == "process":
+            adv = process_advantages(rewards, batch["mask"], G)  # (N, H)
+        else:
+            seq_rewards = rewards if rewards.dim() == 1 else (rewards * batch["mask"]).sum(1) / batch["mask"].sum(1)
+            if adv_kind == "rloo":
+                adv = rloo_advantages(seq_rewards, G)  # (N,)
+            else:
+                adv = group_advantages(seq_rewards, G, cfg.scale_rewards)  # (N,)
+        warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
+        beta = cfg.beta * warm if ref is not None else 0.0
+        N = len(batch["prompts"])
+        n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+        n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
+        n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
+
+        # 5. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
+        for _ in range(cfg.num_iterations):
+            sums = torch.zeros(6, device=rt.device)  # this rank's share of loss, kl, entropy, clip, ratio, pg loss
+            for i in range(0, N, n_micro):
+                rows = slice(i, i + n_micro)
+                grad_sync(policy, i + n_micro >= N)
+                a = None if attn is None else attn[rows]
+                with rt.autocast():
+                    logp, logits = completion_logprobs(policy, seq[rows], a, H)  # (n, H), (n, H, V)
+                pg_loss, stats = policy_loss(
+                    logp,
+                    batch["old_logp"][rows],
+                    adv[rows],
+                    mask[rows],
+                    cfg.loss_type,
+                    cfg.clip_eps,
+                    cfg.clip_eps_high or None,
+                    max_len=H,
+                    num_seqs=n_seqs,
+                    num_tokens=n_tokens,
+                )
+                loss = pg_loss
+                kl = torch.zeros((), device=rt.device)
+                if batch["ref_logp"] is not None:
+                    kl_terms = kl_penalty(logp, batch["ref_logp"][rows], cfg.kl_estimator)  # (n, H)
+                    kl = (kl_terms * mask[rows]).sum() / n_tokens
+                    loss = loss + beta * kl
+                with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                    entropy = (entropy_from_logits(logits) * mask[rows]).sum() / n_tokens
+                loss = loss - cfg.entropy_coef * entropy
+                scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+                with torch.no_grad():
+                    share = mask[rows].sum() / n_tokens
+                    k3 = kl_penalty(logp, batch["ref_logp"][rows], "k3") if batch["ref_logp"] is not None else logp * 0
+                    sums += torch.stack(
+                        [
+                            loss.detach(),
+                            (k3 * mask[rows]).sum() / n_tokens,
+                            entropy.detach(),
+                            stats["clip_frac"] * share,
+                            stats["ratio_mean"] * share,
+                            pg_loss.detach(),
+                        ]
+                    )
+            scaler.unscale_(optimizer)
+            grad_norm = clip_grad_norm(policy, cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
+        step_tokens = all_reduce(batch["mask"].sum(), rt)
+        tokens += int(step_tokens.item())
+        train_loss = sums[0].item()
+        stop_requested = stop.requested(step + 1, rt)
+        if not math.isfinite(train_loss):
+            print(
+                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
+                "is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+        dt = time.time() - t0
+        correct = task.correct(completion, batch["info"], rewards)
+        first_rewards = first["rewards"] if rewards.dim() == 1 else first["rewards"][first["mask"] > 0]
+        metrics = {
+            "rl/reward_mean": first_rewards.mean().item(),
+            "rl/reward_std": first_rewards.std().item(),
+            "rl/accuracy": None if correct is None else correct.mean().item(),
+            "rl/zero_std_frac": zero_std_frac,
+            "rl/kl": sums[1].item() if ref is not None else None,
+            "rl/beta": beta,
+            "rl/entropy": sums[2].item(),
+            "rl/clip_frac": sums[3].item(),
+            "rl/ratio_mean": sums[4].item(),
+            "rl/pg_loss": sums[5].item(),
+            "rl/completion_len": batch["mask"].sum(1).mean().item(),
+            "rl/truncated_frac": batch["truncated"].float().mean().item() if task.eos_id is not None else None,
+            "rl/sampling_rounds": rounds,
+            "rl/tokens": tokens,
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "perf/rollout_tokens_per_s": rounds * N * H * rt.world_size / max(t_rollout, 1e-9),
+            "perf/rollout_ms": 1000 * t_rollout,
+            "perf/step_ms": 1000 * dt,
+            "perf/peak_mem_mb": peak_memory_mb(rt),
+        }
+        logger.bar.update(1)
+        logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            checkpoint(step + 1)
+        if stop_requested:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
+                    f"{out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code())
+    checkpoint(cfg.max_steps)
+    logger.close()
+    if samples:
+        samples.close()
+    if rt.master:
+        results = {
+            "task": cfg.task,
+            "loss_type": cfg.loss_type,
+            "adv": adv_kind,
+            "steps": cfg.max_steps,
+            "tokens": tokens,
+            "wall_time_s": time.time() - t_start,
+            "before": {k.removeprefix("eval/"): v for k, v in first_eval.items()},
+            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+        }
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
+        print(f"{cfg.task} ({cfg.loss_type}): {summary}; {results['wall_time_s']:.0f} s")
+    cleanup(rt)
+
+
+def peak_memory_mb(rt):
+    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+if __name__ == "__main__":
+    main()
