@@ -54,8 +54,8 @@ Commands:
     torchrun --standalone --nproc_per_node=8 grpo.py --horizon 70         # 8 GPUs, one process each
 
 Metrics (metrics.jsonl):
-    rl/reward_mean, rl/reward_std  rewards of the step's rollouts (per sequence; per token for next_token)
-    rl/accuracy                    arithmetic: exact answers; next_token: tokens equal to the true continuation
+    rl/reward_mean, rl/reward_std  rewards of the step's first sampling round (per sequence; per token for next_token)
+    rl/accuracy                    the same rollouts: arithmetic exact answers; next_token tokens equal to the truth
     rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
     rl/kl, rl/beta                 mean k3 estimate of KL(pi || pi_ref) per token, and the coefficient in use
     rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration)
@@ -63,6 +63,7 @@ Metrics (metrics.jsonl):
     rl/completion_len, rl/truncated_frac   tokens per completion; completions without an end token
     rl/sampling_rounds             rollout rounds of the step (> 1 only with --dynamic_sampling)
     rl/tokens                      completion tokens generated so far, all ranks
+    rl/pg_loss                     the policy-gradient part of the loss (train/loss adds the KL and entropy terms)
     train/loss, train/lr, train/grad_norm
     eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
                                    format_rate; reward_model: rm_score, kl (per sequence, k1), completion_len
@@ -1141,7 +1142,7 @@ class BigramReference:
 
 
 def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n") (as gpt.py)."""
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
     a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
     op = rng.choice(ops)
     return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
@@ -1272,7 +1273,7 @@ def split_hh(text):
 
 
 class RewardModel(nn.Module):
-    """A GPT body and a scalar head on its final hidden states (reward_model.py's, copied)."""
+    """A GPT body and a scalar head on its final hidden states."""
 
     def __init__(self, config):
         super().__init__()
@@ -1285,16 +1286,13 @@ class RewardModel(nn.Module):
 
 
 def load_reward_model(path):
-    """(RewardModel, tokenizer spec, task) from a ckpt.pt written by reward_model.py."""
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
     ckpt = load_checkpoint(path)
-    check(
-        "reward_head" in ckpt,
-        f"{path} is not a reward model checkpoint (no reward_head); train one with reward_model.py",
-    )
-    rm = RewardModel(GPTConfig(**ckpt["model_config"]))
-    rm.body.load_state_dict(ckpt["model"])
-    rm.head.load_state_dict(ckpt["reward_head"])
-    return rm, ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
 
 
 class RewardModelTask:
@@ -1782,7 +1780,7 @@ def main():
             cleanup(rt)
             sys.exit(1)
         dt = time.time() - t0
-        correct = task.correct(completion, batch["info"], rewards)
+        correct = task.correct(first["completion"], first["info"], first["rewards"])  # of the first round's groups
         first_rewards = first["rewards"] if rewards.dim() == 1 else first["rewards"][first["mask"] > 0]
         metrics = {
             "rl/reward_mean": first_rewards.mean().item(),

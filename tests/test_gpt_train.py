@@ -125,6 +125,18 @@ def test_arithmetic_problems_have_correct_answers():
         assert len(a) <= 3 and len(b) <= 3
 
 
+def test_char_level_arithmetic_uses_the_arithmetic_alphabet(tmp_path):
+    """--data arithmetic --tokenizer char trains on the 15 characters of the problems (grpo.py starts from it)."""
+    out = tmp_path / "run"
+    args = ["--data", "arithmetic", "--tokenizer", "char", "--digits", "1", *TINY, "--max_steps", "2"]
+    proc = run_script(
+        "gpt.py", *args, "--eval_every", "2", "--eval_iters", "1", "--sample_tokens", "4", "--out_dir", out
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["tokenizer"] == {"type": "char", "chars": gpt.ARITHMETIC_CHARS} and len(gpt.ARITHMETIC_CHARS) == 15
+
+
 def test_read_jsonl_skips_bad_lines_and_rejects_a_file_with_none(tmp_path, capsys):
     """Malformed lines are counted and skipped; a file with no usable line is an error (exit 2)."""
     path = tmp_path / "d.jsonl"
@@ -169,6 +181,7 @@ def test_config_flags_parse_types_booleans_and_help(capsys):
         (["--resume", "--out_dir", "/nonexistent/run"], "--resume"),
         (["--init_from", "/nonexistent/ckpt"], "--init_from"),
         (["--n_embd", "30", "--n_head", "4"], "--n_embd"),
+        (["--data", "hh_sft", "--tokenizer", "char"], "--tokenizer gpt2"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):

@@ -234,6 +234,25 @@ def test_list_prompts_of_equal_length_and_the_same_tensor_prompt_generate_the_sa
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_keep_last_and_return_hidden_are_slices_of_the_full_forward(padded):
+    """keep_last=n computes the logits of the last n positions only, equal to the full forward's; return_hidden gives
+    the final hidden states whose projection by lm_head is the logits."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    idx = torch.randint(0, model.config.vocab_size, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.bool)
+    if padded:
+        mask[0, :5] = False
+    with torch.no_grad():
+        full, _ = model(idx, attention_mask=mask)
+        last, _ = model(idx, attention_mask=mask, keep_last=4)
+        hidden, _ = model(idx, attention_mask=mask, return_hidden=True)
+    assert last.shape == (3, 4, model.config.vocab_size) and hidden.shape == (3, 12, model.config.n_embd)
+    torch.testing.assert_close(last, full[:, -4:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(model.lm_head(hidden), full, atol=ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------- KV cache
 
 
