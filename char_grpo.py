@@ -548,9 +548,21 @@ def cleanup(rt):
         dist.destroy_process_group()
 
 
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
 def wrap_model(model, rt, compile=False):
     """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
     Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -1170,7 +1182,8 @@ def train(cfg, out_dir, rt):
     model.to(rt.device)
     raw = model
 
-    # frozen reference: never wrapped, never trained
+    # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
+    broadcast_weights(raw, rt)
     ref_table = ref_model = None
     if cfg.reference == "bigram":
         ref_table = bigram_logprobs(train_ids, raw.config.vocab_size).to(rt.device)  # (V, V)

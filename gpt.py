@@ -536,9 +536,21 @@ def cleanup(rt):
         dist.destroy_process_group()
 
 
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
 def wrap_model(model, rt, compile=False):
     """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
     Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

@@ -591,9 +591,21 @@ def cleanup(rt):
         dist.destroy_process_group()
 
 
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
 def wrap_model(model, rt, compile=False):
     """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
     Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -1507,6 +1519,14 @@ def concat_batches(batches):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def peak_memory_mb(rt):
+    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
 def validate(cfg):
     for name in ("horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "eval_size"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
@@ -1600,7 +1620,8 @@ def main():
     model.to(rt.device)
     raw = model
 
-    # frozen reference: never wrapped, never trained
+    # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
+    broadcast_weights(raw, rt)
     ref = None
     if reference == "bigram":
         ref = BigramReference(task.train_ids, raw.config.vocab_size).to(rt.device)
@@ -1839,14 +1860,6 @@ def main():
         summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
         print(f"{cfg.task} ({cfg.loss_type}): {summary}; {results['wall_time_s']:.0f} s")
     cleanup(rt)
-
-
-def peak_memory_mb(rt):
-    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
-    if rt.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(rt.device) / 2**20
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
 
 
 if __name__ == "__main__":

@@ -49,6 +49,28 @@ def test_scripts_import_no_project_file(script):
         assert not set(names) & local, f"{script.name} imports {set(names) & local}: scripts must stand alone"
 
 
+# Each script's own entry points may share a name; everything else defined in several scripts is a copy.
+OWN = {"Config", "main", "validate", "train", "completion_logprobs", "make_tokenizer"}
+
+
+def top_level_sources(path):
+    text = path.read_text()
+    nodes = (n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    return {n.name: ast.get_source_segment(text, n) for n in nodes}
+
+
+def test_functions_and_classes_copied_between_scripts_are_identical():
+    """Algorithm code that several scripts carry (advantages, losses, HH parsing, the reward model class, ...) is
+    copied, not rewritten: every copy's source equals the others' (bench.py has a parser of its own)."""
+    sources = {p.name: top_level_sources(p) for p in [ROOT / "gpt.py", *SCRIPTS] if p.name != "bench.py"}
+    names = {name for defs in sources.values() for name in defs} - OWN
+    for name in sorted(names):
+        copies = {script: defs[name] for script, defs in sources.items() if name in defs}
+        first = next(iter(copies))
+        for script, source in copies.items():
+            assert source == copies[first], f"{name}: the copy in {script} differs from the one in {first}"
+
+
 def fix():
     for script in SCRIPTS:
         text = script.read_text()

@@ -1,0 +1,1617 @@
+"""
+reward_model.py: reward models for RLHF: a Bradley-Terry preference RM, an outcome RM (ORM), a process RM (PRM).
+
+A reward model is the GPT body with a scalar head on its final hidden states: a score s_t = w . h_t + b at every
+position t. Sequences are right-padded (causal attention: padding never changes a real position), and a
+sequence's reward is the score at its last real token.
+
+  --task preference (default; Bradley & Terry 1952, Ouyang et al. 2022): pairs of a prompt x and a chosen and a
+      rejected response from HH-RLHF, r_c = r(x, y_c) and r_r = r(x, y_r), and
+          L = mean(-log sigmoid(r_c - r_r - m)) + c * mean((r_c + r_r)^2)
+      with a margin m (`--margin`, Touvron et al. 2023) and a centering weight c (`--center_coef`, Eisenstein et
+      al. 2023) that keeps rewards near 0. Chosen and rejected rows go through one forward pass.
+  --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems with their answer or a corrupted one (off by 1-3,
+      or one digit changed); binary cross-entropy of sigmoid(s_t) against the outcome label at every answer
+      token; the reward is the last token's score.
+  --task prm (process RM, Lightman et al. 2023): chains `3+4=7, 7*2=14, 14-5=9` of 2..--chain_len steps, some
+      with one wrong result; binary cross-entropy at each step's separator (`,`, or the final newline and
+      <|endoftext|>) against the label "every step so far is right".
+The losses are normalised by the number of pairs (preference) or labelled positions (orm, prm) of the whole
+optimizer step, all ranks and micro-batches together, so they do not depend on how the batch is split.
+
+Where we depart from the papers, on purpose:
+  - the margin is one constant for every pair (HH-RLHF has no ratings; Llama 2 takes it from the rating gap);
+  - PRM chains carry on from a wrong value (as a real chain would), and the wrong step and every step after it
+    are labelled wrong (as Math-Shepherd's labels: can the chain so far still reach the right answer?). So the
+    score at the last separator, which is what the reward of a chain reads, judges the whole chain;
+  - the training data are read in a fresh shuffled order per epoch, the global batch fixed by the step number,
+    so a resumed run sees the same examples. Reward models overfit soon after one epoch: watch eval/loss.
+The model and the losses are hand-written on purpose: reading them is the point.
+
+Data: `--task preference` reads HH-RLHF (`--dataset Anthropic/hh-rlhf` through `datasets`: its train and test
+splits) or `--data_path` to a local .jsonl/.jsonl.gz with `chosen` and `rejected` dialogues; then 1 record in 20
+is held out, by gpt.py's hh_sft rule, so an SFT model made by gpt.py from the same file never saw them. Each
+dialogue is split at its last "\\n\\nAssistant:" into prompt and response, truncated from the left to --max_len.
+Pairs with a missing field, no Assistant response, different prompts or identical responses are counted and
+skipped. orm and prm generate their data (a train set and a held-out set that share no text).
+
+The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
+head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
+score(model, tok, texts, device) gives the rewards of texts, and `--score TEXT` prints one.
+
+Commands:
+    python reward_model.py --data_path hh.jsonl.gz --init_from out/sft/ckpt.pt   # HH-RLHF pairs, an SFT model, CPU
+    python reward_model.py --init_from gpt2 --device cuda --lr 1e-5 --max_len 512 --batch_size 32  # one GPU
+    torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
+    python reward_model.py --task orm --init_from out/arith/ckpt.pt   # ORM from a `gpt.py --data arithmetic` model
+    python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
+From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
+start them from a model that can, as Cobbe et al. start the verifier from the generator.
+
+Metrics (metrics.jsonl; train/ on the step's batch, eval/ on the held-out set):
+    train/loss, eval/loss            the objective above (preference: with margin and centering; orm, prm: BCE)
+    train/lr, train/grad_norm, train/epoch   learning rate, gradient norm before clipping, passes over the data
+    preference  {train,eval}/accuracy        fraction of pairs with r_c > r_r (ties count one half)
+                {train,eval}/margin          mean r_c - r_r
+                {train,eval}/chosen_mean, chosen_std, rejected_mean, rejected_std   rewards of either side
+    orm         {train,eval}/accuracy        sign of the reward (last token) equals the label
+                {train,eval}/reward_correct, reward_wrong   mean reward of correct and of corrupted answers
+    prm         {train,eval}/step_accuracy   sign of the score at each separator equals the step's label
+                {train,eval}/first_error_accuracy   the first step scored <= 0 is the first wrong step (or there
+                                             is none on a right chain)
+    perf/tokens_per_s, perf/step_ms, perf/mfu   real tokens per second (all ranks), step time, FLOPs utilisation
+"""
+
+import argparse
+import dataclasses
+import gzip
+import inspect
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/reward_model-<YYYYmmdd-HHMMSS>
+    task: str = "preference"  # preference (HH-RLHF pairs) | orm (outcome RM) | prm (process RM) on arithmetic
+    dataset: str = "Anthropic/hh-rlhf"  # preference: hub dataset of chosen/rejected dialogues (train/test splits)
+    data_path: str = ""  # preference: local .jsonl/.jsonl.gz with chosen/rejected dialogues instead of the hub
+    tokenizer: str = "auto"  # auto | char | gpt2 (auto: the model's; a new model: gpt2 for preference, else char)
+    max_len: int = 0  # longest training sequence in tokens (0: the model's block_size); longer ones lose prompt tokens
+    margin: float = 0.0  # preference: m in -log sigmoid(r_c - r_r - m)
+    center_coef: float = 0.0  # preference: weight of mean((r_c + r_r)^2), which keeps rewards near 0
+    digits: int = 2  # orm/prm: largest number of digits of the first operand
+    ops: str = "+-*"  # orm/prm: operators to draw from
+    chain_len: int = 4  # prm: most steps in a chain (2..chain_len)
+    error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
+    n_train: int = 20000  # orm/prm: generated training examples
+    n_val: int = 1000  # orm/prm: generated held-out examples
+    eval_size: int = 0  # held-out examples per evaluation (0: all)
+    init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | ... | hub id | ckpt.pt of any script | HF folder
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    score: str = ""  # print the reward of this text under the --init_from reward model (up to its block_size), exit
+    n_layer: int = 4  # transformer blocks (scratch only)
+    n_head: int = 4  # attention heads (scratch only)
+    n_embd: int = 128  # embedding width (scratch only)
+    block_size: int = 256  # context length of the model (scratch only)
+    dropout: float = 0.0  # dropout probability
+    bias: bool = True  # biases in Linear and LayerNorm layers (scratch only)
+    batch_size: int = 16  # pairs (preference) or sequences (orm, prm) per micro-batch per rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 500  # optimizer steps
+    lr: float = 3e-4  # peak learning rate (1e-5 suits a pretrained GPT-2)
+    min_lr: float = 3e-5  # learning rate at the end of the cosine decay
+    warmup_steps: int = 50  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW weight decay on matrices
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
+    grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    eval_every: int = 100  # steps between evaluations
+    log_every: int = 25  # steps between log lines
+    save_every: int = 500  # steps between checkpoints (one is always written at the end)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the reward model
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False, keep_last=0):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
+        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
+        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        elif keep_last:
+            x = x[:, -keep_last:]  # (B, keep_last, C)
+        if return_hidden:
+            return x, None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
+
+    def __init__(self):
+        self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
+    def exit_code(self):
+        return 128 + (self.signum or signal.SIGTERM)
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The reward model. grpo.py and ppo.py carry verbatim copies of RewardModel and load_reward_model.
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, return_hidden=True)
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7).
+
+
+def bradley_terry_loss(r_chosen, r_rejected, margin=None, center_coef=0.0):
+    """Bradley-Terry loss of (N,) rewards: mean(-log sigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2).
+    margin is a number or (N,) per-pair margins; None means 0."""
+    d = r_chosen - r_rejected - (0.0 if margin is None else margin)
+    loss = -F.logsigmoid(d).mean()
+    if center_coef:
+        loss = loss + center_coef * ((r_chosen + r_rejected) ** 2).mean()
+    return loss
+
+
+def last_token_rewards(scores, lengths):
+    """The reward of each right-padded row: its score at the last real token. (B, T), (B,) -> (B,)."""
+    return scores.gather(1, (lengths - 1)[:, None]).squeeze(1)
+
+
+def token_bce_sum(scores, labels):
+    """Binary cross-entropy of sigmoid(scores) against 0/1 labels, summed over the labelled positions (labels -1
+    elsewhere): (B, T), (B, T) -> scalar."""
+    bce = F.binary_cross_entropy_with_logits(scores, labels.clamp(min=0).float(), reduction="none")  # (B, T)
+    return (bce * (labels >= 0)).sum()
+
+
+def first_error_hits(scores, labels):
+    """Per chain (B,): 1.0 where the first step scored <= 0 is the first step labelled 0, or where no step is
+    either. Steps are the positions with labels >= 0, in order."""
+    T = labels.size(1)
+    pos = torch.arange(T, device=labels.device).expand_as(labels)  # (B, T)
+    step = labels >= 0
+    first_wrong = torch.where(step & (labels == 0), pos, T).min(1).values  # (B,): T when every step is right
+    first_flagged = torch.where(step & (scores <= 0), pos, T).min(1).values  # (B,)
+    return (first_wrong == first_flagged).float()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: HH-RLHF pairs (preference) and generated arithmetic (orm, prm). An example is a pair of token-id lists
+# (preference) or token ids with a label per position, -1 where there is no loss (orm, prm).
+
+HH_TURN = "\n\nAssistant:"
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
+    return (prompt, response) if response.strip() else None
+
+
+def hh_pairs(records):
+    """(prompt, chosen, rejected) triples of HH-RLHF records {"chosen": dialogue, "rejected": dialogue}, and a
+    dict counting the records skipped for each reason (missing field, no response, prompts differ, identical)."""
+    pairs, skipped = [], {}
+    for rec in records:
+        chosen, rejected = rec.get("chosen"), rec.get("rejected")
+        if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
+            reason = "missing field"
+        else:
+            c, r = split_hh(chosen), split_hh(rejected)
+            if c is None or r is None:
+                reason = "no Assistant response"
+            elif c[0] != r[0]:
+                reason = "prompts differ"
+            elif c[1].strip() == r[1].strip():
+                reason = "chosen == rejected"
+            else:
+                pairs.append((c[0], c[1], r[1]))
+                continue
+        skipped[reason] = skipped.get(reason, 0) + 1
+    return pairs, skipped
+
+
+def encode_pair(tok, prompt, response, max_len):
+    """Token ids of prompt + response (+ <|endoftext|> when the tokenizer has one) and how many of them are prompt.
+    Too long: the prompt loses tokens from the left first (the response is what is scored), then the response
+    loses its end; at least one prompt token always stays."""
+    p = tok.encode(prompt)
+    r = (tok.encode(response) + ([tok.eot_id] if tok.eot_id is not None else []))[: max_len - 1]
+    p = p[-(max_len - len(r)) :]
+    return p + r, len(p)
+
+
+def load_preference_data(cfg):
+    """(train, held-out) lists of (prompt, chosen, rejected), the count of skipped records per reason, the source."""
+    if cfg.data_path:
+        # gpt.py's hh_sft split (it needs only "chosen"), so an SFT model made from this file never saw the held-out
+        records = read_jsonl(cfg.data_path, ["chosen"])
+        order = random.Random(0).sample(range(len(records)), len(records))  # fixed split, whatever --seed
+        n_val = max(1, len(records) // 20)
+        parts, source = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]], cfg.data_path
+    else:
+        try:
+            import datasets
+
+            hub = datasets.load_dataset(cfg.dataset)
+            parts = [
+                [{"chosen": c, "rejected": r} for c, r in zip(hub[s]["chosen"], hub[s]["rejected"])]
+                for s in ("train", "test")
+            ]
+        except Exception as e:
+            die(f"cannot load {cfg.dataset} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        source = cfg.dataset
+    (train, skipped), (val, skipped_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
+    for reason, n in skipped_val.items():
+        skipped[reason] = skipped.get(reason, 0) + n
+    check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {describe(skipped)})")
+    check(val, f"{source}: the held-out split has no usable preference pair")
+    return train, val, skipped, source
+
+
+def describe(counts):
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items())) or "none"
+
+
+ARITH_CHARS = "\n ,*+-0123456789="  # the char vocabulary of the orm and prm data
+
+
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
+    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    op = rng.choice(ops)
+    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+
+
+def corrupt(rng, value):
+    """A wrong result near value: off by 1 to 3, or one digit changed (never to a new leading zero)."""
+    if rng.random() < 0.5:
+        return value + rng.choice((-3, -2, -1, 1, 2, 3))
+    s = str(abs(value))
+    i = rng.randrange(len(s))
+    digit = rng.choice([d for d in "0123456789" if d != s[i] and not (i == 0 and d == "0" and len(s) > 1)])
+    return int(s[:i] + digit + s[i + 1 :]) * (-1 if value < 0 else 1)
+
+
+def orm_example(rng, digits, ops, error_frac):
+    """(prompt, answer, label): a problem in gpt.py's arithmetic format with its answer (label 1) or, with
+    probability error_frac, a corrupted answer (label 0)."""
+    prompt, answer = arithmetic_problem(rng, digits, ops)
+    if rng.random() >= error_frac:
+        return prompt, answer, 1
+    return prompt, f"{corrupt(rng, int(answer))}\n", 0
+
+
+def prm_chain(rng, digits, ops, chain_len, error_frac):
+    """Steps [(text, label)] of a chain "x op b=y" of 2..chain_len steps, b of one digit, each step starting from
+    the previous result. With probability error_frac one step's result is corrupted: later steps compute on from
+    the wrong value, and that step and every later one are labelled 0 (the chain so far is wrong)."""
+    n = rng.randint(2, chain_len)
+    wrong = rng.randrange(n) if rng.random() < error_frac else n
+    x, steps = rng.randint(0, 10 ** rng.randint(1, digits) - 1), []
+    for i in range(n):
+        op, b = rng.choice(ops), rng.randint(1, 9)
+        y = x + b if op == "+" else x - b if op == "-" else x * b
+        y = corrupt(rng, y) if i == wrong else y
+        steps.append((f"{x}{op}{b}={y}", int(i < wrong)))
+        x = y
+    return steps
+
+
+def chain_text(steps):
+    return ", ".join(text for text, _ in steps) + "\n"
+
+
+def encode_orm(tok, prompt, answer, label, max_len):
+    """Token ids of prompt + answer (+ <|endoftext|>) and the outcome label on every answer token, -1 on the prompt."""
+    ids, n_prompt = encode_pair(tok, prompt, answer, max_len)
+    return ids, [-1] * n_prompt + [label] * (len(ids) - n_prompt)
+
+
+def encode_prm(tok, steps):
+    """Token ids of "step, step, ..., step\\n" (+ <|endoftext|>) and each step's label at the last token of the
+    separator after it (the `,`, or the final newline and <|endoftext|>); -1 elsewhere."""
+    ids, labels = [], []
+    for i, (text, label) in enumerate(steps):
+        last = i == len(steps) - 1
+        step = tok.encode(("" if i == 0 else " ") + text)
+        sep = tok.encode("\n") + ([tok.eot_id] if tok.eot_id is not None else []) if last else tok.encode(",")
+        ids += step + sep
+        labels += [-1] * (len(step) + len(sep) - 1) + [label]
+    return ids, labels
+
+
+def synthetic_data(cfg):
+    """(train, held-out) lists of orm problems (prompt, answer, label) or prm chains; no training example has the
+    text of a held-out one."""
+    if cfg.task == "orm":
+        make = lambda rng: orm_example(rng, cfg.digits, cfg.ops, cfg.error_frac)
+        text = lambda ex: ex[0] + ex[1]
+    else:
+        make = lambda rng: prm_chain(rng, cfg.digits, cfg.ops, cfg.chain_len, cfg.error_frac)
+        text = chain_text
+    rng = random.Random(cfg.seed + 1)
+    val = [make(rng) for _ in range(cfg.n_val)]
+    held_out = {text(ex) for ex in val}
+    rng = random.Random(cfg.seed)
+    train = [ex for ex in (make(rng) for _ in range(cfg.n_train)) if text(ex) not in held_out]
+    check(train, f"every generated training example is also held out; raise --digits (now {cfg.digits})")
+    return train, val
+
+
+def pad_right(seqs, value=0):
+    """Right-padded (B, T) LongTensor of lists of ints, and their lengths (B,)."""
+    idx = torch.full((len(seqs), max(len(s) for s in seqs)), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        idx[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return idx, torch.tensor([len(s) for s in seqs])
+
+
+@torch.no_grad()
+def score(model, tok, texts, device, max_len=None, batch_size=32):
+    """Rewards (a list of floats) of whole texts (prompt and response) under a reward model: each text tokenized,
+    <|endoftext|> appended when the tokenizer has one, truncated from the left to max_len (default: the model's
+    block_size), right-padded in batches; a text's reward is the score at its last token."""
+    max_len = max_len or model.body.config.block_size
+    end = [tok.eot_id] if tok.eot_id is not None else []
+    rewards = []
+    for i in range(0, len(texts), batch_size):
+        seqs = [(tok.encode(t) + end)[-max_len:] for t in texts[i : i + batch_size]]
+        if not all(seqs):
+            raise ValueError("cannot score an empty text")
+        idx, lengths = pad_right(seqs)
+        rewards += last_token_rewards(model(idx.to(device)), lengths.to(device)).tolist()
+    return rewards
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One micro-batch: forward pass, loss summed over the batch (normalised by the caller), and summed statistics.
+
+
+def loss_terms(task, batch):
+    """How many terms the loss of a batch sums: pairs (preference) or labelled positions (orm, prm)."""
+    return len(batch) if task == "preference" else sum(sum(y >= 0 for y in labels) for _, labels in batch)
+
+
+def batch_loss(model, batch, cfg, device):
+    """(loss summed over the batch's terms, dict of statistics summed over the batch)."""
+    if cfg.task == "preference":
+        # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
+        # follows real tokens, and positions count from 0 in every row
+        idx, lengths = pad_right([c for c, _ in batch] + [r for _, r in batch])
+        rewards = last_token_rewards(model(idx.to(device)), lengths.to(device))  # (2B,)
+        r_c, r_r = rewards.chunk(2)  # (B,), (B,)
+        loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
+        r_c, r_r, d = r_c.detach(), r_r.detach(), (r_c - r_r).detach()
+        stats = {
+            "pairs": len(batch),
+            "correct": ((d > 0).float() + 0.5 * (d == 0).float()).sum(),
+            "margin": d.sum(),
+            "chosen": r_c.sum(),
+            "chosen_sq": (r_c**2).sum(),
+            "rejected": r_r.sum(),
+            "rejected_sq": (r_r**2).sum(),
+        }
+        return loss, {"loss": loss.detach(), **stats}
+    idx, lengths = pad_right([ids for ids, _ in batch])
+    labels, _ = pad_right([y for _, y in batch], value=-1)
+    idx, lengths, labels = idx.to(device), lengths.to(device), labels.to(device)
+    scores = model(idx)  # (B, T)
+    loss = token_bce_sum(scores, labels)
+    scores = scores.detach()
+    if cfg.task == "orm":
+        reward, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # (B,), (B,)
+        stats = {
+            "seqs": len(batch),
+            "correct": ((reward > 0) == (y == 1)).sum(),
+            "reward_correct": (reward * (y == 1)).sum(),
+            "n_correct": (y == 1).sum(),
+            "reward_wrong": (reward * (y == 0)).sum(),
+            "n_wrong": (y == 0).sum(),
+        }
+    else:
+        step = labels >= 0
+        stats = {
+            "chains": len(batch),
+            "steps_right": (((scores > 0) == (labels == 1)) & step).sum(),
+            "first_error": first_error_hits(scores, labels).sum(),
+        }
+    return loss, {"loss": loss.detach(), "terms": (labels >= 0).sum(), **stats}
+
+
+def add_stats(total, stats, weight=1.0):
+    return {k: total.get(k, 0.0) + weight * torch.as_tensor(v, dtype=torch.float32) for k, v in stats.items()}
+
+
+def summarize(task, stats, rt):
+    """Metrics (without namespace) from statistics summed over micro-batches, then over ranks."""
+    keys = sorted(stats)
+    total = all_reduce(torch.stack([stats[k].float().to(rt.device) for k in keys]), rt).tolist()
+    s = dict(zip(keys, total))
+    if task == "preference":
+        n = s["pairs"]
+        out = {"loss": s["loss"] / n, "accuracy": s["correct"] / n, "margin": s["margin"] / n}
+        for side in ("chosen", "rejected"):
+            mean = s[side] / n
+            out[f"{side}_mean"], out[f"{side}_std"] = mean, math.sqrt(max(s[f"{side}_sq"] / n - mean**2, 0.0))
+        return out
+    out = {"loss": s["loss"] / max(s["terms"], 1)}
+    if task == "orm":
+        out["accuracy"] = s["correct"] / s["seqs"]
+        out["reward_correct"] = s["reward_correct"] / max(s["n_correct"], 1)
+        out["reward_wrong"] = s["reward_wrong"] / max(s["n_wrong"], 1)
+    else:
+        out["step_accuracy"] = s["steps_right"] / max(s["terms"], 1)
+        out["first_error_accuracy"] = s["first_error"] / s["chains"]
+    return out
+
+
+def batch_indices(n, step, per_rank, rank, world_size, seed):
+    """This rank's example indices at an optimizer step. Each epoch reads the n examples in a fresh random order;
+    a step's global batch is the next world_size * per_rank of them, one disjoint slice per rank. The step alone
+    decides them, so a resumed run continues with exactly the examples it would have seen."""
+    start = (step * world_size + rank) * per_rank
+    orders, out = {}, []
+    for p in range(start, start + per_rank):
+        epoch = p // n
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        out.append(orders[epoch][p % n])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate(cfg):
+    for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in ("n_val", "digits", "n_layer", "n_head", "n_embd", "block_size"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    check(cfg.task in ("preference", "orm", "prm"), f"--task {cfg.task!r}: use preference, orm or prm")
+    check(cfg.max_len == 0 or cfg.max_len >= 2, f"--max_len must be 0 (the block size) or >= 2 (got {cfg.max_len})")
+    check(cfg.eval_size >= 0, f"--eval_size must be >= 0 (got {cfg.eval_size})")
+    check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
+    check(cfg.chain_len >= 2, f"--chain_len must be >= 2 (got {cfg.chain_len})")
+    check(0 <= cfg.error_frac <= 1, f"--error_frac must be in [0, 1] (got {cfg.error_frac})")
+    check(cfg.center_coef >= 0, f"--center_coef must be >= 0 (got {cfg.center_coef})")
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
+    check(cfg.warmup_steps >= 0 and cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "negative --warmup/clip/decay")
+    check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
+    check(not cfg.data_path or cfg.task == "preference", "--data_path is for --task preference; orm/prm make data")
+
+
+def make_tokenizer(cfg, spec, texts):
+    """The model's tokenizer (spec from a checkpoint), or for a new model GPT-2 BPE or the characters of the data;
+    a char vocabulary must cover every character of the data."""
+    check(cfg.tokenizer in ("auto", "char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
+    if spec is not None:
+        kind = "gpt2" if spec == "gpt2" else "char"
+        check(cfg.tokenizer in ("auto", kind), f"--tokenizer {cfg.tokenizer} does not match the model's {kind} one")
+        tok = get_tokenizer(spec)
+    elif cfg.tokenizer == "gpt2" or (cfg.tokenizer == "auto" and cfg.task == "preference"):
+        tok = BPETokenizer()
+    else:
+        chars = set()
+        for text in texts:
+            chars.update(text)
+        tok = CharTokenizer(sorted(chars))
+    if isinstance(tok, CharTokenizer):
+        unknown = set()
+        for text in texts:
+            unknown.update(set(text) - set(tok.stoi))
+        check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the char vocabulary")
+    return tok
+
+
+def wrap_reward_model(model, rt, compile):
+    """wrap_model for a RewardModel: under FSDP each block of the body is sharded, then the root (embeddings, ln_f
+    and the head); DDP and torch.compile as wrap_model does them."""
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.body.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        return torch.compile(model) if compile else model
+    return wrap_model(model, rt, compile)
+
+
+def score_main(cfg):
+    """--score: print the reward of one text under the --init_from reward model."""
+    check(os.path.isfile(cfg.init_from), "--score needs --init_from PATH/ckpt.pt of a reward model")
+    rt = setup_runtime(cfg)
+    model, spec, _ = load_reward_model(cfg.init_from)
+    tok = get_tokenizer(spec)
+    if isinstance(tok, CharTokenizer):
+        unknown = sorted(set(cfg.score) - set(tok.stoi))
+        check(not unknown, f"--score has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    with rt.autocast():
+        (reward,) = score(model.to(rt.device), tok, [cfg.score], rt.device)
+    if rt.master:
+        print(f"{reward:.6f}")
+    cleanup(rt)
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    if cfg.score:
+        return score_main(cfg)
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "reward_model", rt)
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+
+    # data as text: HH-RLHF pairs, or generated arithmetic
+    if cfg.task == "preference":
+        train_text, val_text, skipped, source = load_preference_data(cfg)
+        if skipped and rt.master:
+            print(
+                f"{source}: skipped {sum(skipped.values())} pair(s) ({describe(skipped)}); kept {len(train_text)} "
+                f"train and {len(val_text)} held-out",
+                file=sys.stderr,
+            )
+        texts = [t for pair in train_text + val_text for t in pair]
+    else:
+        train_text, val_text = synthetic_data(cfg)
+        texts = [ARITH_CHARS]
+
+    # reward model and tokenizer: a resumed run, a checkpoint or GPT-2 weights (plus its head if it is an RM), or new
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    if ckpt is not None:
+        model = RewardModel(GPTConfig(**ckpt["model_config"]))
+        model.body.load_state_dict(ckpt["model"])
+        model.head.load_state_dict(ckpt["reward_head"])
+        spec = ckpt["tokenizer"]
+    elif cfg.init_from != "scratch":
+        body, spec, source_ckpt = load_model(cfg.init_from, cfg.dropout)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)  # the same new head on every rank (FSDP does not broadcast weights)
+            model = RewardModel(body.config)
+        model.body = body
+        if source_ckpt is not None and "reward_head" in source_ckpt:
+            model.head.load_state_dict(source_ckpt["reward_head"])
+    else:
+        spec = None
+    tok = make_tokenizer(cfg, spec, texts)
+    if spec is None:
+        config = GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
+            model = RewardModel(config)
+    block_size = model.body.config.block_size
+    check(cfg.max_len <= block_size, f"--max_len {cfg.max_len} is longer than the model's block_size {block_size}")
+    max_len = cfg.max_len or block_size
+    check(tok.vocab_size <= model.body.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
+
+    # token ids
+    if cfg.task == "preference":
+        encode = lambda ex: tuple(encode_pair(tok, ex[0], response, max_len)[0] for response in ex[1:])
+    elif cfg.task == "orm":
+        encode = lambda ex: encode_orm(tok, *ex, max_len)
+    else:
+        encode = lambda ex: encode_prm(tok, ex)
+    train_data, val_data = [encode(ex) for ex in train_text], [encode(ex) for ex in val_text]
+    if cfg.task == "prm":
+        longest = max(len(ids) for ids, _ in train_data + val_data)
+        check(longest <= max_len, f"prm chains take up to {longest} tokens; raise --max_len (now {max_len})")
+    eval_data = val_data[: cfg.eval_size or len(val_data)]
+
+    model.to(rt.device)
+    raw = model
+    model = wrap_reward_model(model, rt, cfg.compile)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    start_step = 0
+    if ckpt is not None:
+        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step = ckpt["step"]
+        del ckpt
+    if rt.master:
+        print(
+            f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, task {cfg.task}, "
+            f"{len(train_data)} train / {len(eval_data)} held-out examples, device {rt.device}, "
+            f"{rt.world_size} process(es), out_dir {out_dir}"
+        )
+
+    @torch.no_grad()
+    def evaluate():
+        """Held-out metrics; the examples are dealt out over ranks, which all run the same number of batches
+        (under FSDP a forward pass is collective), the last ones possibly on a dummy example with weight 0."""
+        model.eval()
+        mine = eval_data[rt.rank :: rt.world_size]
+        n_batches = math.ceil(math.ceil(len(eval_data) / rt.world_size) / cfg.batch_size)
+        stats = {}
+        for b in range(n_batches):
+            batch = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+            with rt.autocast():
+                _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt.device)
+            stats = add_stats(stats, batch_stats, 1.0 if batch else 0.0)
+        model.train()
+        return {f"eval/{k}": v for k, v in summarize(cfg.task, stats, rt).items()}
+
+    def checkpoint(step):
+        state, optim_sd = training_state(raw, optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")},
+                    "model_config": dataclasses.asdict(raw.body.config),
+                    "tokenizer": tok.spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                    "reward_head": {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")},
+                    "reward_task": cfg.task,
+                },
+            )
+
+    stop = GracefulExit()
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    per_rank = cfg.batch_size * cfg.grad_accum
+    t_start, last_eval = time.time(), {}
+    for step in range(start_step, cfg.max_steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval = evaluate()
+            logger.log(step, last_eval)
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # ALGO LOGIC: the loss sums every pair's (or labelled position's) term over the whole step, all ranks and
+        # micro-batches, and divides by their global count
+        rows = [train_data[i] for i in batch_indices(len(train_data), step, per_rank, rt.rank, rt.world_size, cfg.seed)]
+        micro_batches = [rows[i : i + cfg.batch_size] for i in range(0, per_rank, cfg.batch_size)]
+        n_tokens = sum(len(ex[0]) + (len(ex[1]) if cfg.task == "preference" else 0) for ex in rows)  # real tokens
+        counts = all_reduce(torch.tensor([float(loss_terms(cfg.task, rows)), float(n_tokens)], device=rt.device), rt)
+        stats = {}
+        for micro, batch in enumerate(micro_batches):
+            grad_sync(model, micro == cfg.grad_accum - 1)
+            with rt.autocast():
+                loss_sum, batch_stats = batch_loss(model, batch, cfg, rt.device)
+            # ranks' gradients are averaged, so each rank's share is scaled by world_size
+            scaler.scale(loss_sum * rt.world_size / counts[0]).backward()
+            stats = add_stats(stats, batch_stats)
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        train = summarize(cfg.task, stats, rt)
+        stop_requested = stop.requested(step + 1, rt)
+        if not math.isfinite(train["loss"]):
+            print(
+                f"error: loss is {train['loss']} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
+                "is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+        dt = time.time() - t0
+        logger.bar.update(1)
+        logger.bar.set_postfix(loss=f"{train['loss']:.4f}")
+        n_tokens = counts[1].item()
+        flops = raw.body.flops_per_token(max_len) * n_tokens
+        metrics = {
+            **{f"train/{k}": v for k, v in train.items()},
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "train/epoch": (step + 1) * per_rank * rt.world_size / len(train_data),
+            "perf/tokens_per_s": n_tokens / dt,
+            "perf/step_ms": 1000 * dt,
+            "perf/mfu": mfu(flops, dt, rt),
+        }
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            checkpoint(step + 1)
+        if stop_requested:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
+                    f"{out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code())
+    checkpoint(cfg.max_steps)
+    logger.close()
+    if rt.master:
+        results = {
+            "task": cfg.task,
+            **{k.removeprefix("eval/"): v for k, v in last_eval.items()},
+            "eval_examples": len(eval_data),
+            "train_examples": len(train_data),
+            "epochs": cfg.max_steps * per_rank * rt.world_size / len(train_data),
+            "steps": cfg.max_steps,
+            "wall_time_s": time.time() - t_start,
+            "params": raw.body.num_params(),
+        }
+        if cfg.task == "preference":
+            results["skipped"] = skipped
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        print("held-out " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in last_eval.items()))
+    cleanup(rt)
+
+
+if __name__ == "__main__":
+    main()

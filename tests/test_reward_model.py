@@ -1,0 +1,487 @@
+"""reward_model.py: the Bradley-Terry loss, HH-RLHF parsing, the orm/prm data and their labels, reading the reward
+at the last real token, the checkpoint and --score, and end-to-end runs (run folder, resume, grad accumulation,
+torchrun, learning, bad input)."""
+
+import contextlib
+import gzip
+import io
+import json
+import math
+import random
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, needs_bpe, run_script, torchrun
+
+import reward_model as rm
+
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "96", "--max_len", "96"]
+PREF = [*TINY, "--tokenizer", "char", "--batch_size", "4", "--eval_size", "9", "--eval_every", "3", "--save_every", "3"]
+
+
+def metrics(out_dir):
+    """metrics.jsonl without timings (perf/ varies between runs)."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def run_main(monkeypatch, *args):
+    """Run reward_model.main() with these flags in this process (no interpreter and torch start-up, which is most
+    of a tiny run; no signal handlers installed): (exit code, 0 when main returns; stdout; stderr lines)."""
+    monkeypatch.setattr(sys, "argv", ["reward_model.py", *map(str, args)])
+    monkeypatch.setattr(rm.signal, "signal", lambda *a: None)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rm.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue().strip().splitlines()
+
+
+# ------------------------------------------------------------------------------------------ synthetic HH-RLHF data
+
+WORDS = "the a cat dog sat ran on in big small red blue".split()
+
+
+def marker_record(rng):
+    """An HH-format pair on which preference is learnable: the chosen response contains "thanks", the rejected one
+    does not (the prompt never does); a third of the dialogues have an earlier exchange."""
+    words = lambda lo, hi: " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))
+    prompt = f"\n\nHuman: {words(3, 7)}?"
+    if rng.random() < 0.3:
+        prompt += f"\n\nAssistant: {words(2, 4)}\n\nHuman: {words(2, 5)}?"
+    chosen = words(3, 7).split()
+    chosen.insert(rng.randrange(len(chosen) + 1), "thanks")
+    return {"chosen": f"{prompt}\n\nAssistant: {' '.join(chosen)}", "rejected": f"{prompt}\n\nAssistant: {words(3, 7)}"}
+
+
+BAD_RECORDS = [
+    {"chosen": "\n\nHuman: hi\n\nAssistant: yo"},  # missing field (read_jsonl keeps it: it needs only "chosen")
+    {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi"},  # no Assistant response
+    {"chosen": "\n\nHuman: hi\n\nAssistant: same", "rejected": "\n\nHuman: hi\n\nAssistant: same "},  # identical
+    {"chosen": "\n\nHuman: hi\n\nAssistant:   ", "rejected": "\n\nHuman: hi\n\nAssistant: no"},  # empty response
+]
+
+
+def write_pairs(path, n, seed=0, bad=()):
+    rng = random.Random(seed)
+    lines = [json.dumps(marker_record(rng)) for _ in range(n)] + [json.dumps(r) for r in bad] + ["not json"] * bool(bad)
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    return write_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl.gz", 200, bad=BAD_RECORDS)
+
+
+@pytest.fixture(scope="module")
+def clean_file(tmp_path_factory):
+    return write_pairs(tmp_path_factory.mktemp("data") / "clean.jsonl.gz", 100)
+
+
+@pytest.fixture(scope="module")
+def pref_run(tmp_path_factory, pairs_file):
+    """A 6-step preference run on the marker pairs (char-level, 4 pairs per step): (out_dir, stderr lines)."""
+    out = tmp_path_factory.mktemp("runs") / "pref"
+    with pytest.MonkeyPatch.context() as mp:
+        code, _, err = run_main(
+            mp, "--data_path", pairs_file, *PREF, "--out_dir", out, "--max_steps", 6, "--device", "cpu"
+        )
+    assert code == 0, err[-5:]
+    return out, err
+
+
+# ------------------------------------------------------------------------------------------------------ the loss
+
+
+def test_bradley_terry_loss_hand_values_with_margin_and_centering():
+    """r_c = (2, 0), r_r = (0, 0): mean(log(1 + e^-2), log 2); margin 1 shifts the difference by 1; centering with
+    c = 0.5 adds 0.5 * mean(4, 0) = 1; a per-pair margin tensor works too."""
+    r_c, r_r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    plain = (math.log1p(math.exp(-2)) + math.log(2)) / 2
+    assert rm.bradley_terry_loss(r_c, r_r).item() == pytest.approx(plain, rel=1e-6)
+    shifted = (math.log1p(math.exp(-1)) + math.log1p(math.exp(1))) / 2
+    assert rm.bradley_terry_loss(r_c, r_r, margin=1.0).item() == pytest.approx(shifted, rel=1e-6)
+    assert rm.bradley_terry_loss(r_c, r_r, center_coef=0.5).item() == pytest.approx(plain + 1.0, rel=1e-6)
+    per_pair = (math.log1p(math.exp(-1)) + math.log1p(math.exp(-2))) / 2  # differences 1 and 2
+    got = rm.bradley_terry_loss(r_c, r_r, margin=torch.tensor([1.0, -2.0]), center_coef=0.25)
+    assert got.item() == pytest.approx(per_pair + 0.25 * 2.0, rel=1e-6)
+
+
+def test_bradley_terry_loss_is_log2_on_ties_and_its_gradient_is_the_sigmoid():
+    """Equal rewards give log 2; d loss / d r_c = -sigmoid(r_r - r_c) / N and d loss / d r_r is its negative."""
+    r = torch.randn(5)
+    assert rm.bradley_terry_loss(r, r.clone()).item() == pytest.approx(math.log(2), rel=1e-6)
+    r_c, r_r = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    rm.bradley_terry_loss(r_c, r_r).backward()
+    expected = -torch.sigmoid(r_r - r_c).detach() / 5
+    assert torch.allclose(r_c.grad, expected) and torch.allclose(r_r.grad, -expected)
+
+
+# ------------------------------------------------------------------------------------------------------ HH-RLHF
+
+
+def test_split_hh_takes_the_last_assistant_turn_as_the_response():
+    """Multi-turn: the prompt keeps earlier turns and ends with the last "\\n\\nAssistant:"; none or blank -> None."""
+    text = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: How are you?\n\nAssistant: Fine, thanks."
+    prompt, response = rm.split_hh(text)
+    assert prompt == "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: How are you?\n\nAssistant:"
+    assert response == " Fine, thanks." and prompt + response == text
+    assert rm.split_hh("\n\nHuman: Hi there") is None
+    assert rm.split_hh("\n\nHuman: Hi\n\nAssistant: \n ") is None
+
+
+def test_hh_pairs_skips_and_counts_each_bad_record():
+    """Good pairs come out as (prompt, chosen, rejected); each bad record is counted under its reason."""
+    good = {"chosen": "\n\nHuman: q\n\nAssistant: yes", "rejected": "\n\nHuman: q\n\nAssistant: no"}
+    differ = {"chosen": "\n\nHuman: q\n\nAssistant: yes", "rejected": "\n\nHuman: p\n\nAssistant: no"}
+    pairs, skipped = rm.hh_pairs([good, *BAD_RECORDS, differ, {"chosen": 3, "rejected": "x"}])
+    assert pairs == [("\n\nHuman: q\n\nAssistant:", " yes", " no")]
+    assert skipped == {"missing field": 2, "no Assistant response": 2, "chosen == rejected": 1, "prompts differ": 1}
+
+
+def test_encode_pair_truncates_the_prompt_from_the_left():
+    """Too long: the prompt loses its start, the response stays whole; at least one prompt token always stays."""
+    tok = rm.CharTokenizer("abcdefxyz")
+    assert rm.encode_pair(tok, "abcdef", "xyz", 20) == (tok.encode("abcdefxyz"), 6)
+    assert rm.encode_pair(tok, "abcdef", "xyz", 5) == (tok.encode("efxyz"), 2)
+    assert rm.encode_pair(tok, "abcdef", "xyz", 3) == (tok.encode("fxy"), 1)
+
+
+# ---------------------------------------------------------------------------------------------------- orm and prm
+
+
+def parse(step):
+    """ "a op b=y" (a possibly negative) as (a, value of a op b, y)."""
+    expression, y = step.split("=")
+    i = next(i for i in range(1, len(expression)) if expression[i] in "+-*")
+    a, op, b = int(expression[:i]), expression[i], int(expression[i + 1 :])
+    return a, a + b if op == "+" else a - b if op == "-" else a * b, int(y)
+
+
+def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
+    """Label 1 exactly when the answer is the expression's value; about --error_frac of the answers are wrong."""
+    rng, labels = random.Random(0), []
+    for _ in range(2000):
+        prompt, answer, label = rm.orm_example(rng, 2, "+-*", 0.5)
+        assert prompt.endswith("=") and answer.endswith("\n") and set(prompt + answer) <= set(rm.ARITH_CHARS)
+        _, truth, given = parse(prompt + answer)
+        assert label == int(given == truth)
+        labels.append(label)
+    assert 0.45 < sum(labels) / len(labels) < 0.55
+
+
+def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step():
+    """Each step starts from the previous result; at most one result is wrong, and a step's label is 1 exactly
+    when it and every step before it are right."""
+    rng, with_error = random.Random(0), 0
+    for _ in range(2000):
+        steps = rm.prm_chain(rng, 2, "+-*", 4, 0.5)
+        assert 2 <= len(steps) <= 4
+        parsed = [parse(text) for text, _ in steps]
+        right = [truth == given for _, truth, given in parsed]
+        assert sum(not r for r in right) <= 1
+        assert [label for _, label in steps] == [int(all(right[: i + 1])) for i in range(len(steps))]
+        assert all(parsed[i + 1][0] == parsed[i][2] for i in range(len(steps) - 1))  # starts from the last result
+        with_error += not all(right)
+    assert 0.45 < with_error / 2000 < 0.55
+
+
+def test_prm_labels_sit_on_the_step_separators():
+    """'1+2=3, 3*2=6, 6-1=5\\n': labels at the two commas and the final newline, -1 everywhere else."""
+    tok = rm.CharTokenizer(rm.ARITH_CHARS)
+    steps = [("1+2=3", 1), ("3*2=6", 1), ("6-1=4", 0)]
+    ids, labels = rm.encode_prm(tok, steps)
+    assert tok.decode(ids) == rm.chain_text(steps) == "1+2=3, 3*2=6, 6-1=4\n"
+    assert {i: y for i, y in enumerate(labels) if y >= 0} == {5: 1, 12: 1, 19: 0}
+
+
+def test_orm_labels_cover_the_answer_tokens_only():
+    tok = rm.CharTokenizer(rm.ARITH_CHARS)
+    ids, labels = rm.encode_orm(tok, "12+3=", "15\n", 1, 32)
+    assert tok.decode(ids) == "12+3=15\n" and labels == [-1] * 5 + [1] * 3
+
+
+def test_first_error_hits_hand_values():
+    """Steps at positions 1 and 3 (labels -1 elsewhere): a hit when the first step scored <= 0 is the first wrong
+    step, or when neither exists."""
+    labels = torch.tensor([[-1, 1, -1, 0], [-1, 1, -1, 1], [-1, 1, -1, 1], [-1, 0, -1, 0], [-1, 1, -1, 0]])
+    scores = torch.tensor([[9, 2, 9, -1], [-9, 3, -9, 1], [9, 2, 9, -2], [9, 1, 9, -1], [9, -1, 9, -2.0]])
+    assert rm.first_error_hits(scores, labels).tolist() == [1, 1, 0, 0, 0]
+
+
+def test_synthetic_held_out_examples_never_appear_in_training():
+    cfg = rm.Config(task="orm", digits=1, n_train=3000, n_val=300)
+    train, val = rm.synthetic_data(cfg)
+    assert not {p + a for p, a, _ in train} & {p + a for p, a, _ in val} and len(train) > 1000
+
+
+# ------------------------------------------------------------------------------------------- the model and reward
+
+
+def tiny_reward_model(vocab_size=20, block_size=16):
+    torch.manual_seed(0)
+    return rm.RewardModel(rm.GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=16))
+
+
+def test_reward_is_the_last_real_token_score_whatever_the_padding():
+    """A row's reward, right-padded in a batch with longer rows, equals its last score when run alone."""
+    model = tiny_reward_model().eval()
+    seqs = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [3]]
+    idx, lengths = rm.pad_right(seqs)
+    batched = rm.last_token_rewards(model(idx), lengths)
+    alone = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
+    assert idx.shape == (3, 6) and lengths.tolist() == [3, 6, 1]
+    assert torch.allclose(batched, alone, atol=1e-6)
+    masked = rm.last_token_rewards(model(idx, attention_mask=torch.arange(6) < lengths[:, None]), lengths)
+    assert torch.allclose(masked, alone, atol=1e-6)
+
+
+def test_score_texts_truncates_from_the_left_and_batches():
+    """score() gives each text's last-token reward; too long texts keep their last max_len tokens."""
+    tok = rm.CharTokenizer("abcdefgh")
+    model = tiny_reward_model(vocab_size=8).eval()
+    texts = ["abc", "hgfedcbahgfedcbahg", "d"]
+    got = rm.score(model, tok, texts, "cpu", max_len=10, batch_size=2)
+    alone = [model(torch.tensor([tok.encode(t)[-10:]]))[0, -1].item() for t in texts]
+    assert got == pytest.approx(alone, abs=1e-6)
+
+
+@needs_bpe
+def test_score_appends_endoftext_with_gpt2_bpe():
+    """With GPT-2 BPE the reward is read at <|endoftext|> after the text, as in training."""
+    tok = rm.BPETokenizer()
+    model = tiny_reward_model(vocab_size=tok.vocab_size, block_size=32).eval()
+    text = "\n\nHuman: Hi\n\nAssistant: Hello"
+    (got,) = rm.score(model, tok, [text], "cpu")
+    ids, n_prompt = rm.encode_pair(tok, *rm.split_hh(text), 32)
+    assert ids[-1] == tok.eot_id and ids[:-1] == tok.encode(text)
+    assert n_prompt == len(tok.encode("\n\nHuman: Hi\n\nAssistant:"))
+    assert got == pytest.approx(model(torch.tensor([ids]))[0, -1].item(), abs=1e-6)
+
+
+def test_batch_indices_read_each_epoch_once_in_disjoint_rank_slices():
+    """Ranks get disjoint slices of one global batch; over an epoch every example comes once; the global batch of a
+    step does not depend on how it is split over ranks."""
+    n, seen = 12, []
+    for step in range(3):
+        slices = [rm.batch_indices(n, step, 2, rank, 2, seed=0) for rank in range(2)]
+        assert sum(slices, []) == rm.batch_indices(n, step, 4, 0, 1, seed=0)
+        seen += sum(slices, [])
+    assert sorted(seen) == list(range(n))
+    assert rm.batch_indices(n, 3, 4, 0, 1, seed=0) != rm.batch_indices(n, 0, 4, 0, 1, seed=0)  # a new order
+
+
+def test_load_reward_model_refuses_a_policy_checkpoint(tmp_path, capsys):
+    """A gpt.py-style checkpoint (no reward head) is a clear error: exit 2, one line naming the problem."""
+    model = rm.GPT(rm.GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=8))
+    torch.save(
+        {"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": "gpt2"}, tmp_path / "p.pt"
+    )
+    with pytest.raises(SystemExit) as e:
+        rm.load_reward_model(str(tmp_path / "p.pt"))
+    assert e.value.code == 2 and "no reward head" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def test_preference_run_writes_the_run_folder_and_a_loadable_checkpoint(pref_run):
+    """SPEC section 4's files; bad records counted in one summary line; the body loads as a plain GPT policy and
+    load_reward_model gives the same rewards as training's forward."""
+    out, err = pref_run
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt"):
+        assert (out / name).is_file(), name
+    summary = [line for line in err if "pair(s)" in line]
+    assert len(summary) == 1, err
+    for part in ("skipped 4 pair(s)", "1 chosen == rejected", "1 missing field", "2 no Assistant response"):
+        assert part in summary[0]
+    assert any("skipped 1 malformed line" in line for line in err)  # the line that is not JSON
+    n_train, n_val = map(int, re.search(r"kept (\d+) train and (\d+) held-out", summary[0]).groups())
+    results = json.loads((out / "final_results.json").read_text())
+    assert n_train + n_val == 200 and results["train_examples"] == n_train and results["eval_examples"] == 9
+    assert 0 <= results["accuracy"] <= 1
+    rows = metrics(out)
+    keys = {"train/loss", "train/accuracy", "train/margin", "train/chosen_mean", "train/rejected_std", "train/epoch"}
+    assert all(keys <= set(r) for r in rows if "train/loss" in r)
+    assert {r["step"] for r in rows if "eval/accuracy" in r} == {0, 3, 6}
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 6 and ckpt["reward_task"] == "preference" and set(ckpt["reward_head"]) == {"weight", "bias"}
+    policy = rm.GPT(rm.GPTConfig(**ckpt["model_config"]))
+    policy.load_state_dict(ckpt["model"])  # plain GPT keys: any script takes it as --init_from
+    model, spec, task = rm.load_reward_model(str(out / "ckpt.pt"))
+    assert task == "preference" and spec["type"] == "char" and not model.training
+    assert results["margin"] == pytest.approx(eval_margin(model, rm.get_tokenizer(spec), out), abs=1e-4)
+
+
+def eval_margin(model, tok, out):
+    """Mean r_c - r_r over the held-out pairs of the run, recomputed with score()."""
+    cfg = rm.Config(**json.loads((out / "config.json").read_text()))
+    _, val, _, _ = rm.load_preference_data(cfg)
+    val = val[: cfg.eval_size]
+    r_c = rm.score(model, tok, [p + c for p, c, _ in val], "cpu", cfg.max_len)
+    r_r = rm.score(model, tok, [p + r for p, _, r in val], "cpu", cfg.max_len)
+    return sum(c - r for c, r in zip(r_c, r_r)) / len(val)
+
+
+def test_init_from_a_policy_checkpoint_keeps_its_body_and_tokenizer(tmp_path, clean_file, pref_run, monkeypatch):
+    """--init_from a gpt.py-style checkpoint (no head): the run starts from its weights and vocabulary, adds a new
+    head, and writes a reward model with the same architecture and tokenizer."""
+    ckpt = torch.load(pref_run[0] / "ckpt.pt", weights_only=True)
+    policy = {k: ckpt[k] for k in ("model", "model_config", "tokenizer")}
+    torch.save(policy, tmp_path / "policy.pt")
+    out = tmp_path / "run"
+    args = [
+        "--init_from",
+        tmp_path / "policy.pt",
+        "--max_steps",
+        1,
+        "--lr",
+        1e-9,
+        "--warmup_steps",
+        0,
+        "--out_dir",
+        out,
+    ]
+    code, _, err = run_main(monkeypatch, "--data_path", clean_file, *args, "--device", "cpu")
+    assert code == 0, err[-5:]
+    new = torch.load(out / "ckpt.pt", weights_only=True)
+    assert new["tokenizer"] == policy["tokenizer"] and new["model_config"] == policy["model_config"]
+    assert all(torch.allclose(new["model"][k], policy["model"][k], atol=1e-6) for k in policy["model"])
+    assert not torch.equal(new["reward_head"]["weight"], ckpt["reward_head"]["weight"])  # a new head
+
+
+def test_score_flag_prints_the_reward(pref_run, monkeypatch):
+    """reward_model.py --score TEXT --init_from ckpt.pt prints score() of the text and exits."""
+    ckpt = pref_run[0] / "ckpt.pt"
+    text = "\n\nHuman: the cat?\n\nAssistant: thanks a dog"
+    code, out, _ = run_main(monkeypatch, "--init_from", ckpt, "--score", text, "--device", "cpu")
+    model, spec, _ = rm.load_reward_model(str(ckpt))
+    (expected,) = rm.score(model, rm.get_tokenizer(spec), [text], "cpu")
+    assert code == 0 and float(out.strip()) == pytest.approx(expected, abs=1e-5)
+
+
+def test_score_flag_refuses_characters_outside_the_vocabulary(pref_run, monkeypatch):
+    code, _, err = run_main(monkeypatch, "--init_from", pref_run[0] / "ckpt.pt", "--score", "Q?", "--device", "cpu")
+    assert code == 2 and len(err) == 1 and "outside the model's char vocabulary" in err[0]
+
+
+def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tmp_path, pairs_file, pref_run, monkeypatch):
+    """Stopped by SIGTERM after 3 of 6 steps and resumed in a new process with its own settings: the same
+    metrics.jsonl and weights as the uninterrupted run (model, optimizer, data order and schedule all continue)."""
+    full, part = pref_run[0], tmp_path / "part"
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "3")
+    args = ["--data_path", pairs_file, *PREF, "--max_steps", 6, "--out_dir", part, "--device", "cpu"]
+    code, _, err = run_main(monkeypatch, *args)
+    assert code == 143 and any("Continue with: --resume" in line for line in err), err[-3:]
+    assert torch.load(part / "ckpt.pt", weights_only=True)["step"] == 3
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    assert_ok(run_script("reward_model.py", "--resume", "--out_dir", part))
+    assert metrics(part) == metrics(full)
+    a, b = (torch.load(run / "ckpt.pt", weights_only=True) for run in (full, part))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["reward_head"][k], b["reward_head"][k]) for k in a["reward_head"])
+
+
+def assert_same_metrics(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5) for k in x), (x, y)
+
+
+def test_gradient_accumulation_gives_the_same_steps(tmp_path, pairs_file, pref_run, monkeypatch):
+    """2 micro-batches of 2 pairs take the same optimizer steps as 1 batch of 4: the loss is normalised globally."""
+    out = tmp_path / "accum"
+    args = ["--batch_size", "2", "--grad_accum", "2", "--max_steps", "6", "--out_dir", out, "--device", "cpu"]
+    code, _, err = run_main(monkeypatch, "--data_path", pairs_file, *PREF, *args)
+    assert code == 0, err[-5:]
+    assert_same_metrics(metrics(out), metrics(pref_run[0]))
+
+
+@pytest.mark.distributed
+def test_two_process_gloo_fsdp_run_matches_one_process(tmp_path, pairs_file, pref_run):
+    """torchrun with 2 CPU ranks of 2 pairs each takes the same steps as one process with 4 pairs, and saves one
+    full checkpoint with both ranks' RNG states. FSDP, the reward model's own wrapping (DDP is gpt.py's wrap_model,
+    tested there); 9 held-out pairs on 2 ranks make one rank run a weightless batch at evaluation."""
+    out = tmp_path / "fsdp"
+    args = ["--device", "cpu", "--parallel", "fsdp", "--batch_size", "2", "--max_steps", "6", "--out_dir", out]
+    proc = torchrun(ROOT / "reward_model.py", 2, "--data_path", pairs_file, *PREF, *args)
+    assert_ok(proc)
+    assert_same_metrics(metrics(out), metrics(pref_run[0]))
+    assert len(torch.load(out / "ckpt.pt", weights_only=True)["rng_ranks"]) == 2
+
+
+@pytest.mark.parametrize("task", ["orm", "prm"])
+def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
+    """A few steps of each synthetic task: held-out metrics in range, the checkpoint names its task."""
+    out = tmp_path / task
+    args = [*TINY, "--n_train", "400", "--n_val", "40", "--max_steps", "4", "--eval_every", "2", "--out_dir", out]
+    code, _, err = run_main(monkeypatch, "--task", task, *args, "--device", "cpu")
+    assert code == 0, err[-5:]
+    results = json.loads((out / "final_results.json").read_text())
+    keys = (
+        ("accuracy", "reward_correct", "reward_wrong") if task == "orm" else ("step_accuracy", "first_error_accuracy")
+    )
+    assert all(k in results for k in keys) and 0 <= results[keys[0]] <= 1 and results["eval_examples"] == 40
+    assert torch.load(out / "ckpt.pt", weights_only=True)["reward_task"] == task
+
+
+@pytest.mark.learning
+def test_preference_model_learns_the_marker_to_over_90_percent_held_out(tmp_path, monkeypatch):
+    """Chosen responses contain "thanks": a tiny char-level model from scratch ranks > 90% of held-out pairs right
+    within 80 steps."""
+    path = write_pairs(tmp_path / "pairs.jsonl.gz", 2000, seed=1)
+    out = tmp_path / "run"
+    args = [*TINY, "--tokenizer", "char", "--max_steps", "80", "--eval_every", "40", "--lr", "3e-3", "--device", "cpu"]
+    code, _, err = run_main(monkeypatch, "--data_path", path, *args, "--warmup_steps", "10", "--out_dir", out)
+    assert code == 0, err[-5:]
+    results = json.loads((out / "final_results.json").read_text())
+    assert results["eval_examples"] == 100 and results["accuracy"] > 0.9 and results["margin"] > 1, results
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--task", "ranking"], "--task"),
+        (["--max_len", "200"], "block_size"),
+        (["--ops", "+/"], "--ops"),
+        (["--init_from", "missing.pt", "--score", "hi"], "--score needs"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, clean_file, monkeypatch, args, needle):
+    """Impossible settings end with exit code 2 and one line naming the setting; nothing is trained."""
+    code, _, err = run_main(monkeypatch, "--data_path", clean_file, *PREF, "--out_dir", tmp_path / "run", *args)
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_a_file_without_a_usable_pair_is_an_error(tmp_path, monkeypatch):
+    """Every record is bad: exit 2, the last line says there is no usable pair and counts the reasons."""
+    path = write_pairs(tmp_path / "bad.jsonl.gz", 0, bad=BAD_RECORDS)
+    code, _, err = run_main(monkeypatch, "--data_path", path, *PREF, "--out_dir", tmp_path / "run")
+    assert code == 2 and "no usable preference pair (4 skipped" in err[-1], err
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path, clean_file, monkeypatch):
+    """A centering weight that overflows float32 makes the first loss inf: exit 1, the step named, no checkpoint."""
+    args = ["--center_coef", "1e39", "--out_dir", tmp_path / "run", "--device", "cpu"]
+    code, _, err = run_main(monkeypatch, "--data_path", clean_file, *PREF, *args)
+    assert code == 1 and any("loss is inf at step 0; stopping" in line for line in err), err[-3:]
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_bce_sum_ignores_unlabelled_positions():
+    scores, labels = torch.tensor([[0.3, -2.0, 1.0]]), torch.tensor([[-1, 0, 1]])
+    expected = F.softplus(torch.tensor(-2.0)) + F.softplus(torch.tensor(-1.0))
+    assert rm.token_bce_sum(scores, labels).item() == pytest.approx(expected.item(), rel=1e-6)
