@@ -1,0 +1,1634 @@
+"""
+dpo.py: direct alignment on preference pairs: DPO and its family, side by side in a few lines each.
+
+DPO (Rafailov et al. 2023) fits a policy to pairs (x, y_c, y_r), y_c preferred, with no reward model and no
+sampling: the implicit reward of a response is r = beta * (log pi(y|x) - log pi_ref(y|x)), log-probs summed over
+the response tokens, and the loss is a function of a = log-ratio of y_c, b = log-ratio of y_r and h = a - b.
+With s = sigmoid, eps = --label_smoothing, x = beta * h, the losses (`--loss_type`), per pair:
+
+    sigmoid    -(1-eps) log s(x) - eps log s(-x)                DPO, Rafailov et al. 2023; eps > 0: cDPO, Mitchell 2023
+    robust     ((1-eps)(-log s(x)) + eps log s(-x)) / (1-2eps)      rDPO, Chowdhury et al. 2024
+    hinge      max(0, 1 - x)                                        SLiC-HF, Zhao et al. 2023
+    ipo        (h - 1/(2 beta))^2                                   IPO, Azar et al. 2023 (summed log-probs, as there)
+    exo_pair   s(x)(log s(x) - log(1-eps)) + s(-x)(log s(-x) - log eps)   EXO, Ji et al. 2024 (eps = 0 -> 1e-3)
+    nca_pair   -log s(beta a) - 1/2 log s(-beta a) - 1/2 log s(-beta b)   NCA, Chen et al. 2024
+    bco_pair   -log s(beta a - delta) - log s(-(beta b - delta))          BCO, Jung et al. 2024
+    sppo_hard  (a - 1/(2 beta))^2 + (b + 1/(2 beta))^2                    SPPO, Wu et al. 2024
+    apo_zero   1 - s(beta a) + s(beta b)                            APO-zero, D'Oosterlinck et al. 2024
+    apo_down   s(beta a) + 1 - s(x)                                 APO-down, D'Oosterlinck et al. 2024
+    discopop   (1 - m)(-log s(x)) + m exp(-x), m = s(x / tau)       DiscoPOP (LRML), Lu et al. 2024
+    simpo      -log s(beta (avg_c - avg_r) - gamma), avg: mean token log-prob, no reference    SimPO, Meng et al. 2024
+    orpo       -avg_c - lambda log s(log odds_c - log odds_r), odds = p/(1-p), p = exp(avg)    ORPO, Hong et al. 2024
+    kto        chosen w_d (1 - s(beta (a - z0))), rejected w_u (1 - s(beta (z0 - b)))        KTO, Ethayarajh et al. 2024
+`--sft_weight w` adds w times the chosen response's mean token NLL to any of them (RPO, Pang et al. 2024).
+
+Where we depart from the papers or from TRL, on purpose:
+  - bco_pair's delta is the mean reward of all earlier steps (0 at the first; TRL includes the current
+    micro-batch), so the loss does not depend on how a batch is split over micro-batches and ranks;
+  - kto is trained on the pairs, unpaired: every chosen response is desirable, every rejected one undesirable; its
+    reference point z0 is the mean log-ratio of mismatched rows (the prompt of pair i with the responses of pair i+1
+    of the rank's batch), averaged over all ranks, clamped at 0 and detached;
+  - reward accuracy counts ties as 1/2, so the reference itself scores 0.5;
+  - simpo and orpo train without the reference; it is still loaded for eval/logratio_* and --judge.
+Sequences are right-padded; chosen and rejected rows go through the policy in one forward pass; log-probs are summed
+over response tokens only. The loss is the sum over pairs divided by the number of pairs of the whole step (all
+micro-batches and ranks), so it does not depend on how the batch is split. The model and the losses are
+hand-written on purpose: reading them is the point.
+
+Data: HH-RLHF dialogues {"chosen": ..., "rejected": ...} split into (prompt, chosen response, rejected response) at
+the last "\\n\\nAssistant:", from the hub (`--dataset`, its train and test splits) or a local `--data_path`
+.jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's, so an SFT checkpoint never saw them.
+
+Commands:
+    python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
+    python dpo.py --init_from out/sft/ckpt.pt --data_path hh.jsonl.gz --lr 2e-4 --max_steps 40   # CPU, ~5 min
+    python dpo.py --init_from gpt2 --device cuda --batch_size 32 --max_len 512 --max_steps 2000   # one GPU, hub
+    torchrun --standalone --nproc_per_node=8 dpo.py --init_from gpt2-medium --loss_type ipo --beta 0.5 --parallel fsdp
+
+Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs; all ranks together):
+    train/loss, eval/loss                   the --loss_type loss, mean over pairs (with the --sft_weight term)
+    */reward_acc                            fraction of pairs whose chosen reward beats the rejected (ties 1/2)
+    */margin                                mean chosen reward - rejected reward
+    */chosen_reward, */rejected_reward      mean implicit rewards beta * (log pi - log pi_ref), summed over the
+                                            response (simpo: beta * mean token log-prob; orpo: lambda * the same)
+    */chosen_logp, */rejected_logp          mean summed response log-probs under the policy (DPO can lower both)
+    eval/logratio_acc, eval/logratio_margin DPO's accuracy (h > 0, ties 1/2) and mean h in nats, for every loss type,
+                                            so runs of different losses compare
+    eval/win_rate                           --judge: share of held-out prompts whose greedy policy response the
+                                            reward model scores above the reference's (ties 1/2); at the end
+    train/kto_kl, train/bco_delta           kto's reference point z0; bco_pair's reward shift delta
+    train/lr, train/grad_norm, train/pairs  learning rate, gradient norm before clipping, pairs trained on so far
+    perf/pairs_per_s, perf/step_ms
+"""
+
+import argparse
+import copy
+import dataclasses
+import functools
+import gzip
+import inspect
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/dpo-<YYYYmmdd-HHMMSS>
+    dataset: str = "Anthropic/hh-rlhf"  # hub dataset of chosen/rejected dialogues (train and test splits)
+    data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --dataset (1 in 20 held out)
+    init_from: str = "gpt2"  # policy: ckpt.pt of gpt.py (SFT) or any script, Hugging Face GPT-2 folder, or hub id
+    ref_from: str = ""  # reference model (same forms); default: a frozen copy of the starting policy
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    loss_type: str = "sigmoid"  # a loss of the table above: sigmoid, ipo, simpo, kto, ... (LOSS_TYPES)
+    beta: float = 0.1  # inverse temperature of the implicit reward (SimPO: about 2)
+    label_smoothing: float = 0.0  # eps: assumed share of flipped labels (sigmoid -> cDPO, robust, exo_pair, simpo)
+    gamma: float = 0.0  # SimPO's target reward margin (the paper: gamma / beta about 0.5)
+    discopop_tau: float = 0.05  # DiscoPOP's temperature of the log-ratio modulation
+    orpo_lambda: float = 0.1  # ORPO's weight of the odds-ratio term
+    kto_desirable_weight: float = 1.0  # KTO's weight of desirable (chosen) responses
+    kto_undesirable_weight: float = 1.0  # KTO's weight of undesirable (rejected) responses
+    sft_weight: float = 0.0  # add this times the chosen response's mean token NLL (RPO)
+    precompute_ref: bool = False  # compute the reference log-probs of every pair once, before training
+    max_len: int = 256  # tokens per sequence (prompt + response): prompts lose their start first
+    batch_size: int = 8  # pairs per optimizer step per rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 100  # optimizer steps
+    lr: float = 1e-5  # peak learning rate (a small model SFT'd by gpt.py takes about 2e-4)
+    min_lr: float = 1e-6  # learning rate at the end of the cosine decay
+    warmup_steps: int = 10  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    dropout: float = 0.0  # dropout of the policy (DPO usually trains without)
+    eval_every: int = 25  # steps between evaluations on the held-out pairs
+    eval_pairs: int = 256  # held-out pairs per evaluation (0: all)
+    judge: str = ""  # ckpt.pt of reward_model.py: score greedy responses of policy and reference at the end
+    judge_prompts: int = 64  # held-out prompts the judge scores
+    num_samples: int = 4  # greedy held-out responses written to samples.txt
+    sample_tokens: int = 64  # longest greedy response (tokens)
+    log_every: int = 10  # steps between log lines
+    save_every: int = 50  # steps between checkpoints (one is always written at the end)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the policy's training forward
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank); also orders the training pairs
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False, keep_last=0):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
+        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
+        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        elif keep_last:
+            x = x[:, -keep_last:]  # (B, keep_last, C)
+        if return_hidden:
+            return x, None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
+
+    def __init__(self):
+        self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
+    def exit_code(self):
+        return 128 + (self.signum or signal.SIGTERM)
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the losses, pure functions of per-sequence log-probs (SPEC section 7). tests/test_dpo.py checks each
+# against its formula and its properties.
+
+PAIR_LOSSES = (
+    "sigmoid",
+    "robust",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "simpo",
+)
+LOSS_TYPES = (*PAIR_LOSSES, "orpo", "kto")
+REFERENCE_FREE = ("simpo", "orpo")  # trained without the reference
+STATS = ("loss", "reward_acc", "margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
+
+
+def preference_loss(
+    pi_chosen,
+    pi_rejected,
+    ref_chosen,
+    ref_rejected,
+    loss_type="sigmoid",
+    beta=0.1,
+    label_smoothing=0.0,
+    chosen_len=None,
+    rejected_len=None,
+    gamma=0.0,
+    bco_delta=0.0,
+    discopop_tau=0.05,
+):
+    """Per-pair losses (B,) from response log-probs (B,) summed over tokens, under the policy (pi_*) and the reference
+    (ref_*). Returns (losses, chosen_rewards, rejected_rewards); the rewards are the implicit beta * (pi - ref),
+    detached (simpo: beta * mean token log-prob, with chosen_len and rejected_len the response token counts).
+    a = pi_chosen - ref_chosen, b = pi_rejected - ref_rejected, h = a - b, x = beta * h; the formulas are the
+    docstring's table. bco_delta is BCO's reward shift, a running mean of earlier rewards that the caller keeps
+    (the function stays pure); discopop_tau is DiscoPOP's temperature."""
+    eps = label_smoothing
+    if loss_type == "simpo":  # no reference: length-normalised log-probs are the reward
+        if chosen_len is None or rejected_len is None:
+            raise ValueError("simpo needs chosen_len and rejected_len")
+        avg_c, avg_r = pi_chosen / chosen_len, pi_rejected / rejected_len  # (B,)
+        x = beta * (avg_c - avg_r) - gamma
+        losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+        return losses, (beta * avg_c).detach(), (beta * avg_r).detach()
+    a, b = pi_chosen - ref_chosen, pi_rejected - ref_rejected  # (B,) log-ratios
+    h = a - b
+    x = beta * h
+    if loss_type == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+    elif loss_type == "robust":  # unbiased under label noise eps (eps < 1/2)
+        losses = (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - x)
+    elif loss_type == "ipo":  # regresses h onto 1/(2 beta) instead of pushing it to infinity
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "exo_pair":  # reverse KL from the model's pair distribution s(+-x) to the labels (1-eps, eps)
+        e = eps or 1e-3
+        losses = torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-e)) + torch.sigmoid(-x) * (
+            F.logsigmoid(-x) - math.log(e)
+        )
+    elif loss_type == "nca_pair":  # absolute rewards: the chosen one rises, not only the gap
+        losses = -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b)
+    elif loss_type == "bco_pair":  # a binary classifier: chosen rewards above delta, rejected below
+        losses = -F.logsigmoid(beta * a - bco_delta) - F.logsigmoid(-(beta * b - bco_delta))
+    elif loss_type == "sppo_hard":
+        losses = (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2
+    elif loss_type == "apo_zero":  # anchored: chosen up, rejected down, each against the reference
+        losses = 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
+    elif loss_type == "apo_down":  # anchored: both down, the rejected more
+        losses = torch.sigmoid(beta * a) + 1 - torch.sigmoid(x)
+    elif loss_type == "discopop":  # m exp(-x) as exp(log m - x): m = 0 never meets exp(-x) = inf
+        m = torch.sigmoid(x / discopop_tau)
+        losses = -(1 - m) * F.logsigmoid(x) + torch.exp(F.logsigmoid(x / discopop_tau) - x)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return losses, (beta * a).detach(), (beta * b).detach()
+
+
+def orpo_loss(avg_logp_chosen, avg_logp_rejected, nll_chosen, lam):
+    """ORPO per pair (B,): nll_chosen - lam * log sigmoid(log odds(chosen) - log odds(rejected)), where
+    odds = p / (1 - p) of p = exp(mean token log-prob) (no reference). Returns (losses, chosen_rewards,
+    rejected_rewards) with rewards lam * mean token log-prob, detached."""
+    log1m = lambda logp: torch.log(-torch.expm1(logp.clamp(max=-1e-7)))  # log(1 - p), finite for p -> 1
+    log_odds = (avg_logp_chosen - avg_logp_rejected) - (log1m(avg_logp_chosen) - log1m(avg_logp_rejected))
+    losses = nll_chosen - lam * F.logsigmoid(log_odds)
+    return losses, (lam * avg_logp_chosen).detach(), (lam * avg_logp_rejected).detach()
+
+
+def kto_loss(logps, ref_logps, desirable, beta, kl_ref, desirable_weight=1.0, undesirable_weight=1.0):
+    """KTO per sequence (N,), unpaired: with r = logps - ref_logps and the reference point z0 = kl_ref (detached:
+    a baseline, not a target), desirable rows lose w_d (1 - sigmoid(beta (r - z0))), undesirable rows
+    w_u (1 - sigmoid(beta (z0 - r))). desirable is a (N,) bool mask. Returns (losses, rewards beta * r detached)."""
+    r = logps - ref_logps  # (N,)
+    z0 = torch.as_tensor(kl_ref, dtype=r.dtype, device=r.device).detach()
+    gain = desirable_weight * (1 - torch.sigmoid(beta * (r - z0)))
+    loss = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r)))
+    return torch.where(desirable, gain, loss), (beta * r).detach()
+
+
+def sequence_logprobs(model, head, ids, mask):
+    """Log-probs of right-padded rows ids (N, T) summed over the tokens where mask (N, T) is 1.0 (the response;
+    prompt and padding are 0). Returns (summed log-probs (N,), response token counts (N,)). Token t is scored by the
+    hidden state at t-1, so padding on the right never reaches a scored token. Only scored positions go through the
+    output layer `head` (the model's lm_head, weights tied to the embedding): prompts are most of an HH dialogue,
+    and a 50k-vocabulary output layer over them would be most of the compute and memory."""
+    h, _ = model(ids[:, :-1], return_hidden=True)  # (N, T-1, C)
+    scored = mask[:, 1:] > 0  # (N, T-1)
+    logp = token_logprobs(head(h[scored]), ids[:, 1:][scored])  # (n,): every scored token of the batch
+    sums = torch.zeros(len(ids), device=ids.device).index_add(0, scored.nonzero()[:, 0], logp)  # (N,)
+    return sums, scored.sum(1).float()
+
+
+def collate(rows, pad_id=0):
+    """Right-pad (token ids, prompt length) rows into ids (N, T) and the response mask (N, T)."""
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T)
+    for i, (row, n_prompt) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, n_prompt : len(row)] = 1.0
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: HH-RLHF records -> (prompt, chosen, rejected). split_hh, hh_pairs and encode_pair are copied verbatim in
+# reward_model.py; tests/test_dpo.py checks that both give the same results.
+
+HH_TURN = "\n\nAssistant:"
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
+    return (prompt, response) if response.strip() else None
+
+
+def hh_pairs(records):
+    """(prompt, chosen, rejected) triples of HH-RLHF records {"chosen": dialogue, "rejected": dialogue}, and a
+    dict counting the records skipped for each reason (missing field, no response, prompts differ, identical)."""
+    pairs, skipped = [], {}
+    for rec in records:
+        chosen, rejected = rec.get("chosen"), rec.get("rejected")
+        if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
+            reason = "missing field"
+        else:
+            c, r = split_hh(chosen), split_hh(rejected)
+            if c is None or r is None:
+                reason = "no Assistant response"
+            elif c[0] != r[0]:
+                reason = "prompts differ"
+            elif c[1].strip() == r[1].strip():
+                reason = "chosen == rejected"
+            else:
+                pairs.append((c[0], c[1], r[1]))
+                continue
+        skipped[reason] = skipped.get(reason, 0) + 1
+    return pairs, skipped
+
+
+def encode_pair(tok, prompt, response, max_len):
+    """Token ids of prompt + response (+ <|endoftext|> when the tokenizer has one) and how many of them are prompt.
+    Too long: the prompt loses tokens from the left first (the response is what is scored), then the response
+    loses its end; at least one prompt token always stays."""
+    p = tok.encode(prompt)
+    r = (tok.encode(response) + ([tok.eot_id] if tok.eot_id is not None else []))[: max_len - 1]
+    p = p[-(max_len - len(r)) :]
+    return p + r, len(p)
+
+
+def load_pairs(cfg):
+    """(train, held-out) lists of (prompt, chosen, rejected). A local file is split exactly as gpt.py --data hh_sft
+    splits it (a fixed 5%, whatever --seed), so an SFT checkpoint of gpt.py never saw the held-out dialogues."""
+    if cfg.data_path:
+        source = cfg.data_path
+        records = read_jsonl(cfg.data_path, ["chosen"])  # as gpt.py reads it: the same records, the same split
+        order = random.Random(0).sample(range(len(records)), len(records))
+        n_val = max(1, len(records) // 20)
+        parts = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]]
+    else:
+        source = cfg.dataset
+        try:
+            import datasets
+
+            hub = datasets.load_dataset(cfg.dataset)
+            parts = [
+                [{"chosen": c, "rejected": r} for c, r in zip(hub[s]["chosen"], hub[s]["rejected"])]
+                for s in ("train", "test")
+            ]
+        except Exception as e:
+            die(f"cannot load {cfg.dataset} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+    (train, skip_train), (val, skip_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
+    skipped = {k: skip_train.get(k, 0) + skip_val.get(k, 0) for k in {**skip_train, **skip_val}}
+    summary = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+    check(train, f"{source}: no usable training pair (skipped: {summary or 'none'})")
+    check(val, f"{source}: no usable held-out pair (skipped: {summary or 'none'})")
+    return train, val, summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The judge: reward_model.py's model and loader, copied so that this file stands alone.
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, return_hidden=True)
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate(cfg):
+    for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in ("eval_pairs", "judge_prompts", "num_samples", "warmup_steps", "sft_weight"):
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    check(cfg.beta > 0 and math.isfinite(cfg.beta), f"--beta must be positive (got {cfg.beta})")
+    check(0 <= cfg.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
+    check(cfg.gamma >= 0 and math.isfinite(cfg.gamma), f"--gamma must be >= 0 (got {cfg.gamma})")
+    check(cfg.discopop_tau > 0, f"--discopop_tau must be positive (got {cfg.discopop_tau})")
+    check(cfg.orpo_lambda > 0, f"--orpo_lambda must be positive (got {cfg.orpo_lambda})")
+    check(
+        cfg.kto_desirable_weight > 0 and cfg.kto_undesirable_weight > 0,
+        "--kto_desirable_weight and --kto_undesirable_weight must be positive",
+    )
+    check(cfg.max_len >= 2, f"--max_len must be >= 2: a prompt token and a response token (got {cfg.max_len})")
+    check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum")
+    check(
+        cfg.loss_type != "kto" or cfg.batch_size >= 2,
+        "--loss_type kto needs --batch_size >= 2: its reference point pairs prompts with other pairs' responses",
+    )
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
+    check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
+    check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
+    check(not cfg.judge or os.path.isfile(cfg.judge), f"--judge {cfg.judge}: no such checkpoint")
+
+
+def weights_checksum(model):
+    """A fingerprint of a model's weights: a resumed run checks that --ref_from / --init_from still hold them."""
+    return float(sum(v.double().sum() for v in model.state_dict().values()))
+
+
+def train(cfg, out_dir, rt):
+    """One DPO-family run into out_dir; returns its final results."""
+    seed_everything(cfg.seed + rt.rank)
+    stop = GracefulExit()
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+
+    # policy (the run's checkpoint on --resume, else --init_from) and the frozen reference
+    if ckpt is not None:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        spec = ckpt["tokenizer"]
+    else:
+        model, spec, _ = load_model(cfg.init_from, cfg.dropout)
+    if cfg.ref_from or ckpt is not None:
+        ref, ref_spec, _ = load_model(cfg.ref_from or cfg.init_from)
+        check(ref_spec == spec, f"the reference {cfg.ref_from or cfg.init_from} uses another tokenizer than the policy")
+    else:
+        ref = copy.deepcopy(model)
+    ref_checksum = weights_checksum(ref)
+    check(
+        ckpt is None or ckpt["ref_checksum"] == ref_checksum,
+        f"--resume: the reference {cfg.ref_from or cfg.init_from} changed since the run started",
+    )
+    tok = get_tokenizer(spec)
+    block = min(model.config.block_size, ref.config.block_size)
+    check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
+    check(cfg.sample_tokens < block, f"--sample_tokens {cfg.sample_tokens} leaves no room for a prompt in {block}")
+    judge = None
+    if cfg.judge:
+        judge, judge_spec, _ = load_reward_model(cfg.judge)
+        judge_tok = get_tokenizer(judge_spec)
+        check(
+            judge_spec == "gpt2" or (spec != "gpt2" and set(tok.chars) <= set(judge_tok.chars)),
+            f"--judge {cfg.judge}: its char vocabulary cannot encode this policy's responses",
+        )
+        judge.to(rt.device)
+
+    # data: pairs as text, tokenized per batch (encode_pair truncates to --max_len)
+    train_pairs, val_pairs, skipped = load_pairs(cfg)
+    if rt.master and skipped:
+        print(
+            f"skipped records: {skipped}; kept {len(train_pairs)} train, {len(val_pairs)} held-out pairs",
+            file=sys.stderr,
+        )
+    if isinstance(tok, CharTokenizer):
+        unknown = set().union(*(set("".join(t)) for t in train_pairs + val_pairs)) - set(tok.chars)
+        check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the model's vocabulary")
+    eval_pairs = val_pairs[: cfg.eval_pairs or None]
+    micro = cfg.batch_size // cfg.grad_accum  # pairs per forward pass
+    model.to(rt.device)
+    ref.to(rt.device).eval().requires_grad_(False)
+    raw = model
+
+    def batch_tensors(pairs):
+        """Chosen rows, then rejected rows, right-padded: ids (2B, T) and response mask (2B, T) on the device."""
+        rows = [encode_pair(tok, p, c, cfg.max_len) for p, c, _ in pairs]
+        rows += [encode_pair(tok, p, r, cfg.max_len) for p, _, r in pairs]
+        ids, mask = collate(rows)
+        return ids.to(rt.device), mask.to(rt.device)
+
+    @torch.no_grad()
+    def frozen_logprobs(net, pairs):
+        """Summed response log-probs (2B,) of a no-grad forward: the reference, or the policy for KTO's z0."""
+        ids, mask = batch_tensors(pairs)
+        with rt.autocast():
+            return sequence_logprobs(net, net.lm_head, ids, mask)[0]
+
+    def shard(n):
+        """This rank's equal share of n items as (indices, weights): the last ranks repeat items with weight 0, so
+        every rank runs the same number of forward passes (FSDP's forward is collective)."""
+        per_rank = math.ceil(n / rt.world_size)
+        idx = range(rt.rank * per_rank, (rt.rank + 1) * per_rank)
+        return [i % n for i in idx], torch.tensor([float(i < n) for i in idx], device=rt.device)
+
+    def reference_table(pairs):
+        """Reference log-probs (n, 2) [chosen, rejected] of every pair: each rank computes a share, then a sum."""
+        table = torch.zeros(len(pairs), 2, device=rt.device)
+        idx, weight = shard(len(pairs))
+        for i in range(0, len(idx), micro):
+            rows = idx[i : i + micro]
+            logp = frozen_logprobs(ref, [pairs[j] for j in rows]).view(2, -1).t()  # (b, 2)
+            table[rows] = logp * weight[i : i + micro, None]
+        return all_reduce(table, rt).cpu()
+
+    def kto_reference_point(pairs):
+        """KTO's z0: the mean log-ratio of mismatched rows (prompt of pair i, responses of pair i+1), over all ranks,
+        clamped at 0. The policy's share is detached: z0 is a baseline, not a target."""
+        shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
+        total = torch.zeros(2, device=rt.device)
+        for i in range(0, len(shifted), micro):
+            rows = shifted[i : i + micro]
+            log_ratio = frozen_logprobs(raw, rows) - frozen_logprobs(ref, rows)  # (2b,)
+            total += torch.stack([log_ratio.sum(), torch.tensor(float(log_ratio.numel()), device=rt.device)])
+        total = all_reduce(total, rt)
+        return (total[0] / total[1]).clamp(min=0)
+
+    # state: optimizer, step, BCO's running mean of rewards, cached reference log-probs
+    policy = wrap_model(model, rt, cfg.compile)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    start_step, pairs_seen, bco = 0, 0, [0.0, 0]  # bco: [mean reward, rewards counted]
+    ref_cache = None
+    if ckpt is not None:
+        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step, pairs_seen, bco, ref_cache = ckpt["step"], ckpt["pairs"], ckpt["bco"], ckpt.get("ref_logps")
+    if cfg.precompute_ref and ref_cache is None:
+        t0 = time.time()
+        ref_cache = {"train": reference_table(train_pairs), "eval": reference_table(eval_pairs)}
+        if rt.master:
+            print(f"reference log-probs of {len(train_pairs) + len(eval_pairs)} pairs in {time.time() - t0:.0f} s")
+    if cfg.precompute_ref and cfg.loss_type != "kto" and judge is None:
+        ref = None  # every reference log-prob is cached: free its memory
+
+    def reference_logprobs(split, indices, pairs):
+        """Reference log-probs (2B,) of pairs (chosen rows, then rejected rows): cached, or a no-grad forward."""
+        if ref_cache is not None:
+            table = ref_cache[split][indices].to(rt.device)  # (B, 2)
+            return torch.cat([table[:, 0], table[:, 1]])
+        return frozen_logprobs(ref, pairs)
+
+    def pair_losses(logp, n_tokens, ref_logp, kl_ref):
+        """The --loss_type loss per pair (B,) and the chosen and rejected rewards (B,) of one micro-batch, from (2B,)
+        policy log-probs, response lengths and reference log-probs (None for simpo and orpo)."""
+        pi_c, pi_r = logp.chunk(2)
+        len_c, len_r = n_tokens.clamp(min=1).chunk(2)
+        if cfg.loss_type == "orpo":
+            losses, chosen_r, rejected_r = orpo_loss(pi_c / len_c, pi_r / len_r, -pi_c / len_c, cfg.orpo_lambda)
+        elif cfg.loss_type == "kto":
+            desirable = torch.arange(len(logp), device=logp.device) < len(pi_c)  # chosen rows
+            w_d, w_u = cfg.kto_desirable_weight, cfg.kto_undesirable_weight
+            row_losses, rewards = kto_loss(logp, ref_logp, desirable, cfg.beta, kl_ref, w_d, w_u)
+            losses = 0.5 * sum(row_losses.chunk(2))  # a pair is two unpaired examples: the loss is their mean
+            chosen_r, rejected_r = rewards.chunk(2)
+        else:
+            ref_c, ref_r = (None, None) if ref_logp is None else ref_logp.chunk(2)
+            losses, chosen_r, rejected_r = preference_loss(
+                pi_c,
+                pi_r,
+                ref_c,
+                ref_r,
+                cfg.loss_type,
+                cfg.beta,
+                cfg.label_smoothing,
+                len_c,
+                len_r,
+                cfg.gamma,
+                bco[0],
+                cfg.discopop_tau,
+            )
+        if cfg.sft_weight:  # RPO: the chosen response's mean token NLL
+            losses = losses - cfg.sft_weight * pi_c / len_c
+        return losses, chosen_r, rejected_r
+
+    def pair_stats(losses, chosen_r, rejected_r, logp, ref_logp):
+        """Sums over the micro-batch's pairs: loss, reward accuracy (ties 1/2), margin, chosen and rejected rewards,
+        chosen and rejected log-probs, and DPO's log-ratio accuracy and margin h (0 without reference log-probs)."""
+        pi_c, pi_r = logp.detach().chunk(2)
+        h = torch.zeros_like(pi_c)
+        if ref_logp is not None:
+            ref_c, ref_r = ref_logp.chunk(2)
+            h = (pi_c - ref_c) - (pi_r - ref_r)
+        win = lambda d: (d > 0).float() + 0.5 * (d == 0).float()
+        cols = [losses.detach(), win(chosen_r - rejected_r), chosen_r - rejected_r, chosen_r, rejected_r, pi_c, pi_r]
+        return torch.stack([*cols, win(h), h], 1)  # (B, 9)
+
+    @torch.no_grad()
+    def evaluate():
+        raw.eval()
+        idx, weight = shard(len(eval_pairs))
+        pairs = [eval_pairs[i] for i in idx]
+        kl_ref = kto_reference_point(pairs) if cfg.loss_type == "kto" else None
+        sums = torch.zeros(9, device=rt.device)
+        for i in range(0, len(idx), micro):
+            rows, batch = idx[i : i + micro], pairs[i : i + micro]
+            ids, mask = batch_tensors(batch)
+            with rt.autocast():
+                logp, n_tokens = sequence_logprobs(raw, raw.lm_head, ids, mask)
+            ref_logp = reference_logprobs("eval", rows, batch)  # eval/logratio_* need it for every loss type
+            stats = pair_stats(*pair_losses(logp, n_tokens, ref_logp, kl_ref), logp, ref_logp)
+            sums += (stats * weight[i : i + micro, None]).sum(0)
+        sums = all_reduce(sums, rt) / len(eval_pairs)
+        raw.train()
+        names = (*STATS, "logratio_acc", "logratio_margin")
+        return {f"eval/{k}": v for k, v in zip(names, sums.tolist())}
+
+    @torch.no_grad()
+    def greedy_responses(net, prompts):
+        """Greedy responses (text, up to <|endoftext|>) of a model to prompts, in batches of --batch_size. Always
+        --sample_tokens steps, no early stop at <|endoftext|>: under FSDP every rank must run as many forwards."""
+        net.eval()
+        keep = net.config.block_size - cfg.sample_tokens
+        texts = []
+        for i in range(0, len(prompts), cfg.batch_size):
+            ids = [tok.encode(p)[-keep:] for p in prompts[i : i + cfg.batch_size]]
+            with rt.autocast():
+                out, _ = generate(net, ids, cfg.sample_tokens, temperature=0)
+            for row in out.tolist():
+                texts.append(tok.decode(row[: row.index(tok.eot_id)] if tok.eot_id in row else row))
+        return texts
+
+    @torch.no_grad()
+    def judge_scores(prompts, responses):
+        """The judge's reward of each (prompt, response): its score at the last token, as reward_model.py scores."""
+        rows = [encode_pair(judge_tok, p, r, judge.body.config.block_size) for p, r in zip(prompts, responses)]
+        scores = []
+        for i in range(0, len(rows), cfg.batch_size):
+            chunk = rows[i : i + cfg.batch_size]
+            ids, _ = collate(chunk)
+            last = torch.tensor([len(r) - 1 for r, _ in chunk])
+            with rt.autocast():
+                scores.append(judge(ids.to(rt.device)).cpu()[torch.arange(len(chunk)), last])
+        return torch.cat(scores)
+
+    def checkpoint(step):
+        model_sd, optim_sd = training_state(raw, optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": model_sd,
+                    "model_config": dataclasses.asdict(raw.config),
+                    "tokenizer": spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                    "pairs": pairs_seen,
+                    "bco": bco,
+                    "ref_checksum": ref_checksum,
+                    "ref_logps": ref_cache,
+                },
+            )
+
+    # the order of training pairs: epochs of a fixed shuffle, independent of --resume; ranks take disjoint slices
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch):
+        return torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+
+    def step_indices(step):
+        n, start = len(train_pairs), (step * rt.world_size + rt.rank) * cfg.batch_size
+        return [epoch_order(pos // n)[pos % n] for pos in range(start, start + cfg.batch_size)]
+
+    if rt.master:
+        print(
+            f"{raw.num_params() / 1e6:.2f}M parameters, {len(train_pairs)} train and {len(eval_pairs)} held-out pairs, "
+            f"loss {cfg.loss_type}, device {rt.device}, {rt.world_size} process(es), out_dir {out_dir}"
+        )
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    t_start, last_eval = time.time(), {}
+    reference_free = cfg.loss_type in REFERENCE_FREE
+    for step in range(start_step, cfg.max_steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval = evaluate()
+            logger.log(step, last_eval)
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # ALGO LOGIC 1. the step's pairs; KTO's reference point from mismatched pairs (no grad)
+        indices = step_indices(step)
+        pairs = [train_pairs[i] for i in indices]
+        kl_ref = kto_reference_point(pairs) if cfg.loss_type == "kto" else None
+        n_pairs = all_reduce(torch.tensor(float(len(pairs)), device=rt.device), rt)  # the loss normaliser
+        sums = torch.zeros(9, device=rt.device)
+        for i in range(0, len(pairs), micro):
+            batch = pairs[i : i + micro]
+            grad_sync(policy, i + micro >= len(pairs))
+            # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad
+            ids, mask = batch_tensors(batch)
+            with rt.autocast():
+                # the output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward)
+                # still see its gradient, as it is the embedding's (tied) weight
+                logp, n_tokens = sequence_logprobs(policy, raw.lm_head, ids, mask)  # (2b,), (2b,)
+            ref_logp = None if reference_free else reference_logprobs("train", indices[i : i + micro], batch)
+            # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
+            losses, chosen_r, rejected_r = pair_losses(logp, n_tokens, ref_logp, kl_ref)
+            scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
+            sums += pair_stats(losses, chosen_r, rejected_r, logp, ref_logp).sum(0)
+        # 4. update
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(policy, cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        sums = all_reduce(sums, rt) / n_pairs
+        metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())}
+        if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
+            metrics["train/bco_delta"] = bco[0]
+            n_new = 2 * int(n_pairs.item())
+            bco = [(bco[0] * bco[1] + (sums[3] + sums[4]).item() * n_pairs.item()) / (bco[1] + n_new), bco[1] + n_new]
+        if kl_ref is not None:
+            metrics["train/kto_kl"] = kl_ref.item()
+        pairs_seen += int(n_pairs.item())
+        train_loss = metrics["train/loss"]
+        stop_requested = stop.requested(step + 1, rt)
+        if not math.isfinite(train_loss):
+            print(
+                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
+                "is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+        dt = time.time() - t0
+        logger.bar.update(1)
+        logger.bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{last_eval.get('eval/reward_acc', 0):.3f}")
+        metrics.update(
+            {
+                "train/lr": lr,
+                "train/grad_norm": grad_norm.item(),
+                "train/pairs": pairs_seen,
+                "perf/pairs_per_s": n_pairs.item() / dt,
+                "perf/step_ms": 1000 * dt,
+            }
+        )
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            checkpoint(step + 1)
+        if stop_requested:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
+                    f"{out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code())
+    checkpoint(cfg.max_steps)
+
+    # greedy responses to held-out prompts (every rank takes part: under FSDP the forward is collective); the judge
+    n_prompts = max(cfg.num_samples, cfg.judge_prompts if judge is not None else 0)
+    prompts = [p for p, _, _ in val_pairs[:n_prompts]]
+    responses = greedy_responses(raw, prompts)
+    ref_responses = greedy_responses(ref, prompts) if ref is not None else None
+    if judge is not None:
+        wins = judge_scores(prompts, responses) - judge_scores(prompts, ref_responses)  # (n,)
+        last_eval["eval/win_rate"] = ((wins > 0).float() + 0.5 * (wins == 0).float()).mean().item()
+        logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
+    logger.close()
+    results = {
+        "loss_type": cfg.loss_type,
+        "steps": cfg.max_steps,
+        "pairs": pairs_seen,
+        "train_pairs": len(train_pairs),
+        "heldout_pairs": len(eval_pairs),
+        "wall_time_s": time.time() - t_start,
+        **{k.removeprefix("eval/"): v for k, v in last_eval.items()},
+    }
+    if rt.master:
+        with open(os.path.join(out_dir, "samples.txt"), "w") as f:
+            for i, (prompt, chosen, _) in enumerate(val_pairs[: cfg.num_samples]):
+                f.write(f"=== held-out prompt {i} (last 400 characters)\n{prompt[-400:]}\n--- policy (greedy)\n")
+                f.write(responses[i] + "\n")
+                if ref_responses is not None:
+                    f.write(f"--- reference (greedy)\n{ref_responses[i]}\n")
+                f.write(f"--- chosen in the data\n{chosen}\n\n")
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        print(
+            f"held-out: reward accuracy {results['reward_acc']:.3f}, margin {results['margin']:.4f}, "
+            f"log-ratio accuracy {results['logratio_acc']:.3f}"
+            + (f", win rate {results['win_rate']:.3f}" if "win_rate" in results else "")
+            + f"; {out_dir}"
+        )
+    return results
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "dpo", rt)
+    train(cfg, out_dir, rt)
+    cleanup(rt)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,670 @@
+"""dpo.py: every loss against its formula (hand values and hypothesis properties), response-only log-probs, the HH
+data rules shared with reward_model.py and gpt.py, and end-to-end runs (every loss type, run folder, resume,
+torchrun, the judge, learning, bad input)."""
+
+import dataclasses
+import importlib
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT, needs_bpe, run_script, torchrun
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dpo
+
+FAST = settings(max_examples=50, deadline=None)
+logps = st.floats(-60, -0.01)
+ratios = st.floats(-20, 20)
+betas = st.floats(0.01, 3)
+MONOTONE = ("sigmoid", "robust", "hinge", "bco_pair", "apo_zero", "simpo")  # non-increasing in a (ipo, sppo_hard,
+# exo_pair, nca_pair, discopop have an optimum at finite a; apo_down is flat in a when b = 0)
+
+
+def s(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def log_s(x):
+    return -math.log1p(math.exp(-x))
+
+
+def loss(loss_type, pi_c, pi_r, ref_c, ref_r, **kw):
+    """preference_loss on 1-element float64 tensors, as Python floats (losses, chosen reward, rejected reward)."""
+    t = lambda v: torch.tensor([v], dtype=torch.float64)
+    kw = {k: t(v) if k.endswith("_len") else v for k, v in kw.items()}
+    out = dpo.preference_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), loss_type, **kw)
+    return [x.item() for x in out]
+
+
+# ------------------------------------------------------------------------------------------- hand-computed values
+
+# pi_c = -10, pi_r = -12, ref_c = -11, ref_r = -11.5: a = 1, b = -0.5, h = 1.5; beta = 0.5: x = 0.75
+EXAMPLE = dict(pi_c=-10.0, pi_r=-12.0, ref_c=-11.0, ref_r=-11.5)
+HAND = {
+    "sigmoid": ({}, -log_s(0.75)),
+    "robust": ({"label_smoothing": 0.1}, (-0.9 * log_s(0.75) + 0.1 * log_s(-0.75)) / 0.8),
+    "hinge": ({}, 0.25),  # max(0, 1 - 0.75)
+    "ipo": ({}, 0.25),  # (1.5 - 1/(2 * 0.5))^2
+    "exo_pair": (
+        {"label_smoothing": 0.1},
+        s(0.75) * (log_s(0.75) - math.log(0.9)) + s(-0.75) * (log_s(-0.75) - math.log(0.1)),
+    ),
+    "nca_pair": ({}, -log_s(0.5) - 0.5 * log_s(-0.5) - 0.5 * log_s(0.25)),  # beta a = 0.5, beta b = -0.25
+    "bco_pair": ({"bco_delta": 0.2}, -log_s(0.5 - 0.2) - log_s(-(-0.25 - 0.2))),
+    "sppo_hard": ({}, (1 - 1) ** 2 + (-0.5 + 1) ** 2),
+    "apo_zero": ({}, 1 - s(0.5) + s(-0.25)),
+    "apo_down": ({}, s(0.5) + 1 - s(0.75)),
+    "discopop": ({"discopop_tau": 0.05}, (1 - s(15)) * -log_s(0.75) + s(15) * math.exp(-0.75)),
+}
+
+
+@pytest.mark.parametrize("loss_type", HAND)
+def test_pair_losses_match_hand_computed_values(loss_type):
+    """Each loss on a = 1, b = -0.5 (h = 1.5), beta = 0.5, against the formula evaluated by hand; the rewards are
+    beta * a and beta * b."""
+    kw, expected = HAND[loss_type]
+    value, chosen_r, rejected_r = loss(loss_type, **EXAMPLE, beta=0.5, **kw)
+    assert value == pytest.approx(expected, rel=1e-9)
+    assert (chosen_r, rejected_r) == pytest.approx((0.5, -0.25))
+
+
+def test_cdpo_and_exo_hand_values_with_their_smoothing():
+    """cDPO (sigmoid, eps 0.1): -0.9 log s(x) - 0.1 log s(-x); exo_pair with eps 0 uses eps = 1e-3."""
+    assert loss("sigmoid", **EXAMPLE, beta=0.5, label_smoothing=0.1)[0] == pytest.approx(
+        -0.9 * log_s(0.75) - 0.1 * log_s(-0.75), rel=1e-9
+    )
+    expected = s(0.75) * (log_s(0.75) - math.log(1 - 1e-3)) + s(-0.75) * (log_s(-0.75) - math.log(1e-3))
+    assert loss("exo_pair", **EXAMPLE, beta=0.5)[0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_simpo_hand_value():
+    """avg_c = -10/4 = -2.5, avg_r = -12/6 = -2, beta 2, gamma 0.5: -log s(2 * (-0.5) - 0.5); rewards beta * avg."""
+    value, chosen_r, rejected_r = loss("simpo", **EXAMPLE, beta=2.0, gamma=0.5, chosen_len=4, rejected_len=6)
+    assert value == pytest.approx(-log_s(-1.5), rel=1e-9)
+    assert (chosen_r, rejected_r) == pytest.approx((-5.0, -4.0))
+
+
+def test_orpo_hand_value():
+    """p_c = 1/2, p_r = 1/4: odds 1 and 1/3, log odds ratio log 3; NLL log 2; lambda 0.1:
+    log 2 - 0.1 log s(log 3) = log 2 - 0.1 log(3/4)."""
+    avg_c, avg_r = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    losses, chosen_r, rejected_r = dpo.orpo_loss(avg_c, avg_r, -avg_c, 0.1)
+    assert losses.item() == pytest.approx(math.log(2) - 0.1 * math.log(0.75), rel=1e-6)
+    assert (chosen_r.item(), rejected_r.item()) == pytest.approx((0.1 * math.log(0.5), 0.1 * math.log(0.25)))
+
+
+def test_kto_hand_value():
+    """r = [1, -1], z0 = 0.5, beta 1, w_d 1, w_u 2: desirable 1 - s(1 - 0.5), undesirable 2 (1 - s(0.5 + 1))."""
+    losses, rewards = dpo.kto_loss(
+        torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -4.0]), torch.tensor([True, False]), 1.0, 0.5, 1.0, 2.0
+    )
+    assert losses.tolist() == pytest.approx([1 - s(0.5), 2 * (1 - s(1.5))], rel=1e-6)
+    assert rewards.tolist() == pytest.approx([1.0, -1.0])
+
+
+def test_losses_are_batched_elementwise():
+    """A batch gives each pair the loss it gets alone (here a pair and its mirror image, h = +-1.5)."""
+    for loss_type in dpo.PAIR_LOSSES:
+        pi_c, pi_r = torch.tensor([-10.0, -12.0]), torch.tensor([-12.0, -10.0])
+        ref_c, ref_r = torch.tensor([-11.0, -11.5]), torch.tensor([-11.5, -11.0])
+        lens = torch.tensor([4.0, 6.0]), torch.tensor([6.0, 4.0])
+        batch = dpo.preference_loss(pi_c, pi_r, ref_c, ref_r, loss_type, 0.5, 0.1, *lens)[0]
+        for i in range(2):
+            alone = dpo.preference_loss(
+                pi_c[i : i + 1], pi_r[i : i + 1], ref_c[i : i + 1], ref_r[i : i + 1], loss_type, 0.5, 0.1,
+                lens[0][i : i + 1], lens[1][i : i + 1],
+            )[0]  # fmt: skip
+            assert torch.allclose(batch[i], alone[0]), loss_type
+
+
+# ------------------------------------------------------------------------------------------------ properties
+
+
+@FAST
+@given(logps, logps, betas)
+def test_sigmoid_loss_is_log2_when_policy_equals_reference(pi_c, pi_r, beta):
+    """h = 0: -log s(0) = log 2, whatever the log-probs and beta; both rewards are 0."""
+    value, chosen_r, rejected_r = loss("sigmoid", pi_c, pi_r, pi_c, pi_r, beta=beta)
+    assert value == pytest.approx(math.log(2), rel=1e-12)
+    assert chosen_r == rejected_r == 0
+
+
+@FAST
+@given(logps, logps, logps, logps, betas, st.floats(0.0, 0.49))
+def test_cdpo_is_the_label_noise_mixture_and_equals_sigmoid_at_zero_smoothing(pi_c, pi_r, ref_c, ref_r, beta, eps):
+    """cDPO(eps) = (1 - eps) DPO(h) + eps DPO(-h); with eps = 0 it is DPO's -log s(beta h), and so is robust."""
+    h = (pi_c - ref_c) - (pi_r - ref_r)
+    dpo_loss = lambda x: math.log1p(math.exp(-beta * x))  # -log s(beta x)
+    plain = loss("sigmoid", pi_c, pi_r, ref_c, ref_r, beta=beta)[0]
+    assert plain == pytest.approx(dpo_loss(h), rel=1e-9, abs=1e-12)
+    assert loss("sigmoid", pi_c, pi_r, ref_c, ref_r, beta=beta, label_smoothing=0.0)[0] == plain
+    assert loss("robust", pi_c, pi_r, ref_c, ref_r, beta=beta, label_smoothing=0.0)[0] == pytest.approx(plain)
+    mixed = loss("sigmoid", pi_c, pi_r, ref_c, ref_r, beta=beta, label_smoothing=eps)[0]
+    assert mixed == pytest.approx((1 - eps) * dpo_loss(h) + eps * dpo_loss(-h), rel=1e-9, abs=1e-12)
+
+
+@FAST
+@given(ratios, ratios, st.floats(0.05, 3))
+def test_ipo_is_minimised_at_h_equal_to_one_over_two_beta(a, b, beta):
+    """(h - 1/(2 beta))^2 is 0 with zero gradient at h* = 1/(2 beta), and larger anywhere else."""
+    target = 1 / (2 * beta)
+    at_min = loss("ipo", a + target, 0.0, a, 0.0, beta=beta)[0]  # h = target exactly
+    assert at_min == pytest.approx(0.0, abs=1e-12)
+    assert loss("ipo", a, b, 0.0, 0.0, beta=beta)[0] >= at_min
+    t = lambda v: torch.tensor([v], dtype=torch.float64)
+    pi_c = t(a + target).requires_grad_()
+    dpo.preference_loss(pi_c, t(0.0), t(a), t(0.0), "ipo", beta)[0].sum().backward()
+    assert abs(pi_c.grad.item()) < 1e-9
+
+
+@FAST
+@given(st.sampled_from(MONOTONE), logps, logps, logps, logps, betas, st.floats(0.01, 5))
+def test_monotone_losses_decrease_as_the_chosen_logratio_grows(loss_type, pi_c, pi_r, ref_c, ref_r, beta, step):
+    """Raising log pi(chosen) (so a, and h) never raises these losses, and their gradient in it is <= 0."""
+    kw = dict(beta=beta, chosen_len=3.0, rejected_len=5.0)
+    kw.update(label_smoothing=0.2 if loss_type == "robust" else 0.0, bco_delta=0.3 if loss_type == "bco_pair" else 0.0)
+    before = loss(loss_type, pi_c, pi_r, ref_c, ref_r, **kw)[0]
+    after = loss(loss_type, pi_c + step, pi_r, ref_c, ref_r, **kw)[0]
+    assert after <= before + 1e-12
+    x = torch.tensor([pi_c], dtype=torch.float64, requires_grad=True)
+    t = lambda v: torch.tensor([v], dtype=torch.float64)
+    kw = {k: t(v) if k.endswith("_len") else v for k, v in kw.items()}
+    dpo.preference_loss(x, t(pi_r), t(ref_c), t(ref_r), loss_type, **kw)[0].sum().backward()
+    assert x.grad.item() <= 1e-12
+
+
+@FAST
+@given(logps, logps, st.floats(0.01, 2))
+def test_orpo_and_kto_decrease_as_the_chosen_logprob_grows(avg_c, avg_r, step):
+    """ORPO: a likelier chosen response lowers both the NLL and the odds-ratio term. KTO: a desirable row's loss
+    falls and an undesirable row's rises as its log-ratio grows."""
+    avg_c = min(avg_c, -step - 1e-3)  # room to rise below 0
+    orpo = lambda c: dpo.orpo_loss(torch.tensor([c]), torch.tensor([avg_r]), torch.tensor([-c]), 0.5)[0].item()
+    assert orpo(avg_c + step) <= orpo(avg_c) + 1e-6
+    kto = lambda r, good: dpo.kto_loss(torch.tensor([r]), torch.zeros(1), torch.tensor([good]), 0.5, 0.2)[0].item()
+    assert kto(avg_c + step, True) <= kto(avg_c, True) and kto(avg_c + step, False) >= kto(avg_c, False)
+
+
+def test_kto_reference_point_gets_no_gradient():
+    """z0 is a baseline: a kl_ref that carries gradient gets none from the loss."""
+    kl_ref = torch.tensor(0.3, requires_grad=True)
+    logps = torch.tensor([-2.0, -3.0], requires_grad=True)
+    dpo.kto_loss(logps, torch.tensor([-2.5, -2.5]), torch.tensor([True, False]), 0.5, kl_ref)[0].sum().backward()
+    assert kl_ref.grad is None and logps.grad is not None
+
+
+@FAST
+@given(logps, logps, logps, logps, logps, logps, st.floats(1, 50), st.floats(1, 50))
+def test_simpo_ignores_the_reference_arguments(pi_c, pi_r, ref_c, ref_r, ref_c2, ref_r2, len_c, len_r):
+    """SimPO has no reference: any reference log-probs (or None) give the same loss and rewards."""
+    kw = dict(beta=2.0, gamma=0.7, chosen_len=len_c, rejected_len=len_r)
+    first = loss("simpo", pi_c, pi_r, ref_c, ref_r, **kw)
+    assert first == loss("simpo", pi_c, pi_r, ref_c2, ref_r2, **kw)
+    t = lambda v: torch.tensor([v], dtype=torch.float64)
+    none = dpo.preference_loss(t(pi_c), t(pi_r), None, None, "simpo", 2.0, 0.0, t(len_c), t(len_r), 0.7)
+    assert [x.item() for x in none] == first
+
+
+@FAST
+@given(ratios, ratios, betas, st.floats(-2, 2))
+def test_bco_delta_shifts_the_rewards(a, b, beta, delta):
+    """BCO with reward shift delta equals BCO without it on log-ratios moved by -delta/beta."""
+    shifted = loss("bco_pair", a - delta / beta, b - delta / beta, 0.0, 0.0, beta=beta)[0]
+    assert loss("bco_pair", a, b, 0.0, 0.0, beta=beta, bco_delta=delta)[0] == pytest.approx(shifted, rel=1e-9)
+
+
+@pytest.mark.parametrize("loss_type", dpo.PAIR_LOSSES)
+def test_losses_and_gradients_are_finite_for_extreme_logratios(loss_type):
+    """Log-ratios of +-1e4 (a collapsed or exploded policy) give finite losses and gradients, in float32."""
+    pi_c = torch.tensor([1e4, -1e4, 0.0, 30.0], requires_grad=True)
+    pi_r = torch.tensor([-1e4, 1e4, 0.0, -30.0])
+    zero = torch.zeros(4)
+    losses, _, _ = dpo.preference_loss(pi_c, pi_r, zero, zero, loss_type, 1.0, 0.1, torch.ones(4), torch.ones(4))
+    losses.sum().backward()
+    assert torch.isfinite(losses).all() and torch.isfinite(pi_c.grad).all(), (losses, pi_c.grad)
+
+
+def test_unknown_loss_type_is_an_error():
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        loss("dpo", **EXAMPLE)
+
+
+# ------------------------------------------------------------------------------------------ response log-probs
+
+
+def tiny_model(vocab=11, block=32, seed=0):
+    torch.manual_seed(seed)
+    return dpo.GPT(dpo.GPTConfig(block_size=block, vocab_size=vocab, n_layer=2, n_head=2, n_embd=16)).eval()
+
+
+MODEL = tiny_model()
+
+
+def chain_rule_logprob(model, prompt, response):
+    """log p(response | prompt) = log p(prompt + response) - log p(prompt), each from its own unpadded forward."""
+
+    def seq_logprob(ids):
+        x = torch.tensor([ids])
+        return dpo.token_logprobs(model(x[:, :-1])[0], x[:, 1:]).sum().item()
+
+    return seq_logprob(prompt + response) - seq_logprob(prompt)
+
+
+@FAST
+@given(
+    st.lists(st.integers(0, 10), min_size=1, max_size=8),
+    st.lists(st.integers(0, 10), min_size=1, max_size=8),
+    st.integers(0, 10),
+    st.integers(0, 12),
+)
+def test_prompt_and_padding_tokens_never_change_the_summed_logprob(prompt, response, pad_id, longer_by):
+    """The summed log-prob of a right-padded row is log p(response | prompt) by the chain rule: the prompt's own
+    tokens are not counted, and neither the padding id nor how much padding a longer row forces changes it."""
+    with torch.no_grad():
+        expected = chain_rule_logprob(MODEL, prompt, response)
+        other = [1] * (len(prompt) + len(response) + longer_by)  # a longer row in the batch pads this one
+        ids, mask = dpo.collate([(prompt + response, len(prompt)), (other, 1)], pad_id=pad_id)
+        logp, n_tokens = dpo.sequence_logprobs(MODEL, MODEL.lm_head, ids, mask)
+    assert logp[0].item() == pytest.approx(expected, abs=1e-4)
+    assert n_tokens[0].item() == len(response)
+
+
+def test_chosen_and_rejected_in_one_forward_equal_separate_forwards():
+    """The concatenated forward of chosen and rejected rows gives each row the log-prob it gets alone."""
+    rows = [([1, 2, 3, 4], 2), ([1, 2, 5], 2), ([7, 7, 7, 8, 9, 10], 3), ([7, 7, 7, 1], 3)]
+    with torch.no_grad():
+        together, _ = dpo.sequence_logprobs(MODEL, MODEL.lm_head, *dpo.collate(rows))
+        alone = [dpo.sequence_logprobs(MODEL, MODEL.lm_head, *dpo.collate([r]))[0].item() for r in rows]
+    assert together.tolist() == pytest.approx(alone, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ HH data rules
+
+DIALOGUES = [
+    {"chosen": "\n\nHuman: hi\n\nAssistant: hello there", "rejected": "\n\nHuman: hi\n\nAssistant: go away"},
+    {"chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d", "rejected": "\n\nHuman: a\n\nAssistant: b"},
+    {"chosen": "\n\nHuman: x\n\nAssistant:  ", "rejected": "\n\nHuman: x\n\nAssistant: y"},
+    {"chosen": "\n\nHuman: q\n\nAssistant: same ", "rejected": "\n\nHuman: q\n\nAssistant: same"},
+    {"chosen": "no turns at all", "rejected": "\n\nHuman: q\n\nAssistant: r"},
+    {"chosen": "\n\nHuman: q\n\nAssistant: r"},
+    {"chosen": 3, "rejected": "\n\nHuman: q\n\nAssistant: r"},
+    {
+        "chosen": "\n\nHuman: m\n\nAssistant: one\n\nAssistant: two",
+        "rejected": "\n\nHuman: m\n\nAssistant: one\n\nAssistant: 3",
+    },
+]
+
+
+def test_hh_pairs_split_at_the_last_assistant_turn_and_count_skips():
+    """Hand-made dialogues: a plain pair, prompts that differ, a blank response, identical responses, no Assistant
+    turn, missing or non-string fields, and a pair whose prompt holds an earlier Assistant turn."""
+    pairs, skipped = dpo.hh_pairs(DIALOGUES)
+    assert pairs == [
+        ("\n\nHuman: hi\n\nAssistant:", " hello there", " go away"),
+        ("\n\nHuman: m\n\nAssistant: one\n\nAssistant:", " two", " 3"),
+    ]
+    assert skipped == {"prompts differ": 1, "no Assistant response": 2, "chosen == rejected": 1, "missing field": 2}
+    assert dpo.split_hh("\n\nHuman: a\n\nAssistant: b") == ("\n\nHuman: a\n\nAssistant:", " b")
+
+
+def test_encode_pair_truncates_the_prompt_from_the_left_first():
+    """max_len 6 with a 5-token prompt and a 2-token response (+ eot): the prompt keeps its last 3 tokens; a
+    response longer than max_len keeps its start and one prompt token."""
+    tok = SimpleNamespace(encode=lambda text: [ord(c) - 96 for c in text], eot_id=0)
+    ids, n_prompt = dpo.encode_pair(tok, "abcde", "xy", 6)
+    assert (ids, n_prompt) == ([3, 4, 5, 24, 25, 0], 3)
+    ids, n_prompt = dpo.encode_pair(tok, "abc", "uvwxyz", 4)
+    assert (ids, n_prompt) == ([3, 21, 22, 23], 1)
+
+
+def reward_model_module():
+    if not (ROOT / "reward_model.py").is_file():
+        pytest.skip("reward_model.py does not exist yet")
+    return importlib.import_module("reward_model")
+
+
+@pytest.mark.parametrize("name", ["split_hh", "hh_pairs", "encode_pair"])
+def test_hh_functions_match_reward_model_py(name):
+    """dpo.py and reward_model.py parse and encode HH-RLHF identically (their copies of the same functions)."""
+    rm = reward_model_module()
+    if not hasattr(rm, name):
+        pytest.skip(f"reward_model.py has no {name}")
+    ours, theirs = getattr(dpo, name), getattr(rm, name)
+    if name == "split_hh":
+        for rec in DIALOGUES:
+            for text in rec.values():
+                if isinstance(text, str):
+                    assert ours(text) == theirs(text)
+    elif name == "hh_pairs":
+        assert ours(DIALOGUES) == theirs(DIALOGUES)
+    else:
+        tok = SimpleNamespace(encode=lambda text: [ord(c) % 50 for c in text], eot_id=49)
+        for max_len in (2, 5, 12, 100):
+            for prompt, chosen, rejected in dpo.hh_pairs(DIALOGUES)[0]:
+                for response in (chosen, rejected):
+                    assert ours(tok, prompt, response, max_len) == theirs(tok, prompt, response, max_len)
+
+
+@FAST
+@given(logps, logps, logps, logps, betas)
+def test_sigmoid_loss_equals_reward_model_bradley_terry_on_implicit_rewards(pi_c, pi_r, ref_c, ref_r, beta):
+    """DPO is a Bradley-Terry model of the implicit rewards beta * (pi - ref): reward_model.py's loss on them."""
+    rm = reward_model_module()
+    t = lambda *v: torch.tensor(v, dtype=torch.float64)
+    losses, chosen_r, rejected_r = dpo.preference_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), "sigmoid", beta)
+    bt = rm.bradley_terry_loss(beta * (t(pi_c) - t(ref_c)), beta * (t(pi_r) - t(ref_r)))
+    assert losses.mean().item() == pytest.approx(bt.item(), rel=1e-9)
+
+
+def synthetic_hh(n, seed=0, marker="please"):
+    """HH-formatted dialogue pairs with a learnable preference: the chosen response holds the marker word somewhere,
+    the rejected one (same length in words) does not."""
+    rng = random.Random(seed)
+    words = "the cat sat on a mat dog ran far sun is hot cold day".split()
+    records = []
+    for _ in range(n):
+        prompt = "\n\nHuman: " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 4))) + "?\n\nAssistant:"
+        good = [rng.choice(words) for _ in range(rng.randint(2, 4))]
+        good.insert(rng.randint(0, len(good)), marker)
+        bad = [rng.choice(words) for _ in range(len(good))]
+        records.append({"chosen": prompt + " " + " ".join(good), "rejected": prompt + " " + " ".join(bad)})
+    return records
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@needs_bpe
+def test_held_out_split_is_gpt_py_hh_sft_split(tmp_path):
+    """dpo's held-out pairs are exactly the dialogues gpt.py --data hh_sft holds out from the same file."""
+    gpt = importlib.import_module("gpt")
+    path = write_jsonl(tmp_path / "hh.jsonl", synthetic_hh(45))
+    train, val, _ = dpo.load_pairs(SimpleNamespace(data_path=str(path), dataset=""))
+    assert len(val) == 2 and len(train) == 43
+    tok = gpt.BPETokenizer()
+    (_, _), (val_ids, _) = gpt.load_splits(SimpleNamespace(data="hh_sft", data_path=str(path)), tok)
+    ids = [i for p, c, _ in val for i in gpt.hh_dialogue(p + c, tok)[0]]
+    assert val_ids.tolist() == ids
+
+
+# ---------------------------------------------------------------------------------------------- end-to-end runs
+
+
+@pytest.fixture(scope="module")
+def hh(tmp_path_factory):
+    """A synthetic HH file (600 pairs: 570 train, 30 held out) and a random char-level GPT checkpoint for it."""
+    folder = tmp_path_factory.mktemp("hh")
+    records = synthetic_hh(600)
+    path = write_jsonl(folder / "hh.jsonl", records)
+    chars = "".join(sorted(set("".join(r["chosen"] + r["rejected"] for r in records))))
+    torch.manual_seed(0)
+    config = dpo.GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=32)
+    ckpt = {
+        "model": dpo.GPT(config).state_dict(),
+        "model_config": dataclasses.asdict(config),
+        "tokenizer": {"type": "char", "chars": chars},
+    }
+    torch.save(ckpt, folder / "init.pt")
+    small = write_jsonl(folder / "small.jsonl", records[:80])  # 76 train, 4 held out
+    return SimpleNamespace(data=path, small=small, init=folder / "init.pt", folder=folder, chars=chars, config=config)
+
+
+@pytest.fixture(autouse=True)
+def no_plots_in_process(monkeypatch):
+    """In-process runs skip drawing training_curves.png (most of a tiny run's time); subprocess runs draw it."""
+    monkeypatch.setattr(dpo, "plot_curves", lambda *args: None)
+
+
+def base_args(hh):
+    return [
+        "--data_path",
+        hh.data,
+        "--init_from",
+        hh.init,
+        "--max_len",
+        "64",
+        "--sample_tokens",
+        "16",
+        "--device",
+        "cpu",
+    ]
+
+
+def train_in_process(out_dir, *args):
+    """dpo.py's main() without the subprocess: parse, validate, run; returns (final results, metrics rows)."""
+    cfg = dpo.parse_config(dpo.Config, [*map(str, args), "--out_dir", str(out_dir)])
+    dpo.validate(cfg)
+    rt = dpo.setup_runtime(cfg)
+    results = dpo.train(cfg, dpo.prepare_out_dir(cfg, "dpo", rt), rt)
+    return results, metrics(out_dir)
+
+
+def metrics(out_dir):
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def close(rows_a, rows_b, tol=1e-5):
+    assert [r.keys() for r in rows_a] == [r.keys() for r in rows_b]
+    for a, b in zip(rows_a, rows_b):
+        assert a == pytest.approx(b, rel=tol, abs=tol), (a, b)
+
+
+@pytest.mark.parametrize("loss_type", dpo.LOSS_TYPES)
+def test_every_loss_type_runs_a_step(tmp_path, hh, loss_type):
+    """One optimizer step of each loss type: finite metrics, the run folder, held-out results."""
+    extra = ["--sft_weight", "0.5"] if loss_type == "hinge" else []  # RPO's NLL term on top of a loss
+    results, rows = train_in_process(
+        tmp_path / "run", *base_args(hh), "--loss_type", loss_type, "--batch_size", "4", "--max_steps", "1",
+        "--eval_pairs", "8", "--num_samples", "2", "--lr", "1e-3", *extra,
+    )  # fmt: skip
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "ckpt.pt", "samples.txt"):
+        assert (tmp_path / "run" / name).is_file(), name
+    train_row = next(r for r in rows if "train/loss" in r)
+    assert all(math.isfinite(v) for v in train_row.values())
+    assert 0 <= results["reward_acc"] <= 1 and results["loss_type"] == loss_type and results["pairs"] == 4
+    # step 0: the policy is the reference, so every log-ratio is 0
+    assert rows[0]["eval/logratio_acc"] == 0.5 and rows[0]["eval/logratio_margin"] == 0
+    assert rows[0]["eval/reward_acc"] == 0.5 or loss_type in dpo.REFERENCE_FREE
+    if loss_type == "sigmoid":
+        assert rows[0]["eval/loss"] == pytest.approx(math.log(2))
+    if loss_type == "hinge":
+        assert rows[0]["eval/loss"] > 1  # hinge at h = 0, plus the NLL
+    if loss_type == "kto":
+        assert train_row["train/kto_kl"] >= 0
+
+
+def test_grad_accum_and_precomputed_reference_do_not_change_the_run(tmp_path, hh):
+    """The loss is normalised by the pairs of the whole step, so 4 micro-batches give the metrics of one; cached
+    reference log-probs give those of a reference forward at every step."""
+    common = [*base_args(hh), "--batch_size", "8", "--max_steps", "3", "--eval_every", "3", "--lr", "3e-3"]
+    _, plain = train_in_process(tmp_path / "plain", *common)
+    _, accum = train_in_process(tmp_path / "accum", *common, "--grad_accum", "4")
+    _, cached = train_in_process(tmp_path / "cached", *common, "--precompute_ref")
+    close(plain, accum)
+    close(plain, cached)
+
+
+def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_path, hh):
+    """Stopped by SIGTERM after 3 of 6 steps and resumed: the same metrics as the uninterrupted run, including the
+    state a resume must carry (BCO's running mean, cached reference log-probs, the optimizer, micro-batches)."""
+    common = [*base_args(hh), "--data_path", hh.small, "--loss_type", "bco_pair", "--precompute_ref"]
+    common += ["--grad_accum", "2", "--batch_size", "4", "--max_steps", "6", "--eval_every", "2", "--lr", "3e-3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    proc = run_script("dpo.py", *common, "--out_dir", full)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
+        assert (full / name).is_file(), name
+    proc = run_script("dpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "3"})
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    ckpt = torch.load(part / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 3 and ckpt["ref_logps"]["train"].shape == (76, 2) and ckpt["bco"][1] == 3 * 2 * 4
+    proc = run_script("dpo.py", "--resume", "--out_dir", part)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert metrics(part) == metrics(full)
+    results = json.loads((full / "final_results.json").read_text())
+    assert (
+        results["pairs"] == 24
+        and results["heldout_pairs"] == 4
+        and "policy (greedy)" in (full / "samples.txt").read_text()
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_gloo_run_matches_one_process_on_the_same_pairs(tmp_path, hh, parallel):
+    """torchrun with 2 CPU ranks of 4 pairs trains on the pairs one process of 8 takes, with the same metrics (so
+    the gradient of the output layer, called outside the DDP/FSDP wrapper, is synchronised too)."""
+    common = [*base_args(hh), "--max_steps", "3", "--eval_every", "3", "--lr", "3e-3", "--loss_type", "bco_pair"]
+    out = tmp_path / parallel
+    proc = torchrun(ROOT / "dpo.py", 2, *common, "--batch_size", "4", "--parallel", parallel, "--out_dir", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, single = train_in_process(tmp_path / "one", *common, "--batch_size", "8")
+    close(metrics(out), single, tol=1e-4)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["pairs"] == 24 and len(ckpt["rng_ranks"]) == 2
+
+
+def save_judge(path, hh, zero_head=False):
+    """A reward_model.py checkpoint (body, head, task, tokenizer) of a random reward model for the hh fixture."""
+    torch.manual_seed(1)
+    judge = dpo.RewardModel(hh.config)
+    if zero_head:
+        torch.nn.init.zeros_(judge.head.weight)
+        torch.nn.init.zeros_(judge.head.bias)
+    ckpt = {
+        "model": judge.body.state_dict(),
+        "reward_head": judge.head.state_dict(),
+        "reward_task": "preference",
+        "tokenizer": {"type": "char", "chars": hh.chars},
+        "model_config": dataclasses.asdict(hh.config),
+    }
+    torch.save(ckpt, path)
+    return path
+
+
+def test_judge_loader_matches_reward_model_py(tmp_path, hh):
+    """dpo.py's copy of RewardModel and load_reward_model scores sequences exactly as reward_model.py's does."""
+    rm = reward_model_module()
+    path = save_judge(tmp_path / "rm.pt", hh)
+    ours, spec, task = dpo.load_reward_model(path)
+    theirs, *rest = rm.load_reward_model(path)
+    ids = torch.randint(len(hh.chars), (3, 20))
+    assert torch.equal(ours(ids), theirs(ids)) and [spec, task] == rest
+
+
+def test_judge_scores_policy_against_reference(tmp_path, hh):
+    """--judge loads a reward_model.py checkpoint and reports eval/win_rate; a judge whose head is zero scores
+    every response 0, so every comparison is a tie and the win rate is exactly 1/2."""
+    save_judge(tmp_path / "rm.pt", hh, zero_head=True)
+    args = [*base_args(hh), "--max_steps", "2", "--judge", tmp_path / "rm.pt", "--judge_prompts", "6"]
+    results, rows = train_in_process(tmp_path / "run", *args, "--lr", "3e-3", "--precompute_ref")
+    assert results["win_rate"] == 0.5 and rows[-1] == {"step": 2, "eval/win_rate": 0.5}
+    assert "reference (greedy)" in (tmp_path / "run" / "samples.txt").read_text()
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize(
+    "loss_type, args",
+    [("sigmoid", ["--beta", "0.1"]), ("ipo", ["--beta", "0.1"]), ("simpo", ["--beta", "2", "--gamma", "0.5"])],
+)
+def test_heldout_reward_accuracy_rises_above_90_percent(tmp_path, hh, loss_type, args):
+    """On pairs whose chosen response holds a marker word, the held-out implicit-reward accuracy climbs from 1/2
+    (policy = reference) to > 0.9 within 30 steps."""
+    results, rows = train_in_process(
+        tmp_path / "run", *base_args(hh), "--loss_type", loss_type, *args, "--batch_size", "16", "--max_steps", "30",
+        "--lr", "3e-3", "--min_lr", "3e-4", "--warmup_steps", "3", "--eval_every", "30", "--num_samples", "0",
+    )  # fmt: skip
+    assert rows[0]["eval/reward_acc"] == 0.5 or loss_type == "simpo"
+    assert results["reward_acc"] > 0.9 and results["margin"] > 0, results
+    assert results["logratio_acc"] > 0.9
+
+
+def test_nan_loss_stops_with_the_step_named_and_keeps_the_last_checkpoint(tmp_path, hh):
+    """An absurd learning rate blows the weights up; the first non-finite loss stops the run with exit code 1."""
+    out = tmp_path / "run"
+    proc = run_script("dpo.py", *base_args(hh), "--lr", "1e30", "--warmup_steps", "0", "--max_steps", "20",
+                      "--save_every", "1", "--eval_every", "100", "--out_dir", out)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "error: loss is" in proc.stderr and "Traceback" not in proc.stderr
+    step = int(proc.stderr.split("at step ")[1].split(";")[0])
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == step
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--loss_type", "dpo2"], "--loss_type"),
+        (["--beta", "0"], "--beta"),
+        (["--data_path", "/nonexistent/hh.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, hh, args, needle):
+    """Impossible settings end with exit code 2 and one line naming the problem; nothing is trained."""
+    proc = run_script("dpo.py", *base_args(hh), "--out_dir", tmp_path / "run", *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def other_tokenizer_checkpoint(hh):
+    path = hh.folder / "bpe.pt"
+    model = dpo.GPT(dpo.GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=8))
+    torch.save(
+        {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "tokenizer": "gpt2"}, path
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--label_smoothing", "0.5"], "--label_smoothing"),
+        (["--loss_type", "kto", "--batch_size", "1"], "--batch_size >= 2"),
+        (["--batch_size", "6", "--grad_accum", "4"], "--grad_accum"),
+        (["--max_len", "65"], "block_size"),
+        (["--judge", "INIT"], "no reward head"),
+        (["--ref_from", "BPE"], "another tokenizer"),
+    ],
+)
+def test_impossible_settings_are_refused_before_training(tmp_path, hh, capsys, args, needle):
+    """The checks behind exit code 2, in-process: each names the setting and exits before any step."""
+    args = [str(hh.init) if a == "INIT" else str(other_tokenizer_checkpoint(hh)) if a == "BPE" else a for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "run", *base_args(hh), *args)
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_char_checkpoint_refuses_data_outside_its_vocabulary(tmp_path, hh, capsys):
+    """Dialogues with characters the char-level policy cannot encode are bad input, not a KeyError."""
+    odd = {"chosen": "\n\nHuman: q\n\nAssistant: Zebra!", "rejected": "\n\nHuman: q\n\nAssistant: no"}
+    path = write_jsonl(tmp_path / "odd.jsonl", [odd] * 30)
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "run", *base_args(hh), "--data_path", path)
+    assert exit_info.value.code == 2 and "outside the model's vocabulary" in capsys.readouterr().err
+
+
+def test_unusable_pairs_are_refused_with_the_skip_counts(tmp_path, hh, capsys):
+    """A file whose every record is skipped (here: identical responses) is an error naming why."""
+    same = {"chosen": "\n\nHuman: q\n\nAssistant: no", "rejected": "\n\nHuman: q\n\nAssistant: no"}
+    path = write_jsonl(tmp_path / "same.jsonl", [same] * 30)
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "run", *base_args(hh), "--data_path", path)
+    assert exit_info.value.code == 2 and "30 chosen == rejected" in capsys.readouterr().err
+
+
+def test_help_lists_every_setting(capsys):
+    """--help works (no stray % in a help text) and names every Config field."""
+    with pytest.raises(SystemExit) as exit_info:
+        dpo.parse_config(dpo.Config, ["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and all(f"--{f.name}" in out for f in dataclasses.fields(dpo.Config))
