@@ -1,0 +1,1960 @@
+"""
+ppo.py: actor-critic PPO with GAE (Schulman et al. 2017, 2016) for language models, on dense and learned rewards.
+
+The policy pi samples one completion o_1..o_T of each prompt q; a value model V estimates the return from each state
+s_t = (q, o_<t). Every completion is an episode whose steps are its tokens, with a per-token reward:
+
+    r_t = R_t - kl_coef * k1_t,   k1_t = log pi_old(o_t | s_t) - log pi_ref(o_t | s_t)   (the KL penalty, in the reward)
+    R_t = the task's reward where it is earned: next_token scores every token; arithmetic and reward_model score the
+          whole completion and the score sits at its last token (the end token when there is one; a completion that
+          never ends within --horizon scores minus --missing_eos_penalty, at its last token), R_t = 0 elsewhere
+Advantages by generalised advantage estimation, the state after the last token being terminal (value 0):
+    delta_t = r_t + gamma V(s_t+1) - V(s_t),    A_t = sum_l (gamma lam)^l delta_t+l,    G_t = A_t + V(s_t)
+G_t (the value target) is taken before --whiten_advantages normalises A over the rollout batch. Then --ppo_epochs
+passes over the batch in --num_minibatches minibatches, each one optimizer step of
+    L = L_clip + vf_coef L_V - entropy_coef H
+    L_clip = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),     rho_t = pi(o_t | s_t) / pi_old(o_t | s_t)
+             (--dual_clip c > 1: for A_t < 0 the token term is also capped at -c A_t; Ye et al. 2020)
+    L_V    = 0.5 mean_t max((V_t - G_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - G_t)^2)
+    H      = mean_t entropy of pi(. | s_t)
+where mean_t is over every real completion token of the minibatch (all micro-batches and ranks together, so the loss
+does not depend on how it is split), eps = --clip_eps, eps_v = --clip_eps_value. With --adaptive_kl the coefficient
+follows Ziegler et al. 2019: kl_coef *= 1 + clip(KL / --target_kl - 1, -0.2, 0.2) * n / --kl_horizon after each step,
+KL the mean per-sequence sum of k1 and n the number of completions of the step (all ranks).
+
+The value model (--value_model): `separate` (default) is a GPT body with a scalar head on every position's hidden
+state (reward_model.py's RewardModel class), initialised from the policy (the head at zero, so the first values are 0)
+or, with --value_init reward_model, from the --reward_model checkpoint, head included; it has its own optimizer.
+`shared` puts a value head (zero-initialised) on the policy's own final hidden states: one forward pass gives the
+logits and the values, and one optimizer trains both. V(s_t) is read at the position that predicts o_t (the last
+token of s_t), the same position whose logits give pi(o_t | s_t).
+
+Tasks (--task), as in grpo.py:
+    next_token    dense reward on real text: each generated token scores 1 if it equals the true continuation at the
+                  same offset (`--reward_mode plus1`; `pm1`: +1 / -1), plus `--partial_logprob w` times
+                  log p(true token | rollout prefix); tiny Shakespeare or `--data FILE`
+    arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
+                  by a newline, --format_reward for another well-formed integer so ended, 0 otherwise; start from
+                  `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out set is
+                  reported before and after training
+    reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
+                  through `datasets`, or --data_path .jsonl/.jsonl.gz)
+The reference of the KL penalty (--reference): the starting policy (init), a bigram model of the training text
+(bigram: the default for next_token from scratch, where the starting policy is noise), a random GPT, or none.
+Where we depart from the papers, on purpose:
+  - the episode ends at the last completion token even when --horizon cut it short (no bootstrap from V);
+  - --whiten_advantages uses the mean and unbiased variance of each rank's rollout batch (as TRL does);
+  - the epoch loop stops early (--target_kl_stop) on the mean approx KL of the epoch's minibatches, not the last one's.
+The model, GAE and the losses are hand-written on purpose: reading them is the point.
+
+Commands:
+    python ppo.py                                                         # next_token on tiny Shakespeare, CPU
+    python gpt.py --data arithmetic --digits 1 --out_dir out/arith                 # a warm start, then
+    python ppo.py --task arithmetic --init_from out/arith/ckpt.pt --batch_size 256 --horizon 4
+    python ppo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --value_init \
+        reward_model --device cuda                                        # RLHF: one GPU
+    torchrun --standalone --nproc_per_node=8 ppo.py --task reward_model --init_from out/sft/ckpt.pt \
+        --reward_model out/rm/ckpt.pt --parallel fsdp                     # 8 GPUs, one process each
+
+Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, all ranks together):
+    train/policy_loss, train/value_loss   L_clip and L_V, mean over the step's minibatch updates
+    train/entropy                  mean policy entropy over completion tokens (nats)
+    train/approx_kl                mean k3 estimate of KL(pi_old || pi) per token, (rho - 1) - log rho
+    train/clipfrac                 tokens whose clipped surrogate is the active branch
+    train/explained_variance       1 - Var[G - V_old] / Var[G] over the rollout's tokens (1: values predict returns)
+    train/loss, train/lr, train/grad_norm, train/value_grad_norm (separate value model), train/epochs (epochs run,
+                                   fewer than --ppo_epochs after an early stop)
+    rl/reward_mean, rl/reward_std  task rewards before the KL penalty (per sequence; per token for next_token)
+    rl/accuracy                    arithmetic exact answers; next_token tokens equal to the truth
+    rl/kl, rl/kl_coef              mean per-sequence KL to the reference (k1 summed over tokens), the coefficient used
+    rl/returns_mean, rl/value_mean mean G_t and V_old(s_t) over completion tokens
+    rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end token;
+                                   completion tokens generated so far, all ranks
+    eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
+                                   format_rate; reward_model: rm_score, kl (per sequence, k1), completion_len
+    perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
+"""
+
+import argparse
+import dataclasses
+import gzip
+import inspect
+import json
+import math
+import os
+import random
+import re
+import resource
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/ppo-<YYYYmmdd-HHMMSS>
+    task: str = "next_token"  # next_token | arithmetic | reward_model
+    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
+    data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
+    init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
+    tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    reward_model: str = ""  # ckpt.pt written by reward_model.py: the reward_model task's scorer, or --value_init
+    n_layer: int = 4  # transformer blocks (scratch only)
+    n_head: int = 4  # attention heads (scratch only)
+    n_embd: int = 128  # embedding width (scratch only)
+    block_size: int = 128  # context length of the model (scratch only)
+    context_len: int = 32  # next_token: tokens of real text before each rollout
+    horizon: int = 16  # most tokens per completion
+    reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
+    partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
+    digits: int = 1  # arithmetic: most digits per operand
+    ops: str = "+-*"  # arithmetic: operators to draw from
+    format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
+    max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
+    batch_size: int = 64  # prompts per step per rank, one completion each
+    temperature: float = 1.0  # sampling temperature of rollouts
+    top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
+    value_model: str = "separate"  # separate (a GPT body with a value head) | shared (a value head on the policy)
+    value_init: str = "policy"  # separate value model: policy (head at zero) | reward_model (--reward_model's weights)
+    reference: str = (
+        "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
+    )
+    kl_coef: float = 0.05  # coefficient of the per-token KL penalty in the reward (the start with --adaptive_kl)
+    adaptive_kl: bool = False  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
+    target_kl: float = 6.0  # adaptive_kl: target KL per sequence (nats, k1 summed over its tokens)
+    kl_horizon: int = 10000  # adaptive_kl: completions over which the coefficient moves by at most a fifth
+    missing_eos_penalty: float = 0.0  # subtracted from the score of a completion without an end token
+    gamma: float = 1.0  # discount per token
+    lam: float = 0.95  # GAE lambda (1: Monte Carlo returns minus values; 0: one-step TD errors)
+    whiten_advantages: bool = True  # normalise advantages to mean 0, variance 1 over the rollout batch
+    clip_eps: float = 0.2  # PPO clip range of the probability ratio
+    dual_clip: float = 0.0  # c > 1 caps the loss of negative-advantage tokens at -c A (0: off)
+    clip_eps_value: float = 0.2  # clip range of the value around the rollout's value (0: unclipped value loss)
+    vf_coef: float = 0.1  # weight of the value loss
+    entropy_coef: float = 0.0  # entropy bonus coefficient
+    ppo_epochs: int = 4  # passes over each batch of rollouts
+    num_minibatches: int = 4  # optimizer steps per pass (the batch split into this many minibatches)
+    target_kl_stop: float = 0.0  # stop the passes when an epoch's mean approx KL exceeds this (0: never)
+    grad_accum: int = 1  # micro-batches per minibatch
+    max_steps: int = 150  # PPO iterations (batches of rollouts)
+    lr: float = 1e-3  # peak learning rate of the policy (and of the shared value head)
+    value_lr: float = 0.0  # peak learning rate of a separate value model (0: --lr)
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay (the value model's scaled alike)
+    warmup_steps: int = 10  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # clip the gradient norm of each model to this (0: off)
+    eval_every: int = 25  # steps between evaluations
+    eval_size: int = 128  # held-out windows, problems or prompts per evaluation
+    log_every: int = 10  # steps between log lines
+    save_every: int = 100  # steps between checkpoints (one is always written at the end)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the training forward passes
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False, keep_last=0):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
+        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
+        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        elif keep_last:
+            x = x[:, -keep_last:]  # (B, keep_last, C)
+        if return_hidden:
+            return x, None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
+
+    def __init__(self):
+        self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
+    def exit_code(self):
+        return 128 + (self.signum or signal.SIGTERM)
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). Shapes: N completions, T positions,
+# mask 1.0 on real completion tokens, a prefix of each row (real tokens first, then padding). tests/test_ppo.py checks
+# them against plain loops and hand-computed values.
+
+
+def masked_mean(x, mask, num_tokens=None):
+    """Mean of x over the positions where mask is 1; num_tokens replaces the count (a global count, when a batch is
+    split over micro-batches and ranks, makes the shares sum to the mean of the whole batch)."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def ppo_rewards(scores, kl, mask, kl_coef):
+    """Per-token rewards (N, T): -kl_coef * kl at every real token, plus the task's reward where it is earned: a
+    (N, T) dense reward at its own tokens, a (N,) sequence reward at each row's last real token."""
+    rewards = -kl_coef * kl * mask  # (N, T)
+    if scores.dim() == 2:
+        return rewards + scores * mask
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # (N,) the last real token (the end token when there is one)
+    return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation over (N, T) per-token rewards and values V(s_t). The state after a row's last
+    real token is terminal: its value is 0, and nothing at masked positions reaches earlier ones.
+        delta_t = r_t + gamma V_t+1 - V_t,   A_t = delta_t + gamma lam A_t+1,   returns G_t = A_t + V_t
+    Returns (advantages, returns), both 0 on padding; returns are the value targets, before any whitening."""
+    rewards = torch.where(mask > 0, rewards, 0.0)
+    values = torch.where(mask > 0, values, 0.0)
+    T = rewards.size(1)
+    next_adv = torch.zeros_like(rewards[:, 0])  # (N,)
+    adv = []
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(next_adv)  # 0 past the end
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (N,)
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        adv.append(next_adv)
+    adv = torch.stack(adv[::-1], 1)  # (N, T)
+    return adv, adv + values
+
+
+def whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) over the real positions, with the masked mean and the unbiased masked variance;
+    shift_mean=False adds the mean back (scale only). Padding positions are ignored and come out as 0."""
+    x = torch.where(mask > 0, x, 0.0)
+    n = mask.sum()
+    mean = x.sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def ppo_policy_loss(logp, old_logp, adv, mask, clip_eps=0.2, dual_clip=None, num_tokens=None):
+    """PPO's clipped surrogate over (N, T) token log-probs and per-token advantages, as a loss (token mean):
+        max(-A rho, -A clip(rho, 1 - eps, 1 + eps)),  rho = exp(logp - old_logp), old_logp carries no gradient;
+    dual_clip c (> 1) also caps the term of tokens with A < 0 at -c A (Ye et al. 2020), so one very unlikely old token
+    cannot dominate. Returns (loss, stats): clip_frac (tokens whose clipped branch is active), dual_clip_frac,
+    approx_kl (k3 estimate of KL(pi_old || pi), (rho - 1) - log rho) and ratio_mean, all normalised like the loss."""
+    mask = mask.float()
+    log_ratio = logp - old_logp.detach()  # (N, T)
+    ratio = log_ratio.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token = torch.max(pg1, pg2)  # (N, T)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip is not None:
+        dual = (adv < 0) & (per_token > -adv * dual_clip)
+        per_token = torch.where(dual, -adv * dual_clip, per_token)
+    loss = masked_mean(per_token, mask, num_tokens)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((pg2 > pg1).float(), mask, num_tokens),
+            "dual_clip_frac": masked_mean(dual.float(), mask, num_tokens),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, num_tokens),
+            "ratio_mean": masked_mean(ratio, mask, num_tokens),
+        }
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, clip_eps, num_tokens=None):
+    """0.5 * mean_t max((V - G)^2, (clip(V, V_old - eps, V_old + eps) - G)^2): the value may not gain from moving
+    further than eps from the rollout's value (clip_eps None or 0: the plain squared error)."""
+    loss = (values - returns) ** 2  # (N, T)
+    if clip_eps:
+        clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        loss = torch.max(loss, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(loss, mask.float(), num_tokens)
+
+
+class AdaptiveKLController:
+    """The KL coefficient of Ziegler et al. 2019: after each step with n completions and a measured KL,
+    value *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon, so it moves towards the target by at most 20% per
+    `horizon` completions."""
+
+    def __init__(self, init_kl_coef, target, horizon):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl, n_steps):
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0)."""
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.expm1(-d) + d  # exp(-d) - 1 + d, without cancellation for small d
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (..., V) -> (...), computed in float32."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+
+
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def to(self, device):
+        self.keys, self.pair_counts, self.prev_counts = (
+            t.to(device) for t in (self.keys, self.pair_counts, self.prev_counts)
+        )
+        return self
+
+    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
+        key = prev * self.vocab_size + nxt
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
+
+
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
+    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    op = rng.choice(ops)
+    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
+    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
+    horizon, anything else before the end, not a number)."""
+    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    return 1.0 if m.group(1) == answer.strip() else format_reward
+
+
+class NextTokenTask:
+    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
+    the true continuation at the same offset."""
+
+    eos_id = None  # rollouts always run the whole horizon
+
+    def __init__(self, cfg, tok, text, path):
+        ids = torch.tensor(tok.encode(text))
+        n_train = int(0.9 * len(ids))
+        self.train_ids, self.val_ids, self.cfg = ids[:n_train], ids[n_train:], cfg
+        C, H = cfg.context_len, cfg.horizon
+        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
+            need = C + H
+            check(len(split) > need, f"the {name} split of {path} has {len(split)} tokens; it needs > {need}")
+        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+            torch.manual_seed(0)
+            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
+
+    def sample(self, n):
+        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
+        return ctx.tolist(), truth  # prompts, and the true continuations (n, H)
+
+    def rewards(self, prompts, completion, mask, truth, logits):
+        """(N, H) dense rewards; truth (N, H) on the completion's device, logits (N, H, V) of the sampling policy."""
+        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
+        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
+
+    def correct(self, completion, truth, rewards):
+        return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        C, H = self.cfg.context_len, self.cfg.horizon
+        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
+        with rt.autocast():
+            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
+            greedy, _ = generate(model, x[:, :C], H, temperature=0)
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
+        return {
+            "eval/next_token_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
+            "eval/loss": nll.item(),
+            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
+        }, text
+
+
+def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
+    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    match = (completion == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach().float()
+    return rewards
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+class ArithmeticTask:
+    """Generated problems; the reward checks the decoded answer (arithmetic_reward)."""
+
+    def __init__(self, cfg, tok):
+        self.cfg, self.tok = cfg, tok
+        newline = tok.encode("\n")
+        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
+        self.eos_id = newline[0]
+        rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
+        self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+
+    def sample(self, n):
+        problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
+        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def texts(self, completion, mask):
+        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
+
+    def rewards(self, prompts, completion, mask, answers, logits):
+        texts = self.texts(completion, mask)
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(texts, answers)]
+        return torch.tensor(r, device=completion.device)  # (N,)
+
+    def correct(self, completion, truth, rewards):
+        return (rewards == 1.0).float()
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
+        with rt.autocast():
+            completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+        texts = self.texts(completion, mask)
+        scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
+        well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
+        shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
+        return {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}, shown
+
+
+HH_TURN = "\n\nAssistant:"
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
+    return (prompt, response) if response.strip() else None
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, return_hidden=True)
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+class RewardModelTask:
+    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
+
+    def __init__(self, cfg, tok, rt):
+        self.cfg, self.tok, self.eos_id = cfg, tok, tok.eot_id
+        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
+        self.rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+        check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+        check(
+            cfg.max_prompt_len + cfg.horizon <= self.rm.body.config.block_size,
+            f"--max_prompt_len + --horizon exceeds the reward model's block_size {self.rm.body.config.block_size}",
+        )
+        self.rm.to(rt.device).eval().requires_grad_(False)
+        if cfg.data_path:
+            records = read_jsonl(cfg.data_path, ["chosen"])
+            order = random.Random(0).sample(range(len(records)), len(records))  # gpt.py's hh_sft split
+            n_val = max(1, len(records) // 20)
+            parts = [[records[i]["chosen"] for i in order[n_val:]], [records[i]["chosen"] for i in order[:n_val]]]
+        else:
+            try:
+                import datasets
+
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        self.train_prompts, self.val_prompts = (
+            [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None] for texts in parts
+        )
+        check(self.train_prompts and self.val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
+        self.eval_set = self.val_prompts[: cfg.eval_size]
+
+    def sample(self, n):
+        return [random.choice(self.train_prompts) for _ in range(n)], None
+
+    @torch.no_grad()
+    def score(self, prompts, completion, mask):
+        """Reward model scores (N,) of prompt + completion (its real tokens), right-padded in one batch."""
+        rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+        lengths = torch.tensor([len(r) for r in rows])
+        idx = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+        for i, r in enumerate(rows):
+            idx[i, : len(r)] = torch.tensor(r)
+        scores = self.rm(idx.to(completion.device))  # (N, T)
+        return scores.gather(1, (lengths - 1)[:, None].to(completion.device)).squeeze(1)  # (N,)
+
+    def rewards(self, prompts, completion, mask, info, logits):
+        return self.score(prompts, completion, mask)
+
+    def correct(self, completion, truth, rewards):
+        return None
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
+        prompts = self.eval_set
+        with rt.autocast():
+            completion, mask = sample_completions(
+                model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
+            )
+            scores = self.score(prompts, completion, mask)
+            seq, attn = join(prompts, completion)
+            logp, _ = completion_logprobs(model, seq, attn, completion.size(1))
+            ref_logp = completion_logprobs(ref, seq, attn, completion.size(1))[0] if ref is not None else logp
+        kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
+        shown = "\n\n".join(
+            f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
+            for p, t, m, s in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4]
+        )
+        metrics = {
+            "eval/rm_score": scores.mean().item(),
+            "eval/kl": kl.mean().item(),
+            "eval/completion_len": mask.sum(1).mean().item(),
+        }
+        return metrics, shown
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The value model
+
+
+class PolicyWithValueHead(nn.Module):
+    """--value_model shared: the policy GPT and a value head on its final hidden states; one forward pass returns the
+    logits (B, T, V) and the values (B, T). It takes the GPT's place wherever a forward pass runs (sampling,
+    evaluation), so under FSDP every call goes through the root module that holds the sharded embeddings."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy, self.config = policy, policy.config
+        self.value_head = nn.Linear(policy.config.n_embd, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, idx, attention_mask=None, cache=None, keep_last=0):
+        h, _ = self.policy(idx, attention_mask=attention_mask, cache=cache, return_hidden=True, keep_last=keep_last)
+        return self.policy.lm_head(h), self.value_head(h).squeeze(-1).float()  # (B, T, V), (B, T)
+
+
+def wrap_module(module, gpt, rt, compile=False):
+    """wrap_model for a module built around a GPT (the value model, the policy with a value head): under FSDP each
+    transformer block of gpt is sharded, then the module as the root; DDP and torch.compile as wrap_model."""
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        broadcast_weights(module, rt)  # as wrap_model does: FSDP2 shards each rank's own weights
+        for block in gpt.transformer.h:
+            fully_shard(block)
+        fully_shard(module)
+        return torch.compile(module) if compile else module
+    return wrap_model(module, rt, compile)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+def left_pad(prompts, device):
+    """Token-id lists -> (N, P) ids left-padded with 0 and a (N, P) bool mask of the real tokens."""
+    width = max(len(p) for p in prompts)
+    idx = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if p:
+            idx[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = True
+    return idx.to(device), attn.to(device)
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+def completion_logprobs(model, seq, attn, H):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them: (N, H), and the logits (N, H, V)."""
+    logits = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]  # (N, H, V)
+    return token_logprobs(logits, seq[:, -H:]), logits
+
+
+def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
+    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon.
+    Under FSDP every forward pass is collective, so ranks cannot stop early at different steps: there the whole
+    horizon is sampled and the mask is cut after the first end token instead."""
+    collective = rt.distributed and rt.parallel == "fsdp"
+    tokens, mask = generate(model, prompts, horizon, temperature, top_k, None if collective else eos_id, generator)
+    if collective and eos_id is not None:
+        is_end = (tokens == eos_id).float()
+        mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
+    pad = horizon - tokens.size(1)
+    if pad:
+        tokens = F.pad(tokens, (0, pad), value=eos_id if eos_id is not None else 0)
+        mask = F.pad(mask, (0, pad))
+    return tokens, mask
+
+
+def logprobs_and_values(actor, critic, seq, attn, H):
+    """Log-probs (N, H) of the last H tokens of seq (N, P+H), the logits (N, H, V) and the values (N, H) read at the
+    same positions: the value of completion token t is V(s_t), read at the position that predicts it. critic None:
+    the actor is a PolicyWithValueHead and one forward gives both."""
+    x, a = seq[:, :-1], None if attn is None else attn[:, :-1]
+    if critic is None:
+        logits, values = actor(x, attention_mask=a, keep_last=H)  # (N, H, V), (N, H)
+    else:
+        logits = actor(x, attention_mask=a, keep_last=H)[0]  # (N, H, V)
+        values = critic(x, attention_mask=a)[:, -H:]  # (N, H)
+    return token_logprobs(logits, seq[:, -H:]), logits, values
+
+
+@torch.no_grad()
+def rollout(task, actor, critic, ref, cfg, rt, n_micro):
+    """ALGO LOGIC 1-2: sample one completion per prompt, then no-grad passes (n_micro rows at a time) for the
+    sampling policy's log-probs and values, the reference's log-probs and the task's rewards (per-row tensors)."""
+    H = cfg.horizon
+    prompts, info = task.sample(cfg.batch_size)
+    actor.eval()
+    with rt.autocast():
+        completion, mask = sample_completions(
+            actor, prompts, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt
+        )  # (N, H), (N, H)
+    actor.train()
+    truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
+    if task.eos_id is not None:
+        truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+    if isinstance(info, torch.Tensor):
+        info = info.to(rt.device)  # (N, H)
+    seq, attn = join(prompts, completion)
+    old_logp, old_values, ref_logp, scores = [], [], [], []
+    with rt.autocast():
+        for i in range(0, len(prompts), n_micro):
+            s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
+            logp, logits, values = logprobs_and_values(actor, critic, s, a, H)  # (n, H), (n, H, V), (n, H)
+            old_logp.append(logp)
+            old_values.append(values)
+            if isinstance(ref, BigramReference):
+                ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
+            elif ref is not None:
+                ref_logp.append(completion_logprobs(ref, s, a, H)[0])
+            part = info[i : i + n_micro] if info is not None else None
+            scores.append(
+                task.rewards(prompts[i : i + n_micro], completion[i : i + n_micro], mask[i : i + n_micro], part, logits)
+            )
+    return {
+        "prompts": prompts,
+        "seq": seq,
+        "attn": attn,
+        "completion": completion,
+        "mask": mask,
+        "truncated": truncated,
+        "old_logp": torch.cat(old_logp),
+        "old_values": torch.cat(old_values).float(),
+        "ref_logp": torch.cat(ref_logp).float() if ref_logp else None,
+        "scores": torch.cat(scores).float(),
+        "info": info,
+    }
+
+
+def global_moments(x, mask, rt):
+    """Mean and unbiased variance of x over the real positions of every rank's batch (None, None when empty)."""
+    s = all_reduce(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double(), rt)
+    if s[0] < 1:
+        return None, None
+    mean = s[1] / s[0]
+    var = (s[2] - s[0] * mean**2) / (s[0] - 1) if s[0] > 1 else torch.zeros_like(mean)
+    return mean.item(), max(var.item(), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def peak_memory_mb(rt):
+    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+def validate(cfg):
+    for name in ("horizon", "batch_size", "max_steps", "ppo_epochs", "num_minibatches", "grad_accum", "eval_every"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in ("eval_size", "log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "kl_horizon"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    check(cfg.context_len > 0 and cfg.max_prompt_len > 0, "--context_len and --max_prompt_len must be positive")
+    check(
+        cfg.batch_size % (cfg.num_minibatches * cfg.grad_accum) == 0,
+        f"--batch_size {cfg.batch_size} must be a multiple of --num_minibatches * --grad_accum "
+        f"({cfg.num_minibatches} * {cfg.grad_accum})",
+    )
+    check(cfg.temperature > 0, "--temperature must be > 0: PPO's ratio needs the sampling policy's probabilities")
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(cfg.value_lr >= 0, f"--value_lr must be >= 0 (got {cfg.value_lr})")
+    check(
+        0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, f"--gamma and --lam must be in [0, 1] (got {cfg.gamma}, {cfg.lam})"
+    )
+    check(cfg.clip_eps > 0, f"--clip_eps must be > 0 (got {cfg.clip_eps})")
+    check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
+    for name in ("clip_eps_value", "vf_coef", "entropy_coef", "kl_coef", "missing_eos_penalty", "target_kl_stop"):
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(cfg.target_kl > 0, f"--target_kl must be > 0 (got {cfg.target_kl})")
+    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
+    check(cfg.top_k >= 0 and cfg.digits >= 1, "--top_k must be >= 0 and --digits >= 1")
+    check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
+    check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
+    choices = {
+        "task": ("next_token", "arithmetic", "reward_model"),
+        "tokenizer": ("gpt2", "char"),
+        "reward_mode": ("plus1", "pm1"),
+        "value_model": ("separate", "shared"),
+        "value_init": ("policy", "reward_model"),
+        "reference": ("auto", "bigram", "random", "init", "none"),
+    }
+    for name, allowed in choices.items():
+        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
+    check(
+        cfg.value_init == "policy" or cfg.value_model == "separate",
+        "--value_init reward_model needs --value_model separate (a shared value head sits on the policy's trunk)",
+    )
+    check(
+        cfg.value_init == "policy" or cfg.reward_model,
+        "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)",
+    )
+    check(
+        not (cfg.missing_eos_penalty and cfg.task == "next_token"),
+        "--missing_eos_penalty: next_token rollouts have no end token",
+    )
+    check(not (cfg.adaptive_kl and cfg.reference == "none"), "--adaptive_kl needs a reference (--reference none)")
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "ppo", rt)
+    stop = GracefulExit()
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    H, shared = cfg.horizon, cfg.value_model == "shared"
+    reference = cfg.reference
+    if reference == "auto":
+        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
+
+    # policy and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
+    text = path = None
+    if cfg.task == "next_token":
+        url_path = os.path.join("data", "tinyshakespeare.txt")
+        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, url_path)
+        text = read_text(path)
+    spec = None
+    if ckpt is not None:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        spec = ckpt["tokenizer"]
+    elif cfg.init_from != "scratch":
+        model, spec, _ = load_model(cfg.init_from)
+    if spec is None:
+        if cfg.tokenizer == "gpt2":
+            tok = BPETokenizer()
+        else:
+            tok = CharTokenizer(sorted(set(text)) if text is not None else ARITHMETIC_CHARS)
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    else:
+        tok = get_tokenizer(spec)
+    if text is not None and isinstance(tok, CharTokenizer):
+        unknown = sorted(set(text) - set(tok.chars))
+        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    if cfg.task == "next_token":
+        task = NextTokenTask(cfg, tok, text, path)
+        longest = cfg.context_len + H
+    elif cfg.task == "arithmetic":
+        task = ArithmeticTask(cfg, tok)
+        longest = 2 * cfg.digits + 2 + H
+    else:
+        task = RewardModelTask(cfg, tok, rt)
+        longest = cfg.max_prompt_len + H
+    check(
+        longest <= model.config.block_size,
+        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
+    )
+    model.to(rt.device)
+    broadcast_weights(model, rt)  # rank 0's starting weights, which the value model and the reference copy
+
+    # the value model: a head on the policy's trunk, or a GPT body with a head of its own
+    critic = None
+    if shared:
+        actor = PolicyWithValueHead(model)
+        if ckpt is not None:
+            actor.value_head.load_state_dict(ckpt["value_model"])
+    elif ckpt is not None:
+        critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
+        critic.load_state_dict(ckpt["value_model"])
+    elif cfg.value_init == "reward_model":
+        critic, rm_spec, _ = load_reward_model(cfg.reward_model)
+        check(rm_spec == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+        critic.train().requires_grad_(True)
+    else:
+        critic = RewardModel(model.config)
+        critic.body.load_state_dict(model.state_dict())
+        nn.init.zeros_(critic.head.weight)  # the first values are 0: the first advantages are plain returns
+        nn.init.zeros_(critic.head.bias)
+    if critic is not None:
+        check(
+            longest <= critic.body.config.block_size,
+            f"prompts + --horizon ({longest}) exceed the value model's block_size {critic.body.config.block_size}",
+        )
+        critic.to(rt.device)
+        actor = model
+    actor.to(rt.device)
+
+    # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
+    ref = None
+    if reference == "bigram":
+        ref = BigramReference(task.train_ids, model.config.vocab_size).to(rt.device)
+    elif reference in ("random", "init"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
+            ref = GPT(model.config)
+        if reference == "init":
+            ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
+        ref.to(rt.device).eval().requires_grad_(False)
+
+    # both trained models are wrapped (DDP / FSDP); the raw modules sample, evaluate and are saved
+    actor_train = wrap_module(actor, model, rt, cfg.compile) if shared else wrap_model(actor, rt, cfg.compile)
+    critic_train = wrap_module(critic, critic.body, rt, cfg.compile) if critic is not None else None
+    optimizer = make_optimizer(actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    value_optimizer = None
+    if critic is not None:
+        value_optimizer = make_optimizer(critic, cfg.value_lr or cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+    start_step, tokens, first_eval = 0, 0, None
+    if ckpt is not None:
+        load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)
+        if critic is not None:
+            load_optimizer_state(critic, value_optimizer, ckpt["value_optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step, tokens, first_eval, kl_ctl.value = ckpt["step"], ckpt["tokens"], ckpt["first_eval"], ckpt["kl_coef"]
+    if rt.master:
+        n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
+        print(
+            f"{model.num_params() / 1e6:.2f}M policy parameters, {n_value / 1e6:.2f}M value parameters "
+            f"({cfg.value_model}), vocab {tok.vocab_size}, task {cfg.task}, reference {reference}, device {rt.device}, "
+            f"{rt.world_size} process(es), out_dir {out_dir}"
+        )
+
+    def evaluate(step):
+        actor.eval()
+        metrics, text = task.evaluate(actor, ref if isinstance(ref, GPT) else None, rt, tok, step)
+        actor.train()
+        return metrics, text
+
+    def checkpoint(step):
+        actor_sd, optim_sd = training_state(actor, optimizer, rt)
+        if shared:  # the policy's own keys, so that any script can --init_from this checkpoint
+            model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
+            value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
+        else:
+            model_sd = actor_sd
+            value_sd, value_optim_sd = training_state(critic, value_optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            extras = {"tokens": tokens, "first_eval": first_eval, "kl_coef": kl_ctl.value, "value_model": value_sd}
+            if not shared:
+                extras["value_model_config"] = dataclasses.asdict(critic.body.config)
+                extras["value_optimizer"] = value_optim_sd
+            if reference == "init":
+                extras["reference"] = ref.state_dict()
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": model_sd,
+                    "model_config": dataclasses.asdict(model.config),
+                    "tokenizer": tok.spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                    **extras,
+                },
+            )
+
+    models = [m for m in (actor_train, critic_train) if m is not None]
+    optimizers = [o for o in (optimizer, value_optimizer) if o is not None]
+    N = cfg.batch_size
+    n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
+    n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
+    t_start, last_eval = time.time(), {}
+    for step in range(start_step, cfg.max_steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval, text = evaluate(step)
+            first_eval = first_eval or last_eval
+            logger.log(step, {**last_eval, "rl/tokens": tokens})
+            if samples:
+                samples.write(f"--- step {step}\n{text}\n")
+                samples.flush()
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if value_optimizer is not None:
+            for group in value_optimizer.param_groups:
+                group["lr"] = lr * (cfg.value_lr or cfg.lr) / cfg.lr
+
+        # ALGO LOGIC 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
+        batch = rollout(task, actor, critic, ref, cfg, rt, n_micro)
+        t_rollout = time.time() - t0
+        seq, attn, mask = batch["seq"], batch["attn"], batch["mask"]
+        old_logp, old_values = batch["old_logp"], batch["old_values"]
+
+        # 3. per-token rewards: the task's reward where it is earned, minus kl_coef * k1 at every token
+        kl = (old_logp - batch["ref_logp"]) * mask if ref is not None else torch.zeros_like(old_logp)  # (N, H)
+        scores = batch["scores"]
+        if scores.dim() == 1:
+            scores = scores - cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
+        kl_coef = kl_ctl.value if ref is not None else 0.0
+        rewards = ppo_rewards(scores, kl, mask, kl_coef)  # (N, H)
+
+        # 4. advantages by GAE from the rollout's values; the returns are the value targets
+        adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
+        if cfg.whiten_advantages:
+            adv = whiten(adv, mask)
+
+        # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
+        sums = torch.zeros(7, device=rt.device)  # policy loss, value loss, entropy, approx KL, clip, loss, dual clip
+        n_updates, epochs, grad_norms = 0, 0, []
+        for _ in range(cfg.ppo_epochs):
+            epoch_sums = torch.zeros_like(sums)
+            perm = torch.randperm(N).to(rt.device)
+            for start in range(0, N, n_minibatch):
+                idx = perm[start : start + n_minibatch]
+                n_tokens = all_reduce(mask[idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
+                for j in range(0, n_minibatch, n_micro):
+                    rows = idx[j : j + n_micro]
+                    for m in models:
+                        grad_sync(m, j + n_micro >= n_minibatch)
+                    with rt.autocast():
+                        a = None if attn is None else attn[rows]
+                        logp, logits, values = logprobs_and_values(actor_train, critic_train, seq[rows], a, H)
+                    pg_loss, stats = ppo_policy_loss(
+                        logp, old_logp[rows], adv[rows], mask[rows], cfg.clip_eps, cfg.dual_clip or None, n_tokens
+                    )
+                    v_loss = value_loss(
+                        values.float(), old_values[rows], returns[rows], mask[rows], cfg.clip_eps_value, n_tokens
+                    )
+                    with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                        entropy = masked_mean(entropy_from_logits(logits), mask[rows], n_tokens)
+                    loss = pg_loss + cfg.vf_coef * v_loss - cfg.entropy_coef * entropy
+                    scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+                    epoch_sums += torch.stack(
+                        [
+                            pg_loss.detach(),
+                            v_loss.detach(),
+                            entropy.detach(),
+                            stats["approx_kl"],
+                            stats["clip_frac"],
+                            loss.detach(),
+                            stats["dual_clip_frac"],
+                        ]
+                    )
+                for opt in optimizers:
+                    scaler.unscale_(opt)
+                grad_norms.append([clip_grad_norm(m, cfg.grad_clip) for m in models])
+                for opt in optimizers:
+                    scaler.step(opt)
+                scaler.update()
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                n_updates += 1
+            epoch_sums = all_reduce(epoch_sums, rt)  # shares of global means: their sum over ranks is the mean
+            sums += epoch_sums
+            epochs += 1
+            if cfg.target_kl_stop and epoch_sums[3].item() / cfg.num_minibatches > cfg.target_kl_stop:
+                break
+        sums = sums / n_updates
+        train_loss = sums[5].item()
+        stop_requested = stop.requested(step + 1, rt)
+        if not math.isfinite(train_loss):
+            print(
+                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
+                "is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+
+        # 6. the KL coefficient for the next step, from this step's KL per sequence (all ranks)
+        seq_kl = all_reduce(torch.stack([kl.sum(), torch.tensor(float(N), device=rt.device)]), rt)
+        mean_seq_kl = (seq_kl[0] / seq_kl[1]).item()
+        if cfg.adaptive_kl:
+            kl_ctl.update(mean_seq_kl, int(seq_kl[1].item()))
+        step_tokens = all_reduce(mask.sum(), rt)
+        tokens += int(step_tokens.item())
+        dt = time.time() - t0
+
+        # metrics over every rank's rollouts
+        task_rewards = batch["scores"]
+        reward_mask = mask if task_rewards.dim() == 2 else torch.ones_like(task_rewards)
+        reward_mean, reward_var = global_moments(task_rewards, reward_mask, rt)
+        returns_mean, returns_var = global_moments(returns, mask, rt)
+        _, residual_var = global_moments(returns - old_values, mask, rt)
+        value_mean, _ = global_moments(old_values, mask, rt)
+        correct = task.correct(batch["completion"], batch["info"], batch["scores"])
+        accuracy = None if correct is None else global_moments(correct, torch.ones_like(correct), rt)[0]
+        lengths = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt) / (N * rt.world_size)
+        grad_norms = torch.tensor([[g.item() for g in norms] for norms in grad_norms]).mean(0)  # (n_models,)
+        metrics = {
+            "train/policy_loss": sums[0].item(),
+            "train/value_loss": sums[1].item(),
+            "train/entropy": sums[2].item(),
+            "train/approx_kl": sums[3].item(),
+            "train/clipfrac": sums[4].item(),
+            "train/dual_clipfrac": sums[6].item() if cfg.dual_clip else None,
+            "train/explained_variance": 1 - residual_var / returns_var if returns_var > 0 else None,
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norms[0].item(),
+            "train/value_grad_norm": grad_norms[1].item() if critic is not None else None,
+            "train/epochs": epochs,
+            "rl/reward_mean": reward_mean,
+            "rl/reward_std": math.sqrt(reward_var),
+            "rl/accuracy": accuracy,
+            "rl/kl": mean_seq_kl if ref is not None else None,
+            "rl/kl_coef": kl_coef,
+            "rl/returns_mean": returns_mean,
+            "rl/value_mean": value_mean,
+            "rl/completion_len": lengths[0].item(),
+            "rl/truncated_frac": lengths[1].item() if task.eos_id is not None else None,
+            "rl/tokens": tokens,
+            "perf/rollout_tokens_per_s": N * H * rt.world_size / max(t_rollout, 1e-9),
+            "perf/rollout_ms": 1000 * t_rollout,
+            "perf/step_ms": 1000 * dt,
+            "perf/peak_mem_mb": peak_memory_mb(rt),
+        }
+        logger.bar.update(1)
+        logger.bar.set_postfix(reward=f"{reward_mean:.3f}")
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            checkpoint(step + 1)
+        if stop_requested:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
+                    f"{out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code())
+    checkpoint(cfg.max_steps)
+    logger.close()
+    if samples:
+        samples.close()
+    if rt.master:
+        results = {
+            "task": cfg.task,
+            "value_model": cfg.value_model,
+            "steps": cfg.max_steps,
+            "tokens": tokens,
+            "wall_time_s": time.time() - t_start,
+            "before": {k.removeprefix("eval/"): v for k, v in first_eval.items()},
+            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+        }
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
+        print(f"{cfg.task} (ppo, {cfg.value_model} value model): {summary}; {results['wall_time_s']:.0f} s")
+    cleanup(rt)
+
+
+if __name__ == "__main__":
+    main()
