@@ -57,8 +57,11 @@ TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32
 
 
 def run_script(script, *args, timeout=300, env=None, cwd=None):
-    """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured). One thread per
+    process unless OMP_NUM_THREADS says otherwise: tiny models gain nothing from more, and a second thread that
+    competes with other processes for the cores can slow a run down many times over."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    full_env.update(env or {})
     return subprocess.run(
         [sys.executable, str(ROOT / script), *map(str, args)],
         capture_output=True,
