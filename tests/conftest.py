@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -14,6 +15,11 @@ sys.path.insert(0, str(ROOT))
 # Offline by default. The GPT-2 BPE files come from ../shared/tiktoken_cache when that folder exists (this
 # project's CI); elsewhere tiktoken downloads them once, and tests that need them skip when it cannot.
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One thread per process, in this one and in every subprocess, unless OMP_NUM_THREADS says otherwise: tiny models
+# gain nothing from more, a thread that competes with another process for the cores can slow a run down tenfold,
+# and runs compared bit for bit (resume tests) must use the same number of threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _shared_cache = ROOT.parent / "shared" / "tiktoken_cache"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and _shared_cache.is_dir():
@@ -57,11 +63,8 @@ TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32
 
 
 def run_script(script, *args, timeout=300, env=None, cwd=None):
-    """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured). One thread per
-    process unless OMP_NUM_THREADS says otherwise: tiny models gain nothing from more, and a second thread that
-    competes with other processes for the cores can slow a run down many times over."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    full_env.update(env or {})
+    """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *map(str, args)],
         capture_output=True,

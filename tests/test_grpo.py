@@ -6,6 +6,8 @@ import json
 import math
 import random
 import re
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -356,12 +358,26 @@ def test_two_process_gloo_runs(tmp_path, text_file, parallel):
         (["--temperature", "0"], "--temperature"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle):
-    """Impossible settings end with exit code 2 and one line naming the setting; nothing is trained."""
-    proc = run_script("grpo.py", "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", *args)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle, monkeypatch, capsys):
+    """Impossible settings end with exit code 2 and one line naming the setting; nothing is trained. (main() runs in
+    this process, which spares an interpreter start per case; the next test runs one case as a real process.)"""
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--data", str(text_file), *NEXT, "--out_dir", str(tmp_path / "run")])
+    sys.argv += args
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # main() installs its own
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.main()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_bad_input_in_a_real_process_prints_no_traceback(tmp_path, text_file):
+    proc = run_script("grpo.py", "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", "--group_size", "1")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 def test_a_policy_checkpoint_is_not_a_reward_model(tmp_path):

@@ -1,0 +1,2160 @@
+"""
+rookworld_grpo.py: GRPO on the RookWorld chess tasks, every reward checked by python-chess and Stockfish.
+
+RookWorld-LM (GPT-2 124M, jrahn/RookWorld-LM-124M) writes chess analysis (P:, the policy task) and simulates the chess
+environment (A:, the environment task) as text. For every prompt q the policy samples a group of K completions, a
+program scores each against the reference answer, and the rewards become advantages of a clipped surrogate (Shao et
+al. 2024, DeepSeekMath), with an exact KL to the frozen starting policy:
+
+    J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * KL_t + c_H * H(pi)
+    r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
+    KL_t = sum_v pi(v) (log pi(v) - log pi_ref(v)) over the whole vocabulary at every completion position
+           (--kl_type forward; reverse swaps pi and pi_ref; symmetric is the mean of the two)
+Advantages: --baseline group: A_i = (R_i - mean_K R) / (std_K R + 1e-4) (group_advantages of grpo.py); --baseline ema:
+A_i = R_i - b_task with b_task a running mean reward of the prompt's task (P: or A:); --value_head: a scalar head on
+the policy's last hidden states, token advantages by GAE (gae of ppo.py) on the reward at the last token, whitened.
+--loss_type grpo | dapo | dr_grpo | gspo | cispo | reinforce as in grpo.py; --adaptive_kl moves beta towards
+--kl_target (KL per completion) as Ziegler et al. 2019 do (AdaptiveKLController of ppo.py).
+
+The two tasks, one training line each (GPT-2 BPE):
+    P:  "P: " + fen.ljust(90) + "M: " + moves.ljust(30) + "E: " + evals.ljust(40) + "B: " + best
+        moves: up to 5 UCI moves (Stockfish multipv 5); evals: the side to move's scores in pawns as plain floats (mate
+        in n: +-(1000 - n/100)), listed in the same (shuffled) order as the moves; B: the best move.
+        The prompt ends after "M:" (the padded FEN and "M:").
+    A:  "A: " + fen + "+" + move + "+" + history + "+" + new_fen + "+" + reward + "+" + terminated + "+" + truncated
+        history: the last (up to) 10 UCI moves, this one last; reward 0.001 for a legal move, 1.0 when the mover mates,
+        0.5 for a draw, -1.0 for an illegal or malformed move (then truncated is 1 and new_fen is the input FEN);
+        terminated (0/1) on mate, stalemate, insufficient material, the 75-move rule or fivefold repetition. FENs as
+        python-chess writes them. The prompt ends at the third "+".
+    Both prompts end on a token boundary of the whole line, so ids(prompt) + ids(completion) == ids(line): the layout
+    RookWorld-LM was trained on. A data line's prompt is its own prefix (the RookWorld val file pads FENs to 89
+    columns, not 90: kept as written). Completions end at <|endoftext|> (RookWorld-LM) or at a newline (a model SFT'd
+    by gpt.py on a file of lines); the end is stripped before scoring.
+
+Rewards (score_p, score_a): -0.3 when the completion does not parse; otherwise a raw score in [0, 1], mapped by
+--reward_shape ladder to 0.2 (raw < 0.4), 0.4 (< 0.6), 0.6 (< 0.8), 0.8 (< 0.95) or 1.0; continuous keeps raw.
+    P:  raw = (4 best + 2 format + 1.5 candidates + 1 evals) / 8.5
+        best        1 if B is the target's best move
+        format      share of four checks: as many evals as moves, as many moves as the target, B among the moves,
+                    no move listed twice
+        candidates  share of the generated moves (each counted once) that are among the target's moves
+        evals       max(0, 1 - MSE / 100) over the generated moves that are target moves, each eval compared with
+                    the target eval of the same move (matched by move, not by position); 0 when no move matches
+    A:  raw = (4 format + 3 fen + 2 flags + 1 reward) / 10
+        format      1 if python-chess reads the new FEN, else 0.5
+        fen         1 for the exact FEN, else 0.5 (1 - Levenshtein distance / length of the longer FEN)
+        flags       1 if terminated and truncated are both right
+        reward      1 if within 0.01 of the target's reward
+
+Targets: the rest of the data line after the prompt; or, for P: prompts with --stockfish PATH, Stockfish's multipv-5
+analysis (one thread, hash cleared before every position, --sf_depth and/or --sf_nodes; a fixed node limit makes it
+deterministic), run by a small pool of engine processes and cached per position. --best_move stockfish takes the
+best move (for a data line: its B when B has the highest eval, else the highest-eval move); --best_move rookworld
+keeps the original data's quirk (its B as written; from Stockfish: on black-to-move rows the last of the 5 moves).
+Data: --data_path, a file of P: and A: lines (a line in neither format is counted and skipped), or
+`--make_data N --out FILE`: N lines from games played from the initial position by Stockfish (random moves mixed in,
+--random_move_frac; random play without Stockfish), P: lines annotated by Stockfish, A: lines from env_step (a few with
+illegal or malformed moves, --illegal_frac). Without --data_path a run makes 1000 such lines in memory.
+Where we depart from the originals, on purpose:
+  - without Stockfish, --make_data annotates P: lines by a one-ply material count: a stand-in that lets the pipeline
+    (and the tests) run anywhere, not chess knowledge;
+  - fivefold repetition needs the game's moves: env_step sees it when history holds every move from the initial
+    position (as --make_data gives it), never from the 10 moves of an A: line;
+  - A: lines of a data file are kept as written, and the ones python-chess disagrees with are counted on stderr;
+  - the reference policy is reloaded from --init_from on --resume instead of being stored in every checkpoint;
+  - the exact KL needs the reference's logits over the vocabulary at every completion token: memory grows with
+    rows x tokens x 50,257 (--grad_accum splits the rows); the log-prob passes run over the batch's longest
+    completion, not the whole --horizon.
+The model, the losses and the reward scorer are hand-written on purpose: reading them is the point.
+
+Commands:
+    python rookworld_grpo.py --make_data 2000 --out data/rookworld.txt --stockfish /usr/games/stockfish
+    python gpt.py --data data/rookworld.txt --tokenizer gpt2 --n_layer 2 --n_embd 64 --block_size 224 --out_dir out/sft
+    python rookworld_grpo.py --init_from out/sft/ckpt.pt --data_path data/rookworld.txt --lr 1e-4 --max_steps 20
+    python rookworld_grpo.py --data_path data/rookworld.txt --stockfish /usr/games/stockfish --device cuda  # 124M
+    torchrun --standalone --nproc_per_node=8 rookworld_grpo.py --data_path data/rookworld.txt --batch_size 16
+
+Metrics (metrics.jsonl):
+    rl/reward_mean, rl/reward_std    rewards of the step's rollouts (all tasks)
+    rl/reward_p, rl/reward_a         the same per task; rl/valid_p, rl/valid_a: completions that parse
+    rl/zero_std_frac                 groups whose rewards are all equal (no signal for group advantages)
+    rl/kl, rl/beta                   exact KL to the reference per completion token (--kl_type), and beta in use
+    rl/clip_frac, rl/ratio_mean      clipped tokens and mean ratio (last iteration)
+    rl/entropy                       mean policy entropy over completion tokens (nats)
+    rl/value_loss                    --value_head: the clipped value loss
+    rl/baseline_p, rl/baseline_a     --baseline ema: the running mean rewards
+    rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end; tokens so far
+    rl/pg_loss, train/loss, train/lr, train/grad_norm
+    eval/p_format, eval/p_legal_best, eval/p_best_acc, eval/p_top5_acc, eval/p_reward   greedy P: completions: parse
+                                     rate, B legal, B equal to the target's, share of the target's moves listed, reward
+    eval/a_format, eval/a_fen_acc, eval/a_flags_acc, eval/a_line_acc, eval/a_reward     greedy A: completions: parse
+                                     rate, exact new FEN, both flags right, the whole completion exact, reward
+    perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
+"""
+
+import argparse
+import atexit
+import copy
+import dataclasses
+import gzip
+import inspect
+import json
+import math
+import os
+import queue
+import random
+import re
+import resource
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import chess
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # run folder; default out/rookworld_grpo-<YYYYmmdd-HHMMSS>
+    data_path: str = ""  # file of RookWorld P: and A: lines (default: 1000 lines made in memory, as --make_data)
+    eval_path: str = ""  # held-out P:/A: lines to evaluate on (default: --eval_size of each task held out of the data)
+    make_data: int = 0  # write this many P:/A: lines to --out and exit (no training)
+    out: str = ""  # make_data: the file to write (never overwritten)
+    init_from: str = "jrahn/RookWorld-LM-124M"  # hub id | Hugging Face GPT-2 folder | ckpt.pt of any script (GPT-2 BPE)
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    stockfish: str = ""  # path of a Stockfish binary: P: targets (and --make_data annotations) from its analysis
+    sf_depth: int = 8  # Stockfish depth per position (0: no depth limit)
+    sf_nodes: int = 0  # Stockfish node limit per position (0: none); a fixed limit gives deterministic targets
+    sf_workers: int = 2  # Stockfish processes, one search thread each
+    best_move: str = "stockfish"  # stockfish | rookworld (the original data's B: on black-to-move rows the 5th move)
+    random_move_frac: float = 0.25  # make_data: share of moves played at random instead of the engine's best
+    illegal_frac: float = 0.05  # make_data: share of A: lines whose move is illegal or malformed
+    task_mix: float = 0.5  # share of P: prompts in a batch (the rest are A:)
+    reward_shape: str = "ladder"  # ladder (0.2/0.4/0.6/0.8/1.0) | continuous (the raw score)
+    batch_size: int = 8  # prompts per step per rank
+    k_samples: int = 8  # completions per prompt (the group)
+    horizon: int = 96  # most tokens per completion (P: and A: completions take up to ~80)
+    temperature: float = 1.0  # sampling temperature of rollouts
+    top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
+    baseline: str = "group"  # group (GRPO group advantages) | ema (running mean reward per task)
+    ema_decay: float = 0.9  # baseline ema: weight of the old mean
+    scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO)
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
+    clip_eps: float = 0.2  # PPO clip range (lower, and upper unless clip_eps_high is set)
+    clip_eps_high: float = 0.0  # upper clip range of dapo, gspo and cispo (0: clip_eps)
+    beta: float = 0.02  # KL coefficient (the start value with --adaptive_kl; 0 without it: no reference model)
+    kl_type: str = "forward"  # forward KL(pi || ref) | reverse KL(ref || pi) | symmetric (their mean), exact
+    adaptive_kl: bool = False  # adapt beta towards --kl_target (Ziegler et al. 2019)
+    kl_target: float = 1.0  # adaptive_kl: target KL per completion (nats, summed over its tokens)
+    kl_horizon: int = 10000  # adaptive_kl: horizon in completions
+    entropy_coef: float = 0.0  # entropy bonus coefficient
+    value_head: bool = False  # a value head on the policy and GAE advantages instead of a baseline
+    vf_coef: float = 0.1  # value_head: weight of the value loss
+    vf_clip: float = 0.2  # value_head: clip range of the value loss
+    gamma: float = 1.0  # value_head: discount of GAE
+    lam: float = 0.95  # value_head: lambda of GAE
+    num_iterations: int = 1  # policy updates per batch of rollouts
+    grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
+    max_steps: int = 50  # optimizer steps (batches of rollouts)
+    lr: float = 1e-5  # peak learning rate (1e-5 suits RookWorld-LM; ~1e-4 a small model SFT'd here; 1e-3 wrecks it)
+    min_lr: float = 0.0  # learning rate at the end of the cosine decay
+    warmup_steps: int = 5  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    eval_every: int = 25  # steps between evaluations
+    eval_size: int = 64  # held-out prompts per task per evaluation
+    log_every: int = 5  # steps between log lines
+    save_every: int = 50  # steps between checkpoints (one is always written at the end)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
+    compile: bool = False  # torch.compile the policy's training forward
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    seed: int = 1337  # random seed (each rank adds its rank)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
+        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        past = 0 if cache is None else cache.pos
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None means plain causal attention with nothing cached before (or a single query).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and past == 0 and T > 1,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, return_hidden=False, keep_last=0):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
+        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
+        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
+        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
+        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads)."""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        if cache is not None and attention_mask is not None:
+            cache.padded = cache.padded or not bool(attention_mask.all())
+        if attention_mask is None and (cache is None or not cache.padded):
+            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+            if cache is not None:
+                cache.n_real += T
+            mask = None  # plain causal attention
+            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        else:
+            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            keys_real = real  # (B, past+T): which keys are real tokens
+            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
+            if cache is not None:
+                cache.key_real[:, past : past + T] = real
+                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
+                cache.n_real += real.sum(1)
+            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
+            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:]  # (B, 1, C)
+        elif keep_last:
+            x = x[:, -keep_last:]  # (B, keep_last, C)
+        if return_hidden:
+            return x, None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len):
+        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        config = GPTConfig(
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+        )
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+
+            hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        else:
+            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        loaded = set()
+        with torch.no_grad():
+            for key, w in hf_sd.items():
+                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                    continue  # causal-mask buffers, and the head tied to wte
+                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
+                if ours not in sd:
+                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
+                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+                if w.shape != sd[ours].shape:
+                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
+                sd[ours].copy_(w)
+                loaded.add(ours)
+        missing = set(sd) - loaded - {"lm_head.weight"}
+        if missing:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        return model
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
+    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
+    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        width = max(len(p) for p in prompts)
+        idx = torch.zeros(len(prompts), width, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                idx[i, width - len(p) :] = torch.as_tensor(p)
+            attn[i, width - len(p) :] = True
+        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    B, T = idx.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)
+            done = done | (nxt == eos_id)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    parser = _ArgParser(
+        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
+        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+        saved_path = os.path.join(cfg.out_dir, "config.json")
+        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
+    return cfg
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
+    rank, local_rank, world_size = 0, 0, 1
+    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def cleanup(rt):
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+def mfu(flops_per_step, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
+    if rt.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(rt.device)
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
+
+    def __init__(self):
+        self.signum = 0
+        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, completed_steps, rt):
+        if completed_steps == self.fault_step:
+            self.signum = signal.SIGTERM
+        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+
+    def exit_code(self):
+        return 128 + (self.signum or signal.SIGTERM)
+
+
+def rng_state():
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
+    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True) if fsdp else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    if not rt.distributed:
+        return [rng_state()]
+    import torch.distributed as dist
+
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if len(states) == rt.world_size:
+        set_rng_state(states[rt.rank])
+    else:  # another world size: rank 0's stream, then a distinct seed per rank
+        set_rng_state(ckpt["rng"])
+        if rt.rank:
+            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(ckpt, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
+        model = GPT(config)
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except ValueError as e:
+        die(f"--init_from {init_from}: {e}")
+    except Exception as e:  # hub errors: offline, unknown id, no weights
+        die(
+            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
+            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
+        )
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(
+                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
+                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
+            )
+        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def download(url, path):
+    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
+    if os.path.exists(path):
+        return path
+    import requests
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    print(f"downloading {url} -> {path}")
+    try:
+        with requests.get(url, stream=True, timeout=30) as r:
+            r.raise_for_status()
+            with open(f"{path}.tmp", "wb") as f:
+                for chunk in r.iter_content(1 << 20):
+                    f.write(chunk)
+    except Exception as e:
+        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    records, bad = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
+                    records.append(rec)
+                else:
+                    bad += 1
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before any training starts."""
+    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = broadcast_object(out_dir, rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, ".write_probe")
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return out_dir
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        from tqdm import tqdm
+
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        self.file = open(self.path, "a") if self.master else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----- END SHARED BLOCK: train -----
+
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). group_advantages, policy_loss,
+# entropy_from_logits (and left_pad, join, peak_memory_mb below) are copies of grpo.py's; masked_mean, gae, whiten,
+# value_loss and AdaptiveKLController of ppo.py's (tests/test_shared_blocks.py checks that the copies are identical).
+
+
+def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+    """Outcome advantages of (N,) rewards in contiguous groups: (r - group mean) / (group std + eps), unbiased std.
+    scale="batch" divides by the std of the whole batch instead; scale="none" only subtracts the mean (Dr. GRPO)."""
+    r = rewards.view(-1, group_size)  # (N/G, G)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
+    adv = (r - r.mean(dim=1, keepdim=True)).masked_fill(same, 0.0)
+    if scale == "group":
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}")
+    return adv.flatten()
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    loss_type="grpo",
+    clip_eps=0.2,
+    clip_eps_high=None,
+    max_len=None,
+    num_seqs=None,
+    num_tokens=None,
+):
+    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high or clip_eps.
+      grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
+      dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
+      dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
+      gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
+      cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
+      reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
+    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats)."""
+    mask = mask.float()
+    N, T = logp.shape
+    num_seqs = N if num_seqs is None else num_seqs
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
+    log_ratio = logp - old_logp.detach()  # (N, T)
+    if loss_type == "gspo":
+        seq_len = mask.sum(1).clamp(min=1)  # (N,)
+        ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
+        seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
+        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
+        clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
+        return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
+    ratio = log_ratio.exp()  # (N, T)
+    if loss_type in ("grpo", "dapo", "dr_grpo"):
+        high = 1 + (eps_high if loss_type == "dapo" else clip_eps)
+        clipped_ratio = ratio.clamp(1 - clip_eps, high)
+        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+        clipped = (clipped_ratio * adv < ratio * adv).float()
+    elif loss_type == "cispo":
+        per_token = -ratio.clamp(max=1 + eps_high).detach() * adv * logp
+        clipped = (ratio > 1 + eps_high).float()
+    elif loss_type == "reinforce":
+        per_token = -adv * logp
+        clipped = torch.zeros_like(ratio)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+    else:
+        loss = (per_token * mask).sum() / num_tokens
+    n = mask.sum().clamp(min=1)
+    stats = {"clip_frac": ((clipped * mask).sum() / n).detach(), "ratio_mean": ((ratio * mask).sum() / n).detach()}
+    return loss, stats
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (..., V) -> (...), computed in float32."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def vocab_kl(logits, ref_logits, kind="forward"):
+    """Exact KL between the policy and the reference at every position, summed over the whole vocabulary:
+    forward  sum_v pi(v) (log pi(v) - log ref(v))  = KL(pi || ref)
+    reverse  sum_v ref(v) (log ref(v) - log pi(v)) = KL(ref || pi)
+    symmetric their mean. (..., V) logits of each -> (...) in float32, >= 0."""
+    logp = F.log_softmax(logits.float(), dim=-1)  # (..., V)
+    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)  # (..., V)
+    forward = lambda: (logp.exp() * (logp - ref_logp)).sum(-1)
+    reverse = lambda: (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    if kind == "forward":
+        return forward()
+    if kind == "reverse":
+        return reverse()
+    if kind == "symmetric":
+        return 0.5 * (forward() + reverse())
+    raise ValueError(f"unknown KL type {kind!r}")
+
+
+def ema_advantages(rewards, tasks, baselines):
+    """--baseline ema: each (N,) reward minus the running mean reward of its task (tasks: (N,) indices into the
+    (n_tasks,) baselines). Unscaled, as REINFORCE with a baseline."""
+    return rewards - baselines[tasks]
+
+
+def ema_update(baselines, batch_means, present, decay):
+    """Running mean reward per task: a task's first batch mean starts it (NaN until then), later batches decay into
+    it; tasks without rollouts in this batch (present False) keep their value."""
+    new = torch.where(torch.isnan(baselines), batch_means, decay * baselines + (1 - decay) * batch_means)
+    return torch.where(present, new, baselines)
+
+
+def masked_mean(x, mask, num_tokens=None):
+    """Mean of x over the positions where mask is 1; num_tokens replaces the count (a global count, when a batch is
+    split over micro-batches and ranks, makes the shares sum to the mean of the whole batch)."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation over (N, T) per-token rewards and values V(s_t). The state after a row's last
+    real token is terminal: its value is 0, and nothing at masked positions reaches earlier ones.
+        delta_t = r_t + gamma V_t+1 - V_t,   A_t = delta_t + gamma lam A_t+1,   returns G_t = A_t + V_t
+    Returns (advantages, returns), both 0 on padding; returns are the value targets, before any whitening."""
+    rewards = torch.where(mask > 0, rewards, 0.0)
+    values = torch.where(mask > 0, values, 0.0)
+    T = rewards.size(1)
+    next_adv = torch.zeros_like(rewards[:, 0])  # (N,)
+    adv = []
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(next_adv)  # 0 past the end
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (N,)
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        adv.append(next_adv)
+    adv = torch.stack(adv[::-1], 1)  # (N, T)
+    return adv, adv + values
+
+
+def whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) over the real positions, with the masked mean and the unbiased masked variance;
+    shift_mean=False adds the mean back (scale only). Padding positions are ignored and come out as 0."""
+    x = torch.where(mask > 0, x, 0.0)
+    n = mask.sum()
+    mean = x.sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def value_loss(values, old_values, returns, mask, clip_eps, num_tokens=None):
+    """0.5 * mean_t max((V - G)^2, (clip(V, V_old - eps, V_old + eps) - G)^2): the value may not gain from moving
+    further than eps from the rollout's value (clip_eps None or 0: the plain squared error)."""
+    loss = (values - returns) ** 2  # (N, T)
+    if clip_eps:
+        clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        loss = torch.max(loss, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(loss, mask.float(), num_tokens)
+
+
+class AdaptiveKLController:
+    """The KL coefficient of Ziegler et al. 2019: after each step with n completions and a measured KL,
+    value *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon, so it moves towards the target by at most 20% per
+    `horizon` completions."""
+
+    def __init__(self, init_kl_coef, target, horizon):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl, n_steps):
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The chess tasks: the environment (A:) and the analysis (P:), as python-chess sees them, and the reward scorer
+
+UCI_MOVE = re.compile(r"[a-h][1-8][a-h][1-8][qrbn]?")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+LEGAL_REWARD, MATE_REWARD, DRAW_REWARD, ILLEGAL_REWARD = 0.001, 1.0, 0.5, -1.0
+INVALID_REWARD = -0.3  # a completion that does not parse
+HISTORY_MOVES = 10  # moves shown in an A: line, the current one last
+P_PATTERN = re.compile(r"\s*(?:M:)?\s*(?P<moves>.*?)\s*E:\s*(?P<evals>.*?)\s*B:\s*(?P<best>\S+)\s*", re.S)
+
+
+def game_board(fen, history):
+    """The board of fen. When history holds every move from the initial position to fen (as --make_data and the
+    tests give it), the board carries the game's move stack, so python-chess sees fivefold repetition; otherwise it
+    is the bare position (10 moves of an A: line are too few to repeat a position five times)."""
+    board = chess.Board(fen)
+    plies = 2 * (board.fullmove_number - 1) + (board.turn == chess.BLACK)
+    if history and len(history) == plies:
+        game = chess.Board()
+        try:
+            for move in history:
+                game.push_uci(move)
+        except ValueError:
+            return board
+        if game.fen() == board.fen():
+            return game
+    return board
+
+
+def env_step(fen, move, history=()):
+    """One step of the chess environment: (new_fen, reward, terminated, truncated) after `move` (UCI) in `fen`.
+    history: the UCI moves that led to fen, oldest first (see game_board). A legal move earns 0.001, 1.0 when it
+    mates, 0.5 when the game ends drawn; it terminates on mate, stalemate, insufficient material, the 75-move rule or
+    fivefold repetition. An illegal or malformed move earns -1.0, truncates, and leaves the position as it was."""
+    board = game_board(fen, history)
+    try:
+        action = chess.Move.from_uci(move)
+    except (ValueError, TypeError):  # chess.InvalidMoveError is a ValueError
+        action = None
+    if action is None or action not in board.legal_moves:
+        return board.fen(), ILLEGAL_REWARD, board.is_game_over(), True
+    board.push(action)
+    outcome = board.outcome()
+    if outcome is None:
+        reward = LEGAL_REWARD
+    else:  # a move can only win for its mover
+        reward = MATE_REWARD if outcome.winner is not None else DRAW_REWARD
+    return board.fen(), reward, outcome is not None, False
+
+
+def format_p_prompt(fen):
+    """The P: prompt: "P: ", the FEN padded to 90 columns, then "M:" (the line goes on with " " + moves)."""
+    return "P: " + fen.ljust(90) + "M:"
+
+
+def format_p_completion(moves, evals, best):
+    """The rest of a P: line after its prompt; evals are floats in pawns, written as Python writes them."""
+    return " " + " ".join(moves).ljust(30) + "E: " + " ".join(str(e) for e in evals).ljust(40) + "B: " + best
+
+
+def format_a_prompt(fen, move, history):
+    """The A: prompt, up to the third "+". history: the UCI moves before this one; the line shows the last 10
+    moves including this one."""
+    return f"A: {fen}+{move}+{' '.join([*history, move][-HISTORY_MOVES:])}+"
+
+
+def format_a_completion(new_fen, reward, terminated, truncated):
+    """The rest of an A: line after its prompt: new_fen+reward+terminated+truncated (flags as 0/1)."""
+    return f"{new_fen}+{reward}+{int(terminated)}+{int(truncated)}"
+
+
+def parse_p(text):
+    """A P: completion (the text after "M:"; a leading "M:" is allowed) as {"moves", "evals", "best"}, or None when
+    the format is invalid: no E: or B: part, a move that is not UCI-shaped, an eval that is not a plain number."""
+    m = P_PATTERN.fullmatch(text)
+    if m is None:
+        return None
+    moves, evals, best = m["moves"].split(), m["evals"].split(), m["best"]
+    if not moves or not all(UCI_MOVE.fullmatch(x) for x in [*moves, best]):
+        return None
+    if not all(NUMBER.fullmatch(e) for e in evals):
+        return None
+    return {"moves": moves, "evals": [float(e) for e in evals], "best": best}
+
+
+def parse_a(text):
+    """An A: completion (the text after the third "+") as {"fen", "reward", "terminated", "truncated"}, or None when
+    it is not four "+"-separated fields: a non-empty FEN, a number, and two 0/1 flags."""
+    parts = text.strip().split("+")
+    if len(parts) != 4:
+        return None
+    fen, reward, terminated, truncated = parts
+    if not fen.strip() or not NUMBER.fullmatch(reward) or terminated not in "01" or truncated not in "01":
+        return None
+    if len(terminated) != 1 or len(truncated) != 1:
+        return None
+    return {"fen": fen, "reward": float(reward), "terminated": terminated == "1", "truncated": truncated == "1"}
+
+
+def edit_distance(a, b):
+    """Levenshtein distance between two strings (insertions, deletions and substitutions cost 1)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def shape_reward(raw, shape="ladder"):
+    """The raw score in [0, 1] as a reward: the ladder 0.2 / 0.4 / 0.6 / 0.8 / 1.0 (bins at 0.4, 0.6, 0.8, 0.95), or
+    the raw score itself (continuous)."""
+    if shape == "continuous":
+        return raw
+    return 0.2 if raw < 0.4 else 0.4 if raw < 0.6 else 0.6 if raw < 0.8 else 0.8 if raw < 0.95 else 1.0
+
+
+def score_p(completion, target, shape="ladder"):
+    """Reward of a P: completion against the reference completion (the rest of the training line):
+    raw = (4 best + 2 format + 1.5 candidates + 1 evals) / 8.5, -0.3 when it does not parse (module docstring)."""
+    got, want = parse_p(completion), parse_p(target)
+    if got is None:
+        return INVALID_REWARD
+    moves = got["moves"]
+    best = float(got["best"] == want["best"])
+    checks = [
+        len(got["evals"]) == len(moves),
+        len(moves) == len(want["moves"]),
+        got["best"] in moves,
+        len(set(moves)) == len(moves),
+    ]
+    fmt = sum(checks) / len(checks)
+    candidates = len(set(moves) & set(want["moves"])) / len(moves)
+    true_eval = dict(zip(want["moves"], want["evals"]))  # evals matched by move: the listed order is shuffled
+    errors = [(e - true_eval[m]) ** 2 for m, e in zip(moves, got["evals"]) if m in true_eval]
+    evals = max(0.0, 1 - sum(errors) / len(errors) / 100) if errors else 0.0
+    return shape_reward((4 * best + 2 * fmt + 1.5 * candidates + 1 * evals) / 8.5, shape)
+
+
+def readable_fen(fen):
+    try:
+        chess.Board(fen)
+        return True
+    except ValueError:
+        return False
+
+
+def score_a(completion, target, shape="ladder"):
+    """Reward of an A: completion against the reference completion: raw = (4 format + 3 fen + 2 flags + 1 reward) / 10,
+    -0.3 when it does not parse (module docstring)."""
+    got, want = parse_a(completion), parse_a(target)
+    if got is None:
+        return INVALID_REWARD
+    fmt = 1.0 if readable_fen(got["fen"]) else 0.5
+    if got["fen"] == want["fen"]:
+        fen = 1.0
+    else:
+        fen = 0.5 * (1 - edit_distance(got["fen"], want["fen"]) / max(len(got["fen"]), len(want["fen"])))
+    flags = float(got["terminated"] == want["terminated"] and got["truncated"] == want["truncated"])
+    reward = float(abs(got["reward"] - want["reward"]) <= 0.01 + 1e-9)
+    return shape_reward((4 * fmt + 3 * fen + 2 * flags + 1 * reward) / 10, shape)
+
+
+def score_record(record, text, shape="ladder"):
+    """The reward of a completion of a record's prompt, by its task's scorer."""
+    return (score_p if record["task"] == "P" else score_a)(text, record["target"], shape)
+
+
+def best_of_analysis(fen, moves, rule):
+    """The best move of an engine's multipv list (best first): its first move, or with rule "rookworld" the original
+    data's choice, the last listed move when black is to move."""
+    return moves[-1] if rule == "rookworld" and fen.split()[1] == "b" else moves[0]
+
+
+def best_of_line(moves, evals, best, rule):
+    """The best move of a data line: as written ("rookworld"), or ("stockfish") B when it has the highest eval, else
+    the first move with the highest eval (fixes the original data's black-to-move rows)."""
+    by_move = dict(zip(moves, evals))
+    if rule == "rookworld" or by_move.get(best) == max(evals):
+        return best
+    return moves[evals.index(max(evals))]
+
+
+def split_line(line, best_move="stockfish"):
+    """A training line as a record {"task", "prompt", "target", "fen", ...}, cut where its prompt ends, so that
+    prompt + target == line (the P: target's B follows --best_move); None for a line in neither format."""
+    line = line.rstrip()
+    if line.startswith("P: "):
+        cut = line.find("M:")
+        fen, target = line[3:cut].strip(), line[cut + 2 :]
+        parsed = parse_p(target) if cut > 0 else None
+        if parsed is None or not readable_fen(fen) or len(parsed["evals"]) != len(parsed["moves"]):
+            return None
+        best = best_of_line(parsed["moves"], parsed["evals"], parsed["best"], best_move)
+        if best != parsed["best"]:
+            target = format_p_completion(parsed["moves"], parsed["evals"], best)
+        return {"task": "P", "prompt": line[: cut + 2], "target": target, "fen": fen}
+    if line.startswith("A: "):
+        parts = line[3:].split("+")
+        if len(parts) != 7 or not readable_fen(parts[0]) or parse_a("+".join(parts[3:])) is None:
+            return None
+        fen, move, shown = parts[0], parts[1], parts[2].split()
+        history = shown[:-1] if shown and shown[-1] == move else shown  # the moves before this one
+        prompt = "A: " + "+".join(parts[:3]) + "+"
+        return {
+            "task": "A",
+            "prompt": prompt,
+            "target": "+".join(parts[3:]),
+            "fen": fen,
+            "move": move,
+            "history": history,
+        }
+    return None
+
+
+def end_of_completion(text):
+    """A decoded completion up to its end: <|endoftext|> (RookWorld-LM) or a newline (a model SFT'd on a file of
+    lines), stripped before scoring."""
+    return text.split("<|endoftext|>", 1)[0].split("\n", 1)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stockfish, and the --make_data games
+
+
+class Stockfish:
+    """Multipv-5 analysis by a small pool of Stockfish processes (one search thread and a 16 MB hash each; the hash is
+    cleared before every position), cached per FEN. Threads only wait on the engine processes, which do the work."""
+
+    def __init__(self, path, depth=8, nodes=0, workers=2):
+        import chess.engine
+
+        check(os.path.isfile(path) and os.access(path, os.X_OK), f"--stockfish {path}: not an executable file")
+        self.limit = chess.engine.Limit(depth=depth or None, nodes=nodes or None)
+        self.engines, self.cache = queue.SimpleQueue(), {}
+        self.started = []
+        atexit.register(self.close)
+        for _ in range(workers):
+            try:
+                engine = chess.engine.SimpleEngine.popen_uci(path, timeout=30)
+                engine.configure({"Threads": 1, "Hash": 16})
+            except Exception as e:  # not a UCI engine, crashed, no permission
+                die(f"--stockfish {path}: cannot start it as a UCI engine ({type(e).__name__})")
+            self.started.append(engine)
+            self.engines.put(engine)
+        self.pool = ThreadPoolExecutor(workers)
+
+    def _analyse(self, fen):
+        engine = self.engines.get()
+        try:  # a new `game` object makes python-chess send ucinewgame, which clears the hash: deterministic
+            infos = engine.analyse(chess.Board(fen), self.limit, multipv=5, game=object())
+        finally:
+            self.engines.put(engine)
+        infos = [info for info in infos if info.get("pv")]
+        moves = [info["pv"][0].uci() for info in infos]
+        evals = [info["score"].relative.score(mate_score=100000) / 100 for info in infos]  # mate in n: 1000 - n/100
+        return moves, evals
+
+    def analyse(self, fens):
+        """[(moves, evals)] for each FEN: up to 5 UCI moves, best first, and the side to move's evals in pawns."""
+        todo = [fen for fen in dict.fromkeys(fens) if fen not in self.cache]
+        for fen, result in zip(todo, self.pool.map(self._analyse, todo)):
+            self.cache[fen] = result
+        return [self.cache[fen] for fen in fens]
+
+    def close(self):
+        for engine in self.started:
+            try:
+                engine.quit()
+            except Exception:
+                pass
+        self.started = []
+
+
+PIECE_VALUES = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, chess.QUEEN: 9, chess.KING: 0}
+
+
+def material_analysis(fen):
+    """The stand-in for Stockfish: every legal move scored one ply deep by material (mate 999.99, a drawn end 0.0),
+    the mover's view, in pawns; the 5 best, best first (ties in python-chess's move order)."""
+    board = chess.Board(fen)
+    scored = []
+    for move in board.legal_moves:
+        board.push(move)
+        if board.is_checkmate():
+            value = 1000 - 0.01
+        elif board.is_game_over():
+            value = 0.0
+        else:
+            mine = sum(
+                PIECE_VALUES[p.piece_type] * (1 if p.color != board.turn else -1) for p in board.piece_map().values()
+            )
+            value = float(mine)
+        board.pop()
+        scored.append((value, move.uci()))
+    scored.sort(key=lambda s: -s[0])
+    return [m for _, m in scored[:5]], [v for v, _ in scored[:5]]
+
+
+def illegal_attempt(board, rng):
+    """A move the environment must refuse: a UCI-shaped illegal move, or now and then a malformed string."""
+    if rng.random() < 0.2:
+        return rng.choice(["e9e4", "a0a1", "xyz", "e2", "0000", "e7e8k"])
+    while True:
+        move = "".join(rng.choice("abcdefgh") + rng.choice("12345678") for _ in range(2))
+        if move[:2] != move[2:] and chess.Move.from_uci(move) not in board.legal_moves:
+            return move
+
+
+def make_lines(n, rng, stockfish=None, best_move="stockfish", random_move_frac=0.25, illegal_frac=0.05, games=8):
+    """n distinct RookWorld lines (P: and A: about half each), shuffled. Games start from the initial position with
+    0-8 random plies; then each move is Stockfish's best (the P: analysis), or with probability random_move_frac a
+    random legal move. Every position gives a P: line (moves and evals shuffled in pairs, as in the original data)
+    and an A: line for the move played from it, or with probability illegal_frac for an illegal or malformed one."""
+    lines, boards = {}, [None] * games
+    openings = [0] * games
+    while len(lines) < n:
+        for g in range(games):
+            if boards[g] is None or boards[g].is_game_over() or len(boards[g].move_stack) >= 200:
+                boards[g], openings[g] = chess.Board(), rng.randint(0, 8)
+        fens = [b.fen() for b in boards]
+        analyses = stockfish.analyse(fens) if stockfish else [material_analysis(f) for f in fens]
+        for board, fen, (moves, evals), opening in zip(boards, fens, analyses, openings):
+            history = [m.uci() for m in board.move_stack]
+            pairs = list(zip(moves, evals))
+            rng.shuffle(pairs)
+            best = best_of_analysis(fen, moves, best_move)
+            completion = format_p_completion([m for m, _ in pairs], [e for _, e in pairs], best)
+            lines[format_p_prompt(fen) + completion] = None
+            legal = [m.uci() for m in board.legal_moves]
+            random_move = len(history) < opening or rng.random() < random_move_frac
+            move = rng.choice(legal) if random_move else moves[0]
+            attempt = illegal_attempt(board, rng) if rng.random() < illegal_frac else move
+            result = env_step(fen, attempt, history)
+            lines[format_a_prompt(fen, attempt, history) + format_a_completion(*result)] = None
+            board.push_uci(move)
+    out = list(lines)[:n]
+    rng.shuffle(out)
+    return out
+
+
+def run_make_data(cfg):
+    check(cfg.out, "--make_data needs --out FILE, the file to write")
+    check(not os.path.exists(cfg.out), f"--out {cfg.out} already exists; it is never overwritten")
+    stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
+    t0 = time.time()
+    lines = make_lines(
+        cfg.make_data, random.Random(cfg.seed), stockfish, cfg.best_move, cfg.random_move_frac, cfg.illegal_frac
+    )
+    if stockfish:
+        stockfish.close()
+    os.makedirs(os.path.dirname(cfg.out) or ".", exist_ok=True)
+    with open(f"{cfg.out}.tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(f"{cfg.out}.tmp", cfg.out)
+    n_p = sum(line.startswith("P: ") for line in lines)
+    source = "Stockfish" if stockfish else "a one-ply material count (no --stockfish)"
+    print(
+        f"wrote {len(lines)} lines ({n_p} P:, {len(lines) - n_p} A:; P: annotated by {source}) to {cfg.out} "
+        f"in {time.time() - t0:.0f} s"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data
+
+
+def read_records(path, best_move, master=True):
+    """The P: and A: records of a RookWorld text file. A line in neither format is counted and skipped; A: lines that
+    python-chess disagrees with are counted (and kept as written). No usable line is an error."""
+    records, bad, disagree = [], 0, 0
+    for line in read_text(path).splitlines():
+        if not line.strip():
+            continue
+        record = split_line(line, best_move)
+        if record is None:
+            bad += 1
+            continue
+        if record["task"] == "A":
+            want = parse_a(record["target"])
+            fen, reward, terminated, truncated = env_step(record["fen"], record["move"], record["history"])
+            same = (fen, terminated, truncated) == (want["fen"], want["terminated"], want["truncated"])
+            disagree += not (same and abs(reward - want["reward"]) < 1e-9)
+        records.append(record)
+    check(records, f"{path}: no P: or A: line ({bad} line(s) in neither format)")
+    if master and bad:
+        print(f"{path}: skipped {bad} line(s) in neither format, kept {len(records)}", file=sys.stderr)
+    if master and disagree:
+        print(f"{path}: {disagree} A: line(s) differ from python-chess (kept as written)", file=sys.stderr)
+    return records
+
+
+def split_tasks(records):
+    return [r for r in records if r["task"] == "P"], [r for r in records if r["task"] == "A"]
+
+
+def hold_out(records, eval_size):
+    """A fixed held-out set (whatever --seed): up to eval_size records of each task, at most a fifth of it."""
+    train, held = [], []
+    for part in split_tasks(records):
+        order = random.Random(0).sample(range(len(part)), len(part))
+        n = min(eval_size, len(part) // 5)
+        held += [part[i] for i in order[:n]]
+        train += [part[i] for i in order[n:]]
+    return train, held
+
+
+def set_stockfish_targets(records, stockfish, best_move):
+    """P: targets from Stockfish's analysis of each record's position (cached per FEN)."""
+    p = [r for r in records if r["task"] == "P" and "sf" not in r]
+    for record, (moves, evals) in zip(p, stockfish.analyse([r["fen"] for r in p])):
+        if moves:
+            record["target"] = format_p_completion(moves, evals, best_of_analysis(record["fen"], moves, best_move))
+        record["sf"] = True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+def left_pad(prompts, device):
+    """Token-id lists -> (N, P) ids left-padded with 0 and a (N, P) bool mask of the real tokens."""
+    width = max(len(p) for p in prompts)
+    idx = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if p:
+            idx[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = True
+    return idx.to(device), attn.to(device)
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+def completion_logprobs(model, seq, attn, H):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them (N, H), the logits (N, H, V), and the value
+    head's values (N, H) of the states before each token (None for a plain GPT, whose forward returns no values)."""
+    logits, values = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)
+    return token_logprobs(logits, seq[:, -H:]), logits, values
+
+
+class ValueHeadGPT(nn.Module):
+    """--value_head: the policy with a scalar head on its final hidden states. forward returns (logits, values)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+        self.v_head = nn.Linear(gpt.config.n_embd, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    @property
+    def transformer(self):  # what wrap_model shards
+        return self.gpt.transformer
+
+    def forward(self, idx, attention_mask=None, keep_last=0):
+        h, _ = self.gpt(idx, attention_mask=attention_mask, return_hidden=True, keep_last=keep_last)  # (B, T, C)
+        return self.gpt.lm_head(h), self.v_head(h).squeeze(-1).float()  # (B, T, V), (B, T)
+
+
+@torch.no_grad()
+def generate_until(model, prompts, horizon, temperature, top_k, stop_ids, rt, generator=None):
+    """Completions (N, n <= horizon) of token-id prompts and their mask, 1.0 up to and including the first stop
+    token; n < horizon when every row stopped early.
+    generate() of the model block knows one end token; RookWorld-LM ends with <|endoftext|>, a model SFT'd by gpt.py
+    on a file of lines with a newline, so this loop (the same KV-cache sampling) stops at either. Under FSDP every
+    forward pass is collective, so there every rank runs the whole horizon."""
+    idx, attn = left_pad(prompts, next(model.parameters()).device)
+    B, T = idx.shape
+    cache = KVCache(model.config, B, T + horizon, idx.device)
+    logits, _ = model(idx, attention_mask=None if attn.all() else attn, cache=cache)  # prefill
+    stop = torch.tensor(stop_ids, device=idx.device)
+    done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    collective = rt.distributed and rt.parallel == "fsdp"
+    tokens, masks = [], []
+    for step in range(horizon):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        nxt = nxt.masked_fill(done, stop_ids[0])
+        done = done | torch.isin(nxt, stop)
+        tokens.append(nxt)
+        if step == horizon - 1 or (not collective and step % 8 == 7 and bool(done.all())):
+            break
+        logits, _ = model(nxt[:, None], cache=cache)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()  # (B, n), (B, n)
+
+
+def completion_texts(tok, completion, mask):
+    return [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
+
+
+def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
+    """ALGO LOGIC 1-3: K completions per prompt (groups contiguous), the rewards, then one no-grad pass for the
+    sampling policy's log-probs (and values). Returns a dict of per-row tensors."""
+    rows = [r for r in prompts for _ in range(cfg.k_samples)]
+    ids = [r["ids"] for r in rows]
+    model.eval()
+    with rt.autocast():
+        completion, mask = generate_until(model, ids, cfg.horizon, cfg.temperature, cfg.top_k or None, stop_ids, rt)
+    model.train()
+    H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
+    completion, mask = completion[:, :H], mask[:, :H]  # (N, H)
+    texts = completion_texts(tok, completion, mask)
+    rewards = [score_record(r, t, cfg.reward_shape) for r, t in zip(rows, texts)]
+    rewards = torch.tensor(rewards, device=rt.device)  # (N,)
+    truncated = ~(torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)).any(1)  # (N,)
+    seq, attn = join(ids, completion)
+    old_logp, old_values = [], []
+    n_micro = len(rows) // cfg.grad_accum
+    with torch.no_grad(), rt.autocast():
+        for i in range(0, len(rows), n_micro):
+            a = None if attn is None else attn[i : i + n_micro]
+            logp, _, values = completion_logprobs(actor, seq[i : i + n_micro], a, H)  # (n, H)
+            old_logp.append(logp)
+            old_values.append(values)
+    return {
+        "rows": rows,
+        "texts": texts,
+        "seq": seq,
+        "attn": attn,
+        "mask": mask,
+        "truncated": truncated,
+        "rewards": rewards,
+        "tasks": torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long(),  # (N,) 0 P, 1 A
+        "old_logp": torch.cat(old_logp),
+        "old_values": torch.cat(old_values) if old_values[0] is not None else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def p_metrics(record, text):
+    """Greedy P: completion: parses, B is legal in the position, B equals the target's, share of the target's moves
+    listed (the original RookWorld top-5 accuracy)."""
+    got, want = parse_p(text), parse_p(record["target"])
+    if got is None:
+        return {"p_format": 0.0, "p_legal_best": 0.0, "p_best_acc": 0.0, "p_top5_acc": 0.0}
+    legal = {m.uci() for m in chess.Board(record["fen"]).legal_moves}
+    return {
+        "p_format": 1.0,
+        "p_legal_best": float(got["best"] in legal),
+        "p_best_acc": float(got["best"] == want["best"]),
+        "p_top5_acc": len(set(got["moves"]) & set(want["moves"])) / len(want["moves"]),
+    }
+
+
+def a_metrics(record, text):
+    """Greedy A: completion: parses, the exact new FEN, both flags right, the whole completion exact."""
+    got, want = parse_a(text), parse_a(record["target"])
+    if got is None:
+        return {"a_format": 0.0, "a_fen_acc": 0.0, "a_flags_acc": 0.0, "a_line_acc": 0.0}
+    return {
+        "a_format": 1.0,
+        "a_fen_acc": float(got["fen"] == want["fen"]),
+        "a_flags_acc": float((got["terminated"], got["truncated"]) == (want["terminated"], want["truncated"])),
+        "a_line_acc": float(text.strip() == record["target"].strip()),
+    }
+
+
+@torch.no_grad()
+def evaluate(model, records, cfg, rt, tok, stop_ids):
+    """Greedy completions of the held-out prompts (every rank the same, FSDP's forwards are collective), scored per
+    task. Returns (metrics, samples text)."""
+    texts, chunk = [], cfg.batch_size * cfg.k_samples
+    for i in range(0, len(records), chunk):
+        part = [r["ids"] for r in records[i : i + chunk]]
+        with rt.autocast():
+            completion, mask = generate_until(model, part, cfg.horizon, 0.0, None, stop_ids, rt)
+        texts += completion_texts(tok, completion, mask)
+    sums, counts = {}, {"P": 0, "A": 0}
+    for record, text in zip(records, texts):
+        task = record["task"]
+        found = (p_metrics if task == "P" else a_metrics)(record, text)
+        found[f"{task.lower()}_reward"] = score_record(record, text, cfg.reward_shape)
+        counts[task] += 1
+        for k, v in found.items():
+            sums[k] = sums.get(k, 0.0) + v
+    metrics = {f"eval/{k}": v / counts[k[0].upper()] for k, v in sums.items()}
+    shown = []
+    for task in ("P", "A"):
+        pairs = [(r, t) for r, t in zip(records, texts) if r["task"] == task][:3]
+        for r, t in pairs:
+            reward = score_record(r, t, cfg.reward_shape)
+            shown.append(f"{r['prompt']}|{t}\n    target:{r['target']}\n    reward {reward:.2f}")
+    return metrics, "\n".join(shown)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def peak_memory_mb(rt):
+    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+def validate(cfg):
+    for name in ("batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    check(cfg.save_every > 0 and cfg.eval_size >= 0, "--save_every must be positive and --eval_size >= 0")
+    check(cfg.make_data >= 0, f"--make_data must be >= 0 (got {cfg.make_data})")
+    check(cfg.k_samples >= 1, f"--k_samples must be >= 1 (got {cfg.k_samples})")
+    check(
+        cfg.k_samples >= 2 or cfg.baseline == "ema" or cfg.value_head,
+        f"--k_samples must be >= 2 for group advantages, which compare a group's completions (got {cfg.k_samples})",
+    )
+    check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
+    check(0 <= cfg.task_mix <= 1, f"--task_mix must be in [0, 1] (got {cfg.task_mix})")
+    check(0 <= cfg.random_move_frac <= 1 and 0 <= cfg.illegal_frac <= 1, "--random_move_frac, --illegal_frac in [0, 1]")
+    check(
+        cfg.sf_depth >= 0 and cfg.sf_nodes >= 0 and cfg.sf_workers >= 1,
+        "--sf_depth, --sf_nodes >= 0, --sf_workers >= 1",
+    )
+    check(cfg.sf_depth > 0 or cfg.sf_nodes > 0, "Stockfish needs a limit: --sf_depth or --sf_nodes > 0")
+    check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
+    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(cfg.beta >= 0 and cfg.entropy_coef >= 0 and cfg.vf_coef >= 0, "negative --beta/--entropy_coef/--vf_coef")
+    check(cfg.kl_target > 0 and cfg.kl_horizon > 0, "--kl_target and --kl_horizon must be positive")
+    check(0 < cfg.ema_decay < 1, f"--ema_decay must be in (0, 1) (got {cfg.ema_decay})")
+    check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
+    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
+    check(cfg.top_k >= 0 and cfg.vf_clip > 0, "--top_k must be >= 0 and --vf_clip > 0")
+    check(0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "--gamma and --lam must be in [0, 1]")
+    choices = {
+        "best_move": ("stockfish", "rookworld"),
+        "reward_shape": ("ladder", "continuous"),
+        "baseline": ("group", "ema"),
+        "scale_rewards": ("group", "batch", "none"),
+        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
+        "kl_type": ("forward", "reverse", "symmetric"),
+    }
+    for name, allowed in choices.items():
+        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    check(not (cfg.value_head and cfg.parallel == "fsdp"), "--value_head runs in one process or under DDP, not FSDP")
+
+
+def main():
+    cfg = parse_config(Config)
+    validate(cfg)
+    if cfg.make_data:
+        run_make_data(cfg)
+        return
+    rt = setup_runtime(cfg)
+    out_dir = prepare_out_dir(cfg, "rookworld_grpo", rt)
+    stop = GracefulExit()
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    K = cfg.k_samples
+
+    # data: P: and A: records with their prompts' token ids; a fixed held-out set
+    stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
+    if cfg.data_path:
+        records = read_records(cfg.data_path, cfg.best_move, rt.master)
+    else:  # the same 1000 lines on every rank and after a resume
+        lines = make_lines(1000, random.Random(0), stockfish, cfg.best_move, cfg.random_move_frac, cfg.illegal_frac)
+        records = [split_line(line, cfg.best_move) for line in lines]
+    if cfg.eval_path:
+        train, held = records, read_records(cfg.eval_path, cfg.best_move, rt.master)
+        held = [r for part in split_tasks(held) for r in part[: cfg.eval_size]]
+    else:
+        train, held = hold_out(records, cfg.eval_size)
+    train_p, train_a = split_tasks(train)
+    check(train_p or cfg.task_mix == 0, f"--task_mix {cfg.task_mix} needs P: lines; the data has none")
+    check(train_a or cfg.task_mix == 1, f"--task_mix {cfg.task_mix} needs A: lines; the data has none")
+    if stockfish:
+        set_stockfish_targets(held, stockfish, cfg.best_move)
+
+    # policy: a resumed run, or --init_from (hub, Hugging Face folder, ckpt.pt); GPT-2 BPE only
+    if ckpt is not None:
+        model, spec = GPT(GPTConfig(**ckpt["model_config"])), ckpt["tokenizer"]
+        model.load_state_dict(ckpt["model"])
+    else:
+        model, spec, _ = load_model(cfg.init_from)
+    check(spec == "gpt2", f"the RookWorld tasks need a GPT-2 BPE model; {cfg.init_from} uses {spec!r}")
+    tok = BPETokenizer()
+    stop_ids = [tok.eot_id, *tok.encode("\n")]
+    for record in [*train, *held]:
+        record["ids"] = tok.encode(record["prompt"])
+    longest = max(len(r["ids"]) for r in [*train, *held]) + cfg.horizon
+    check(
+        longest <= model.config.block_size,
+        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
+    )
+    actor = ValueHeadGPT(model) if cfg.value_head else model
+    if ckpt is not None and cfg.value_head:
+        actor.v_head.load_state_dict(ckpt["value_head"])
+    actor.to(rt.device)
+
+    # frozen reference: the starting policy (reloaded from --init_from on --resume), never wrapped, never trained
+    ref = None
+    if cfg.beta > 0 or cfg.adaptive_kl:
+        ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
+        ref.to(rt.device).eval().requires_grad_(False)
+
+    policy = wrap_model(actor, rt, cfg.compile)
+    optimizer = make_optimizer(actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else None
+    baselines = torch.full((2,), float("nan"), device=rt.device)  # --baseline ema: running mean reward of P:, A:
+    start_step, tokens, first_eval = 0, 0, None
+    if ckpt is not None:
+        load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)
+        restore_rng(ckpt, rt)
+        start_step, tokens, first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+        baselines = torch.tensor(ckpt["baselines"], device=rt.device)
+        if kl_ctl is not None:
+            kl_ctl.value = ckpt["kl_coef"]
+        del ckpt
+    if rt.master:
+        print(
+            f"{model.num_params() / 1e6:.2f}M parameters; {len(train_p)} P: and {len(train_a)} A: training prompts, "
+            f"{len(held)} held out; targets from {'Stockfish' if stockfish else 'the data'}; loss {cfg.loss_type}, "
+            f"{'value head + GAE' if cfg.value_head else cfg.baseline + ' baseline'}, device {rt.device}, "
+            f"{rt.world_size} process(es), out_dir {out_dir}"
+        )
+
+    def checkpoint(step):
+        model_sd, optim_sd = training_state(actor, optimizer, rt)
+        rngs = all_rng_states(rt)
+        if rt.master:
+            extras = {"tokens": tokens, "first_eval": first_eval, "baselines": baselines.tolist()}
+            extras["kl_coef"] = kl_ctl.value if kl_ctl is not None else cfg.beta
+            if cfg.value_head:  # the actor's keys are gpt.* and v_head.*
+                extras["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
+                model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
+            save_checkpoint(
+                ckpt_path,
+                {
+                    "model": model_sd,
+                    "model_config": dataclasses.asdict(model.config),
+                    "tokenizer": tok.spec,
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
+                    "config": dataclasses.asdict(cfg),
+                    **extras,
+                },
+            )
+
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
+    t_start, last_eval = time.time(), {}
+    n_p = round(cfg.task_mix * cfg.batch_size)  # P: prompts per step; the rest are A:
+    for step in range(start_step, cfg.max_steps + 1):
+        if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            model.eval()
+            last_eval, text = evaluate(model, held, cfg, rt, tok, stop_ids)
+            model.train()
+            first_eval = first_eval or last_eval
+            logger.log(step, {**last_eval, "rl/tokens": tokens})
+            if samples:
+                samples.write(f"--- step {step}\n{text}\n")
+                samples.flush()
+        if step == cfg.max_steps:
+            break
+        t0 = time.time()
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ALGO LOGIC 1-3. prompts (--task_mix of them P:), rollouts, rewards, the sampling policy's log-probs
+        prompts = [random.choice(train_p) for _ in range(n_p)]
+        prompts += [random.choice(train_a) for _ in range(cfg.batch_size - n_p)]
+        if stockfish:
+            set_stockfish_targets(prompts, stockfish, cfg.best_move)
+        batch = sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids)
+        t_rollout = time.time() - t0
+        seq, attn, mask, rewards, tasks = batch["seq"], batch["attn"], batch["mask"], batch["rewards"], batch["tasks"]
+        N, T = mask.shape  # T: the batch's longest completion
+
+        # 4. advantages: group-relative, a running mean per task, or GAE on a value head
+        is_task = torch.stack([tasks == 0, tasks == 1]).float()  # (2, N): P:, A:
+        task_sums = all_reduce(torch.stack([is_task @ rewards, is_task.sum(1)], 1), rt)  # (2, 2): reward sum, count
+        if cfg.value_head:
+            last = (mask.sum(1).long() - 1).clamp(min=0)  # (N,) index of the last real token
+            token_rewards = torch.zeros_like(mask).scatter(1, last[:, None], rewards[:, None])  # (N, T)
+            adv, returns = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
+            adv = whiten(adv, mask)
+        elif cfg.baseline == "ema":
+            present = task_sums[:, 1] > 0
+            baselines = ema_update(baselines, task_sums[:, 0] / task_sums[:, 1].clamp(min=1), present, cfg.ema_decay)
+            adv = ema_advantages(rewards, tasks, baselines)  # (N,)
+        else:
+            adv = group_advantages(rewards, K, cfg.scale_rewards)  # (N,)
+        beta = kl_ctl.value if kl_ctl is not None else cfg.beta
+        n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+        n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
+        n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
+
+        # 5. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
+        for _ in range(cfg.num_iterations):
+            sums = torch.zeros(7, device=rt.device)  # loss, kl (summed), entropy, clip, ratio, pg loss, value loss
+            for i in range(0, N, n_micro):
+                rows = slice(i, i + n_micro)
+                grad_sync(policy, i + n_micro >= N)
+                a = None if attn is None else attn[rows]
+                m = mask[rows]
+                real = m > 0  # (n, T): the positions that count
+                with rt.autocast():
+                    logp, logits, values = completion_logprobs(policy, seq[rows], a, T)  # (n, T), (n, T, V), (n, T)
+                pg_loss, stats = policy_loss(
+                    logp,
+                    batch["old_logp"][rows],
+                    adv[rows],
+                    m,
+                    cfg.loss_type,
+                    cfg.clip_eps,
+                    cfg.clip_eps_high or None,
+                    max_len=cfg.horizon,
+                    num_seqs=n_seqs,
+                    num_tokens=n_tokens,
+                )
+                loss = pg_loss
+                real_logits = logits[real]  # (M, V): only real tokens, the vocabulary makes these the big tensors
+                kl_sum = torch.zeros((), device=rt.device)
+                if ref is not None:
+                    with torch.no_grad(), rt.autocast():
+                        ref_logits = ref(
+                            seq[rows][:, :-1], attention_mask=None if a is None else a[:, :-1], keep_last=T
+                        )
+                    kl_sum = vocab_kl(real_logits, ref_logits[0][real], cfg.kl_type).sum()  # exact over the vocabulary
+                    loss = loss + beta * kl_sum / n_tokens
+                with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                    entropy = entropy_from_logits(real_logits).sum() / n_tokens
+                loss = loss - cfg.entropy_coef * entropy
+                v_loss = torch.zeros((), device=rt.device)
+                if values is not None:
+                    v_loss = value_loss(values, batch["old_values"][rows], returns[rows], m, cfg.vf_clip, n_tokens)
+                    loss = loss + cfg.vf_coef * v_loss
+                scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+                with torch.no_grad():
+                    share = m.sum() / n_tokens
+                    sums += torch.stack(
+                        [
+                            loss.detach(),
+                            kl_sum.detach(),
+                            entropy.detach(),
+                            stats["clip_frac"] * share,
+                            stats["ratio_mean"] * share,
+                            pg_loss.detach(),
+                            v_loss.detach(),
+                        ]
+                    )
+            scaler.unscale_(optimizer)
+            grad_norm = clip_grad_norm(policy, cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
+        if kl_ctl is not None:
+            kl_ctl.update(sums[1].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
+        tokens += int(all_reduce(mask.sum(), rt).item())
+        train_loss = sums[0].item()
+        stop_requested = stop.requested(step + 1, rt)
+        if not math.isfinite(train_loss):
+            print(
+                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
+                "is kept.",
+                file=sys.stderr,
+            )
+            cleanup(rt)
+            sys.exit(1)
+        dt = time.time() - t0
+        valid = [
+            (parse_p if r["task"] == "P" else parse_a)(t) is not None for r, t in zip(batch["rows"], batch["texts"])
+        ]
+        per_task = all_reduce(is_task @ torch.tensor(valid, device=rt.device).float(), rt)  # (2,) parsing completions
+        counts = task_sums[:, 1].clamp(min=1)
+        metrics = {
+            "rl/reward_mean": rewards.mean().item(),
+            "rl/reward_std": rewards.std().item() if N > 1 else 0.0,
+            "rl/reward_p": (task_sums[0, 0] / counts[0]).item() if task_sums[0, 1] > 0 else None,
+            "rl/reward_a": (task_sums[1, 0] / counts[1]).item() if task_sums[1, 1] > 0 else None,
+            "rl/valid_p": (per_task[0] / counts[0]).item() if task_sums[0, 1] > 0 else None,
+            "rl/valid_a": (per_task[1] / counts[1]).item() if task_sums[1, 1] > 0 else None,
+            "rl/zero_std_frac": (rewards.view(-1, K) == rewards.view(-1, K)[:, :1]).all(1).float().mean().item(),
+            "rl/kl": (sums[1] / n_tokens).item() if ref is not None else None,
+            "rl/beta": beta,
+            "rl/entropy": sums[2].item(),
+            "rl/clip_frac": sums[3].item(),
+            "rl/ratio_mean": sums[4].item(),
+            "rl/pg_loss": sums[5].item(),
+            "rl/value_loss": sums[6].item() if cfg.value_head else None,
+            "rl/baseline_p": baselines[0].item() if cfg.baseline == "ema" and not cfg.value_head else None,
+            "rl/baseline_a": baselines[1].item() if cfg.baseline == "ema" and not cfg.value_head else None,
+            "rl/completion_len": mask.sum(1).mean().item(),
+            "rl/truncated_frac": batch["truncated"].float().mean().item(),
+            "rl/tokens": tokens,
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "perf/rollout_tokens_per_s": mask.sum().item() * rt.world_size / max(t_rollout, 1e-9),
+            "perf/rollout_ms": 1000 * t_rollout,
+            "perf/step_ms": 1000 * dt,
+            "perf/peak_mem_mb": peak_memory_mb(rt),
+        }
+        metrics = {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}  # NaN: a task not seen yet
+        logger.bar.update(1)
+        logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            checkpoint(step + 1)
+        if stop_requested:
+            if rt.master:
+                print(
+                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
+                    f"{out_dir}",
+                    file=sys.stderr,
+                )
+            cleanup(rt)
+            sys.exit(stop.exit_code())
+    checkpoint(cfg.max_steps)
+    logger.close()
+    if samples:
+        samples.close()
+    if stockfish:
+        stockfish.close()
+    if rt.master:
+        results = {
+            "loss_type": cfg.loss_type,
+            "baseline": "value_head" if cfg.value_head else cfg.baseline,
+            "steps": cfg.max_steps,
+            "tokens": tokens,
+            "wall_time_s": time.time() - t_start,
+            "before": {k.removeprefix("eval/"): v for k, v in (first_eval or {}).items()},
+            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+        }
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        summary = ", ".join(f"{k} {results['before'][k]:.3g} -> {v:.3g}" for k, v in results["after"].items())
+        print(f"rookworld ({cfg.loss_type}): {summary}; {results['wall_time_s']:.0f} s")
+    cleanup(rt)
+
+
+if __name__ == "__main__":
+    main()

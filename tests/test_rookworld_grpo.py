@@ -1,0 +1,496 @@
+"""rookworld_grpo.py: the chess environment against python-chess (hypothesis games and hand-made endings), the P:/A:
+parsers and the reward ladder on hand-made completions, the tokenization identity of prompts, Stockfish targets
+(skipped without Stockfish), the exact vocabulary KL and the EMA baseline, and end-to-end runs (make_data, a tiny
+SFT with gpt.py, GRPO on mixed P:/A: batches, exact resume, torchrun, bad input)."""
+
+import json
+import os
+import random
+import shutil
+import sys
+
+import chess
+import pytest
+import torch
+from conftest import BPE_AVAILABLE, ROOT, needs_bpe, run_script, torchrun
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rookworld_grpo as rw
+
+STOCKFISH = shutil.which("stockfish") or ("/usr/games/stockfish" if os.path.exists("/usr/games/stockfish") else None)
+needs_stockfish = pytest.mark.skipif(STOCKFISH is None, reason="Stockfish is not installed")
+VAL_FILE = ROOT.parent / "shared" / "data" / "rookworld_val_500.txt"
+START = chess.STARTING_FEN
+
+
+def metrics(out_dir):
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+# --------------------------------------------------------------------------------------- the environment (A:)
+
+
+def expected_step(board, move):
+    """The oracle: python-chess on the board that carries the whole game."""
+    if move not in board.legal_moves:
+        return board.fen(), -1.0, board.is_game_over(), True
+    after = board.copy()
+    after.push(move)
+    outcome = after.outcome()
+    reward = 0.001 if outcome is None else (1.0 if outcome.winner is not None else 0.5)
+    return after.fen(), reward, outcome is not None, False
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_env_step_matches_python_chess_on_random_games(seed):
+    """A random game from the initial position (to its end or 300 plies); at its last plies and a few random ones,
+    env_step with the game's moves as history gives python-chess's new FEN, reward, terminated and truncated, for the
+    move played, an illegal UCI move and a malformed one. With only an A: line's 9 earlier moves the result is the
+    same unless the game ended by fivefold repetition, which such a window cannot show."""
+    rng = random.Random(seed)
+    board = chess.Board()
+    while not board.is_game_over() and len(board.move_stack) < 300:
+        board.push(rng.choice(list(board.legal_moves)))
+    game = [m.uci() for m in board.move_stack]
+    for ply in [len(game) - 1, len(game) - 2, *rng.sample(range(len(game)), min(3, len(game)))]:
+        before, move, history = play(game[:ply]), chess.Move.from_uci(game[ply]), game[:ply]
+        got = rw.env_step(before.fen(), move.uci(), history)
+        assert got == expected_step(before, move)
+        after = before.copy()
+        after.push(move)
+        outcome = after.outcome()
+        if outcome is None or outcome.termination != chess.Termination.FIVEFOLD_REPETITION:
+            assert rw.env_step(before.fen(), move.uci(), history[-9:]) == got
+        illegal = next(
+            f"{a}{b}"
+            for a in chess.SQUARE_NAMES
+            for b in rng.sample(chess.SQUARE_NAMES, 64)
+            if a != b and chess.Move.from_uci(f"{a}{b}") not in before.legal_moves
+        )
+        for bad in (illegal, rng.choice(["e9e4", "", "xyz", "e7e8k", "0000"])):
+            assert rw.env_step(before.fen(), bad, history) == (before.fen(), -1.0, False, True)
+
+
+def play(moves, fen=START):
+    board = chess.Board(fen)
+    for m in moves:
+        board.push_uci(m)
+    return board
+
+
+@pytest.mark.parametrize(
+    "fen, history, move, reward, terminated, why",
+    [
+        (play(["f2f3", "e7e5", "g2g4"]).fen(), ["f2f3", "e7e5", "g2g4"], "d8h4", 1.0, True, "checkmate"),
+        ("k7/8/8/8/8/8/8/1Q5K w - - 0 1", [], "b1b6", 0.5, True, "stalemate"),
+        ("k7/8/8/8/8/8/1r6/K6N w - - 0 1", [], "a1b2", 0.5, True, "insufficient material"),
+        ("k7/8/8/8/8/8/8/K6R w - - 149 100", [], "h1h2", 0.5, True, "75-move rule"),
+        ("k7/8/8/8/8/8/8/K6R w - - 148 100", [], "h1h2", 0.001, False, "one ply before the 75-move rule"),
+        (START, [], "e2e4", 0.001, False, "a normal move"),
+        (START, [], "e7e8q", -1.0, False, "illegal"),
+    ],
+)
+def test_env_step_reward_table_by_hand(fen, history, move, reward, terminated, why):
+    """Mate 1.0, draws 0.5 (stalemate, insufficient material, 75 moves), a normal move 0.001, illegal -1.0."""
+    new_fen, got_reward, got_terminated, truncated = rw.env_step(fen, move, history)
+    assert (got_reward, got_terminated, truncated) == (reward, terminated, reward == -1.0), why
+    board = chess.Board(fen)
+    if reward != -1.0:
+        board.push_uci(move)
+    assert new_fen == board.fen()
+
+
+def test_env_step_sees_fivefold_repetition_only_with_the_whole_game():
+    """Knights out and back four times: the initial position occurs for the fifth time after 16 plies. With every
+    move as history that terminates with a draw; from an A: line's 10-move window it cannot be seen."""
+    moves = ["g1f3", "g8f6", "f3g1", "f6g8"] * 4
+    before = play(moves[:-1])
+    after = play(moves)
+    assert after.is_fivefold_repetition() and after.board_fen() == chess.Board().board_fen()
+    assert rw.env_step(before.fen(), moves[-1], moves[:-1]) == (after.fen(), 0.5, True, False)
+    assert rw.env_step(before.fen(), moves[-1], moves[-10:-1]) == (after.fen(), 0.001, False, False)
+
+
+def test_a_prompt_shows_the_last_ten_moves_with_the_current_one_last():
+    history = [f"{f}2{f}3" for f in "abcdefgh"] + ["a7a6", "b7b6", "c7c6"]
+    prompt = rw.format_a_prompt(START, "g1f3", history)
+    assert prompt == f"A: {START}+g1f3+{' '.join((history + ['g1f3'])[-10:])}+"
+    assert rw.format_a_completion("x", 0.001, False, True) == "x+0.001+0+1"
+    assert rw.format_a_completion("x", -1.0, False, True) == "x+-1.0+0+1"
+
+
+# ------------------------------------------------------------------------------- parsers and the reward ladder
+
+P_MOVES, P_EVALS = ["e2e4", "d2d4", "g1f3", "c2c4", "b1c3"], [5.0, 1.0, -3.0, -8.0, -12.0]
+P_TARGET = rw.format_p_completion(P_MOVES, P_EVALS, "e2e4")
+
+
+def p(moves, evals, best):
+    return rw.format_p_completion(moves, evals, best)
+
+
+@pytest.mark.parametrize(
+    "completion, level, why",
+    [
+        # the target's pairs in another order: evals matched by move give 1; by position they would give 0.48 (0.8)
+        (p(["g1f3", "e2e4", "b1c3", "d2d4", "c2c4"], [-3.0, 5.0, -12.0, 1.0, -8.0], "e2e4"), 1.0, "all right"),
+        (p(P_MOVES, [15.0, 11.0, 7.0, 2.0, -2.0], "e2e4"), 0.8, "(4 + 2 + 1.5 + 0) / 8.5 = 0.88"),
+        (p(["a2a3", "h2h3", "g2g4", "f2f3", "b2b4"], [0.0] * 5, "e2e4"), 0.6, "(4 + 2 * 0.75) / 8.5 = 0.65"),
+        (p(P_MOVES, P_EVALS, "d2d4"), 0.4, "wrong best: (2 + 1.5 + 1) / 8.5 = 0.53"),
+        (p(["a2a3", "h2h3", "g2g4", "f2f3", "b2b4"], [0.0] * 5, "a2a3"), 0.2, "format only: 2 / 8.5 = 0.24"),
+        (" e2e4 d2d4      E: 0.3 0.1", -0.3, "no B: part"),
+        (" e4 d4      E: 0.3 0.1      B: e4", -0.3, "moves in SAN, not UCI"),
+        (" e2e4      E: +inf      B: e2e4", -0.3, "an eval that is not a plain number"),
+        ("", -0.3, "empty"),
+    ],
+)
+def test_score_p_ladder_by_hand(completion, level, why):
+    assert rw.score_p(completion, P_TARGET) == level, why
+
+
+def test_score_p_continuous_is_the_raw_score():
+    """Best right, 1 of 2 listed moves in the target, format checks 3 of 4 (2 moves, not 5), eval (5.5 - 5)^2 = 0.25:
+    raw = (4 + 2 * 0.75 + 1.5 * 0.5 + (1 - 0.25 / 100)) / 8.5."""
+    completion = p(["e2e4", "a2a3"], [5.5, 0.0], "e2e4")
+    raw = (4 + 1.5 + 0.75 + 0.9975) / 8.5
+    assert rw.score_p(completion, P_TARGET, "continuous") == pytest.approx(raw)
+    assert rw.score_p(completion, P_TARGET) == 0.8
+
+
+def test_parse_p_reads_completions_and_lines_of_the_val_layout():
+    assert rw.parse_p(P_TARGET) == {"moves": P_MOVES, "evals": P_EVALS, "best": "e2e4"}
+    assert rw.parse_p("M: e7e8q      E: 999.99      B: e7e8q") == {
+        "moves": ["e7e8q"],
+        "evals": [999.99],
+        "best": "e7e8q",
+    }
+    assert rw.parse_p(" e2e4 E: 0.1 B: e2e4 extra") is None
+    assert rw.parse_p("      E: 0.1      B: e2e4") is None  # no move
+
+
+A_BEFORE = START
+A_TARGET = rw.format_a_completion(*rw.env_step(START, "e2e4", []))
+
+
+@pytest.mark.parametrize(
+    "completion, level, why",
+    [
+        (A_TARGET, 1.0, "all right"),
+        (A_TARGET.replace("+0.001+", "+1.0+"), 0.8, "(4 + 3 + 2) / 10"),
+        (A_TARGET.replace("+0.001+0+0", "+1.0+1+0"), 0.6, "(4 + 3) / 10"),
+        ("8/8/8/8/8/8/8/8 w - - 0 1+1.0+1+0", 0.4, "a far FEN: 0.4 + 3 * 0.5 * (1 - d / L) < 0.6"),
+        ("hello+1.0+1+0", 0.2, "an unreadable FEN: format 0.5"),
+        (A_TARGET.rsplit("+", 1)[0], -0.3, "three fields"),
+        (A_TARGET[:-1] + "2", -0.3, "a flag that is not 0/1"),
+        ("+0.001+0+0", -0.3, "no FEN"),
+    ],
+)
+def test_score_a_ladder_by_hand(completion, level, why):
+    assert rw.score_a(completion, A_TARGET) == level, why
+
+
+def test_score_a_partial_fen_credit_is_half_one_minus_the_normalised_edit_distance():
+    """The start position instead of the position after e2e4, flags and reward right: d = edit distance,
+    raw = (4 + 3 * 0.5 * (1 - d / L) + 2 + 1) / 10."""
+    want = rw.parse_a(A_TARGET)["fen"]
+    d = rw.edit_distance(START, want)
+    raw = (4 + 1.5 * (1 - d / max(len(START), len(want))) + 3) / 10
+    assert rw.score_a(f"{START}+0.001+0+0", A_TARGET, "continuous") == pytest.approx(raw)
+    assert rw.edit_distance("kitten", "sitting") == 3 and rw.edit_distance("", "abc") == 3
+
+
+def test_parse_a_fields():
+    assert rw.parse_a(f"{START}+-1.0+0+1") == {"fen": START, "reward": -1.0, "terminated": False, "truncated": True}
+    assert rw.parse_a(f"{START}+0.5+1+0+1") is None and rw.parse_a(f"{START}+x+1+0") is None
+
+
+def test_completions_end_at_endoftext_or_a_newline():
+    assert rw.end_of_completion("abc<|endoftext|>P: more") == "abc"
+    assert rw.end_of_completion("abc\nA: more") == "abc"
+
+
+def test_best_move_rules_on_a_black_to_move_line():
+    """The original data's black-to-move rows hold the 5th-best move as B: rookworld keeps it, stockfish takes the
+    highest eval (the evals are the side to move's)."""
+    fen = play(["e2e4"]).fen()
+    line = rw.format_p_prompt(fen) + p(["e7e5", "c7c5", "g8f6", "a7a6", "h7h5"], [-0.3, -0.2, -0.5, -0.6, -1.2], "h7h5")
+    assert rw.parse_p(rw.split_line(line, "rookworld")["target"])["best"] == "h7h5"
+    assert rw.parse_p(rw.split_line(line, "stockfish")["target"])["best"] == "c7c5"
+    assert rw.best_of_analysis(fen, ["c7c5", "e7e5", "h7h5"], "rookworld") == "h7h5"
+    assert rw.best_of_analysis(fen, ["c7c5", "e7e5", "h7h5"], "stockfish") == "c7c5"
+
+
+def test_split_line_refuses_lines_in_neither_format():
+    good = rw.format_p_prompt(START) + P_TARGET
+    assert rw.split_line(good)["prompt"] + rw.split_line(good)["target"] == good
+    for bad in ["", "hello", "P: not a fen M: e2e4 E: 0.1 B: e2e4", good.replace("B: e2e4", ""), "A: a+b+c"]:
+        assert rw.split_line(bad) is None
+
+
+# ------------------------------------------------------------------------------------------- tokenization identity
+
+
+def bpe():
+    import tiktoken
+
+    return tiktoken.get_encoding("gpt2")
+
+
+@needs_bpe
+def test_prompt_and_target_tokenize_like_the_whole_line_on_make_data_lines():
+    """ids(prompt) + ids(reference completion) == ids(line) for every --make_data line, and the prompts are
+    format_p_prompt / format_a_prompt of the line's position (and move and history)."""
+    enc = bpe()
+    lines = rw.make_lines(120, random.Random(1), illegal_frac=0.2)
+    assert {line[:2] for line in lines} == {"P:", "A:"}
+    for line in lines:
+        record = rw.split_line(line)
+        assert enc.encode_ordinary(record["prompt"]) + enc.encode_ordinary(record["target"]) == enc.encode_ordinary(
+            line
+        )
+        if record["task"] == "P":
+            assert record["prompt"] == rw.format_p_prompt(record["fen"])
+        else:
+            assert record["prompt"] == rw.format_a_prompt(record["fen"], record["move"], record["history"])
+            assert rw.score_a(record["target"], record["target"]) == 1.0
+
+
+@needs_bpe
+@pytest.mark.skipif(not VAL_FILE.exists(), reason="../shared/data/rookworld_val_500.txt is not here")
+def test_prompt_and_target_tokenize_like_the_whole_line_on_the_shared_val_file():
+    enc = bpe()
+    for line in VAL_FILE.read_text().splitlines():
+        record = rw.split_line(line, "rookworld")
+        assert record["prompt"].endswith("M:") and record["target"] == line[len(record["prompt"]) :]
+        assert enc.encode_ordinary(record["prompt"]) + enc.encode_ordinary(record["target"]) == enc.encode_ordinary(
+            line
+        )
+        assert rw.score_p(record["target"], record["target"]) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------ Stockfish
+
+
+@needs_stockfish
+def test_stockfish_targets_are_deterministic_for_a_fixed_node_limit():
+    """Two separate engine pools, positions in another order, the same analysis; moves legal, best first; a mate in
+    one scores 1000 - 1/100 for the side to move."""
+    mate_in_one = play(["f2f3", "e7e5", "g2g4"]).fen()
+    fens = [START, play(["e2e4", "c7c5"]).fen(), "8/8/R7/7p/P2K2k1/7r/8/8 w - - 0 56", mate_in_one]
+    first = rw.Stockfish(STOCKFISH, depth=0, nodes=3000, workers=2)
+    second = rw.Stockfish(STOCKFISH, depth=0, nodes=3000, workers=1)
+    try:
+        a = first.analyse(fens)
+        b = second.analyse(fens[::-1])[::-1]
+    finally:
+        first.close()
+        second.close()
+    assert a == b
+    for fen, (moves, evals) in zip(fens, a):
+        assert 1 <= len(moves) <= 5 and len(evals) == len(moves)
+        assert all(chess.Move.from_uci(m) in chess.Board(fen).legal_moves for m in moves)
+    assert a[3][0][0] == "d8h4" and a[3][1][0] == 999.99
+
+
+@needs_stockfish
+def test_stockfish_sets_p_targets_and_annotates_make_data():
+    sf = rw.Stockfish(STOCKFISH, depth=0, nodes=2000, workers=1)
+    try:
+        lines = rw.make_lines(8, random.Random(0), sf)
+        record = rw.split_line(rw.format_p_prompt(START) + P_TARGET)
+        rw.set_stockfish_targets([record], sf, "stockfish")
+    finally:
+        sf.close()
+    target = rw.parse_p(record["target"])
+    assert target["best"] == target["moves"][0] and len(target["moves"]) == 5 and target["evals"] != P_EVALS
+    assert all(rw.split_line(line) is not None for line in lines)
+
+
+# --------------------------------------------------------------------------------------------- algorithm pieces
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 9), st.integers(0, 10_000))
+def test_vocab_kl_is_the_exact_kl_of_the_two_softmaxes(V, seed):
+    """forward = KL(pi || ref), reverse = KL(ref || pi) as torch.distributions computes them; symmetric is their mean;
+    all are >= 0 and 0 when the logits agree up to a constant."""
+    gen = torch.Generator().manual_seed(seed)
+    logits, ref = torch.randn(3, 4, V, generator=gen), torch.randn(3, 4, V, generator=gen)
+    pi, q = torch.distributions.Categorical(logits=logits), torch.distributions.Categorical(logits=ref)
+    fwd, rev = torch.distributions.kl_divergence(pi, q), torch.distributions.kl_divergence(q, pi)
+    assert torch.allclose(rw.vocab_kl(logits, ref, "forward"), fwd, atol=1e-5)
+    assert torch.allclose(rw.vocab_kl(logits, ref, "reverse"), rev, atol=1e-5)
+    assert torch.allclose(rw.vocab_kl(logits, ref, "symmetric"), (fwd + rev) / 2, atol=1e-5)
+    assert (rw.vocab_kl(logits, ref) >= -1e-6).all()
+    assert rw.vocab_kl(logits, logits + 3.0).abs().max() < 1e-5
+
+
+def test_ema_baseline_by_hand():
+    """Starts at the first batch mean of each task, then b = 0.9 b + 0.1 mean; a task absent from a batch keeps b."""
+    b = torch.full((2,), float("nan"))
+    b = rw.ema_update(b, torch.tensor([0.5, 0.0]), torch.tensor([True, False]), 0.9)
+    assert b[0] == 0.5 and torch.isnan(b[1])
+    b = rw.ema_update(b, torch.tensor([1.0, -0.3]), torch.tensor([True, True]), 0.9)
+    assert torch.allclose(b, torch.tensor([0.55, -0.3]))
+    adv = rw.ema_advantages(torch.tensor([1.0, 0.2, -0.3]), torch.tensor([0, 1, 1]), b)
+    assert torch.allclose(adv, torch.tensor([0.45, 0.5, 0.0]))
+
+
+def test_generate_until_with_one_stop_token_samples_what_generate_samples():
+    """The two-stop-token loop is the model block's KV-cache sampler: with one stop token, the same tokens and mask."""
+    torch.manual_seed(0)
+    model = rw.GPT(rw.GPTConfig(block_size=32, vocab_size=11, n_layer=1, n_head=2, n_embd=16)).eval()
+    prompts = [[1, 2, 3, 4], [5], [6, 7]]
+    rt = rw.Runtime(torch.device("cpu"), torch.float32)
+    ours = rw.generate_until(model, prompts, 12, 1.0, None, [3], rt, torch.Generator().manual_seed(1))
+    theirs = rw.generate(model, prompts, 12, 1.0, None, 3, torch.Generator().manual_seed(1))
+    n = theirs[0].size(1)
+    assert torch.equal(ours[0][:, :n], theirs[0]) and torch.equal(ours[1][:, :n], theirs[1])
+    for seed in range(5):  # with two stop tokens, each row's mask ends at its first 3 or 5, or runs the horizon
+        tokens, mask = rw.generate_until(model, prompts, 12, 1.0, None, [3, 5], rt, torch.Generator().manual_seed(seed))
+        for row, m in zip(tokens, mask):
+            real = row[m > 0].tolist()
+            stops = [i for i, x in enumerate(real) if x in (3, 5)]
+            assert stops == [len(real) - 1] or (not stops and len(real) == 12)
+
+
+def test_read_records_counts_and_skips_lines_in_neither_format(tmp_path, capsys):
+    lines = rw.make_lines(10, random.Random(0))
+    path = tmp_path / "data.txt"
+    path.write_text("\n".join([lines[0], "garbage", "P: nope", *lines[1:], ""]) + "\n")
+    records = rw.read_records(str(path), "stockfish")
+    assert len(records) == 10 and "skipped 2 line(s)" in capsys.readouterr().err
+    (tmp_path / "bad.txt").write_text("nothing here\n")
+    with pytest.raises(SystemExit) as e:
+        rw.read_records(str(tmp_path / "bad.txt"), "stockfish")
+    assert e.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- end-to-end runs
+
+GRPO = ["--batch_size", "2", "--k_samples", "2", "--horizon", "40", "--eval_size", "2", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """--make_data lines (random play, no Stockfish) and a tiny gpt.py SFT on them: (data file, ckpt.pt)."""
+    if not BPE_AVAILABLE:
+        pytest.skip("GPT-2 BPE files unavailable")
+    tmp = tmp_path_factory.mktemp("rookworld")
+    data = tmp / "data.txt"
+    proc = run_script("rookworld_grpo.py", "--make_data", "60", "--out", data, "--illegal_frac", "0.2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = ["--data", data, "--tokenizer", "gpt2", "--n_layer", "1", "--n_head", "2", "--n_embd", "32"]
+    args += ["--block_size", "192", "--batch_size", "4", "--max_steps", "2", "--eval_every", "2", "--eval_iters", "1"]
+    proc = run_script("gpt.py", *args, "--num_samples", "1", "--sample_tokens", "2", "--out_dir", tmp / "sft")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return data, tmp / "sft" / "ckpt.pt"
+
+
+def test_make_data_writes_distinct_lines_of_both_tasks_and_never_overwrites(sft, monkeypatch, capsys):
+    """The fixture's --make_data file: distinct lines that all parse, both tasks, some illegal moves; asking for the
+    same file again is refused with one line and leaves it as it was."""
+    data, _ = sft
+    lines = data.read_text().splitlines()
+    assert len(lines) == 60 == len(set(lines)) and {line[:2] for line in lines} == {"P:", "A:"}
+    assert all(rw.split_line(line) for line in lines) and any("+-1.0+0+1" in line for line in lines)
+    monkeypatch.setattr(sys, "argv", ["rookworld_grpo.py", "--make_data", "5", "--out", str(data)])
+    with pytest.raises(SystemExit) as e:
+        rw.main()
+    assert e.value.code == 2 and "already exists" in capsys.readouterr().err
+    assert data.read_text().splitlines() == lines
+
+
+@needs_bpe
+def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft):
+    """Two steps on batches of one P: and one A: prompt; SIGTERM after step 1 saves and exits 143, and --resume
+    continues to exactly the uninterrupted metrics. Both tasks are evaluated and sampled."""
+    data, init = sft
+    common = ["--init_from", init, "--data_path", data, *GRPO, "--max_steps", "2", "--eval_every", "2"]
+    common += ["--save_every", "1", "--entropy_coef", "0.01", "--kl_type", "symmetric", "--device", "cpu"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    proc = run_script("rookworld_grpo.py", *common, "--out_dir", full)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_script("rookworld_grpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    proc = run_script("rookworld_grpo.py", "--resume", "--out_dir", part)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert metrics(full) == metrics(part)
+    rows = metrics(full)
+    train = [r for r in rows if "train/loss" in r]
+    assert len(train) == 2 and all("rl/reward_p" in r and "rl/reward_a" in r and "rl/kl" in r for r in train)
+    evals = [r for r in rows if "eval/p_best_acc" in r]
+    assert len(evals) == 2 and all("eval/a_fen_acc" in r and "eval/a_line_acc" in r for r in evals)
+    samples = (full / "samples.txt").read_text()
+    assert "P: " in samples and "A: " in samples
+    ckpt = torch.load(full / "ckpt.pt", weights_only=True)
+    assert ckpt["tokenizer"] == "gpt2" and ckpt["step"] == 2 and "lm_head.weight" in ckpt["model"]
+    results = json.loads((full / "final_results.json").read_text())
+    assert set(results["before"]) == set(results["after"]) >= {"p_reward", "a_reward"}
+    for name in ("config.json", "training_curves.png"):
+        assert (full / name).exists()
+
+
+@needs_bpe
+@pytest.mark.distributed
+def test_two_process_torchrun_with_a_value_head_and_adaptive_kl(tmp_path, sft):
+    """DDP over 2 gloo ranks with GAE on a value head and the adaptive KL coefficient; the checkpoint holds the
+    policy as a plain GPT state dict, the value head apart, and both ranks' RNG states."""
+    data, init = sft
+    out = tmp_path / "run"
+    args = ["--init_from", init, "--data_path", data, *GRPO, "--max_steps", "2", "--eval_every", "2"]
+    proc = torchrun(
+        ROOT / "rookworld_grpo.py", 2, *args, "--value_head", "--adaptive_kl", "--device", "cpu", "--out_dir", out
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert len(ckpt["rng_ranks"]) == 2 and ckpt["step"] == 2 and set(ckpt["value_head"]) == {"weight", "bias"}
+    assert not any(k.startswith(("gpt.", "v_head.")) for k in ckpt["model"])
+    train = [r for r in metrics(out) if "train/loss" in r]
+    assert all("rl/value_loss" in r for r in train) and train[1]["rl/beta"] != 0.02
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--k_samples", "1"], "--k_samples"),
+        (["--task_mix", "1.5"], "--task_mix"),
+        (["--kl_type", "k3"], "--kl_type"),
+        (["--value_head", "--parallel", "fsdp"], "--value_head"),
+        (["--sf_depth", "0"], "--sf_depth"),
+        (["--no_such_flag", "1"], "--no_such_flag"),
+    ],
+)
+def test_impossible_settings_exit_2_with_one_line(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        rw.validate(rw.parse_config(rw.Config, args))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and needle in lines[0]
+
+
+def test_a_missing_data_file_or_a_bad_stockfish_is_one_clear_line(tmp_path, capsys):
+    """A missing data file, a file that is not executable, a program that is not a UCI engine: exit code 2."""
+    not_executable = tmp_path / "stockfish"
+    not_executable.write_text("")
+    for call, needle in [
+        (lambda: rw.read_records(str(tmp_path / "missing.txt"), "stockfish"), "does not exist"),
+        (lambda: rw.Stockfish(str(not_executable)), "not an executable file"),
+        (lambda: rw.Stockfish(shutil.which("true") or "/bin/true"), "cannot start it as a UCI engine"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            call()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(lines) == 1 and needle in lines[0]
+
+
+def test_an_unreadable_stockfish_path_ends_the_command_with_one_line(tmp_path):
+    """Through the command line: exit code 2, one line on stderr, no traceback, no file written."""
+    out = tmp_path / "out.txt"
+    proc = run_script("rookworld_grpo.py", "--make_data", "5", "--out", out, "--stockfish", "/nonexistent/stockfish")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--stockfish" in lines[0] and "Traceback" not in proc.stderr
+    assert not out.exists()
