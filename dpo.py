@@ -560,9 +560,12 @@ def broadcast_object(obj, rt):
 
 
 def cleanup(rt):
+    """Leave the process group once every rank is done: a rank that tears down its connections while another still
+    has a collective in flight can abort that rank (gloo ends it with std::terminate)."""
     if rt.distributed:
         import torch.distributed as dist
 
+        dist.barrier()
         dist.destroy_process_group()
 
 
