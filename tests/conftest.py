@@ -1,5 +1,6 @@
 """Shared fixtures: offline environment, small synthetic data (no downloads), subprocess runs of the scripts."""
 
+import json
 import os
 import random
 import subprocess
@@ -87,3 +88,31 @@ def torchrun(script, nproc, *args, timeout=300, env=None, cwd=None):
         env=full_env,
         cwd=cwd or ROOT,
     )
+
+
+def char_checkpoint(path, chars, block_size=32, seed=0, reward_head=False):
+    """A tiny random char-level GPT (or reward model) saved as a checkpoint of this project."""
+    from gpt import GPT, GPTConfig
+    from reward_model import RewardModel
+
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=block_size, vocab_size=len(chars), n_layer=1, n_head=2, n_embd=16)
+    model = RewardModel(config) if reward_head else GPT(config)
+    body = model.body if reward_head else model
+    ckpt = {"model": body.state_dict(), "model_config": vars(config), "tokenizer": {"type": "char", "chars": chars}}
+    if reward_head:
+        ckpt.update(reward_head=model.head.state_dict(), reward_task="preference")
+    torch.save({**ckpt, "step": 0}, path)
+    return path
+
+
+def hh_file(path, n=40):
+    """HH-RLHF-shaped records, one "chosen" dialogue per line."""
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = "".join(
+                f"\n\nHuman: say {rng.choice('abc')}\n\nAssistant: ok {i % 3}" for _ in range(rng.randint(1, 2))
+            )
+            f.write(json.dumps({"chosen": turns, "rejected": turns + "x"}) + "\n")
+    return path

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, needs_bpe, run_script, torchrun
+from conftest import ROOT, char_checkpoint, hh_file, needs_bpe, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -219,19 +219,6 @@ def test_token_normaliser_is_global_across_two_gloo_ranks(tmp_path):
 # ---------------------------------------------------------------------------------------------- end-to-end runs
 
 
-def char_checkpoint(path, chars, block_size=32, seed=0, reward_head=False):
-    """A tiny random char-level GPT (or reward model) saved as a checkpoint of this project."""
-    torch.manual_seed(seed)
-    config = grpo.GPTConfig(block_size=block_size, vocab_size=len(chars), n_layer=1, n_head=2, n_embd=16)
-    model = grpo.RewardModel(config) if reward_head else grpo.GPT(config)
-    body = model.body if reward_head else model
-    ckpt = {"model": body.state_dict(), "model_config": vars(config), "tokenizer": {"type": "char", "chars": chars}}
-    if reward_head:
-        ckpt.update(reward_head=model.head.state_dict(), reward_task="preference")
-    torch.save({**ckpt, "step": 0}, path)
-    return path
-
-
 def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file):
     """SIGTERM after 3 of 6 steps saves and exits 143; --resume continues to exactly the uninterrupted metrics
     (reference init, partial credit, 2 iterations per batch, 2 micro-batches, entropy bonus, KL warm-up)."""
@@ -276,18 +263,6 @@ def test_arithmetic_runs_for_each_loss_family(tmp_path, args):
     assert len(rows) == 2 and all(0 <= r["rl/accuracy"] <= 1 and 1 <= r["rl/completion_len"] <= 4 for r in rows)
     results = json.loads((out / "final_results.json").read_text())
     assert {"accuracy", "format_rate"} <= set(results["after"])
-
-
-def hh_file(path, n=40):
-    """HH-RLHF-shaped records, one "chosen" dialogue per line."""
-    rng = random.Random(0)
-    with open(path, "w") as f:
-        for i in range(n):
-            turns = "".join(
-                f"\n\nHuman: say {rng.choice('abc')}\n\nAssistant: ok {i % 3}" for _ in range(rng.randint(1, 2))
-            )
-            f.write(json.dumps({"chosen": turns, "rejected": turns + "x"}) + "\n")
-    return path
 
 
 def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp_path):

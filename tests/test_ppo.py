@@ -5,12 +5,11 @@ DDP and FSDP, bad input, learning)."""
 
 import json
 import math
-import random
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_script, torchrun
+from conftest import ROOT, char_checkpoint, hh_file, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -298,31 +297,6 @@ def test_the_shared_value_model_samples_exactly_as_its_policy():
 
 
 # ---------------------------------------------------------------------------------------------- end-to-end runs
-
-
-def char_checkpoint(path, chars, block_size=32, seed=0, reward_head=False):
-    """A tiny random char-level GPT (or reward model) saved as a checkpoint of this project."""
-    torch.manual_seed(seed)
-    config = ppo.GPTConfig(block_size=block_size, vocab_size=len(chars), n_layer=1, n_head=2, n_embd=16)
-    model = ppo.RewardModel(config) if reward_head else ppo.GPT(config)
-    body = model.body if reward_head else model
-    ckpt = {"model": body.state_dict(), "model_config": vars(config), "tokenizer": {"type": "char", "chars": chars}}
-    if reward_head:
-        ckpt.update(reward_head=model.head.state_dict(), reward_task="preference")
-    torch.save({**ckpt, "step": 0}, path)
-    return path
-
-
-def hh_file(path, n=40):
-    """HH-RLHF-shaped records, one "chosen" dialogue per line."""
-    rng = random.Random(0)
-    with open(path, "w") as f:
-        for i in range(n):
-            turns = "".join(
-                f"\n\nHuman: say {rng.choice('abc')}\n\nAssistant: ok {i % 3}" for _ in range(rng.randint(1, 2))
-            )
-            f.write(json.dumps({"chosen": turns, "rejected": turns + "x"}) + "\n")
-    return path
 
 
 def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file):
