@@ -52,9 +52,13 @@ class Config:
     new_tokens: int = 64  # sampling: tokens generated per row
     train_batch: int = 8  # train and memory: sequences per step
     train_seq: int = 256  # train and memory: tokens per sequence
+    rl_prompts: int = 4  # grpo_step, ppo_step: prompts per step (prompt_len tokens of text, new_tokens completions)
+    group_size: int = 8  # grpo_step: completions per prompt (ppo_step: rl_prompts * group_size prompts, one each)
+    pairs: int = 8  # dpo_step, rm_step: preference pairs per step
+    pair_len: int = 96  # dpo_step, rm_step: tokens per sequence (prompt + response)
     warmup: int = 1  # untimed runs before the timed ones
     repeats: int = 3  # timed runs; the median is reported
-    only: str = "sample_kv,sample_nocache,train,memory"  # comma-separated measurements to run
+    only: str = "sample_kv,sample_nocache,train,memory,grpo_step,ppo_step,dpo_step,rm_step"  # measurements to run
     seed: int = 1337  # seed of the weights, the prompts and the sampler
 
 
@@ -227,7 +231,7 @@ class GPT(nn.Module):
             cache.pos += T
             x = x[:, -1:]  # (B, 1, C)
         elif keep_last:
-            x = x[:, -keep_last:]  # (B, keep_last, C)
+            x = x[:, -keep_last:].contiguous()  # (B, keep_last, C)
         if return_hidden:
             return x, None
         logits = self.lm_head(x)  # (B, T, V)
@@ -289,11 +293,20 @@ class GPT(nn.Module):
         return model
 
 
+def row_chunks(x):
+    """Rows per chunk for work over (rows, V) logits. On CPU a few rows at a time keep the slice in the cache,
+    which makes softmax-like passes over a 50k vocabulary several times faster than one pass over the whole
+    tensor; on a GPU large chunks only bound the float32 copy of bf16 logits."""
+    return 8 if x.device.type == "cpu" else 4096
+
+
 def token_logprobs(logits, targets):
-    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
-    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Fused cross-entropy
+    over row chunks: its backward writes softmax - onehot directly, and no (B, T, V) log-softmax is kept."""
+    flat, tgt = logits.flatten(0, -2), targets.flatten()
+    n = row_chunks(flat)
+    nll = [F.cross_entropy(x.float(), y, reduction="none") for x, y in zip(flat.split(n), tgt.split(n))]
+    return -torch.cat(nll).view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
@@ -404,13 +417,18 @@ def parse_config(argv=None):
     unknown = set(cfg.only.split(",")) - set(BENCHES)
     if unknown:
         die(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}; choose from {','.join(BENCHES)}")
-    for name in ("batch_size", "prompt_len", "new_tokens", "train_batch", "train_seq", "repeats"):
+    positive = ("batch_size", "prompt_len", "new_tokens", "train_batch", "train_seq", "repeats", "rl_prompts", "pairs")
+    for name in positive:
         if getattr(cfg, name) <= 0:
             die(f"--{name} must be positive (got {getattr(cfg, name)})")
     if cfg.warmup < 0:
         die(f"--warmup must be >= 0 (got {cfg.warmup})")
-    if cfg.prompt_len + cfg.new_tokens > 1024 or cfg.train_seq > 1024:
-        die("--prompt_len + --new_tokens and --train_seq must be at most 1024 (the model's block_size)")
+    if cfg.prompt_len + cfg.new_tokens > 1024 or cfg.train_seq > 1024 or cfg.pair_len > 1024:
+        die("--prompt_len + --new_tokens, --train_seq and --pair_len must be at most 1024 (the model's block_size)")
+    if cfg.group_size < 2:
+        die(f"--group_size must be >= 2: GRPO compares completions within a group (got {cfg.group_size})")
+    if cfg.pair_len < 8:
+        die(f"--pair_len must be >= 8 tokens (got {cfg.pair_len})")
     return cfg
 
 
@@ -457,7 +475,7 @@ def train_setup(model, cfg, env):
     device = env["device"]
     gen = torch.Generator().manual_seed(cfg.seed)
     x, y = torch.randint(model.config.vocab_size, (2, cfg.train_batch, cfg.train_seq), generator=gen).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cuda", "cpu"))
 
     def step():
         with env["autocast"]():
@@ -506,12 +524,89 @@ def bench_memory(model, cfg, env):
     return peak, "MB", details
 
 
+# ----------------------------------------------------------------------------------------------------------
+# One optimizer step of each post-training script. The script itself runs (a subprocess, from bench.py's folder)
+# on the bench model's random weights saved as a ckpt.pt, with synthetic text or HH-RLHF-shaped pairs, for
+# warmup + repeats steps; the median of its own perf/step_ms over the steps after the warm-up is reported. Peak
+# memory: on CPU the child process's peak resident set (os.wait4), on CUDA the script's perf/peak_mem_mb if it
+# logs one. The GPT-2 tokenizer is needed (tiktoken downloads it once; offline, set TIKTOKEN_CACHE_DIR).
+
+WORDS = "the a of and to in is you that it he was for on are as with his they at be this have from or one had".split()
+
+
+def write_inputs(cfg, env, folder):
+    """The bench model as a checkpoint of this project, a text file, and pairs of dialogues that share a prompt."""
+    import random
+
+    rng = random.Random(cfg.seed)
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731  (about one token a word)
+    raw = env["raw_model"]
+    state = {k: v.detach().cpu() for k, v in raw.state_dict().items()}
+    torch.save({"model": state, "model_config": vars(raw.config), "tokenizer": "gpt2", "step": 0}, f"{folder}/init.pt")
+    with open(f"{folder}/text.txt", "w") as f:
+        f.write(". ".join(words(12) for _ in range(4000)))
+    with open(f"{folder}/pairs.jsonl", "w") as f:  # long prompts: the scripts keep the last pair_len tokens
+        for _ in range(64):
+            prompt = f"\n\nHuman: {words(cfg.pair_len)}\n\nAssistant:"
+            record = {
+                "chosen": f"{prompt} {words(cfg.pair_len // 4)}",
+                "rejected": f"{prompt} {words(cfg.pair_len // 4)}",
+            }
+            f.write(json.dumps(record) + "\n")
+
+
+def step_args(name, cfg, folder):
+    """The script and its flags for the work of one step (README, Performance)."""
+    rl = ["--task", "next_token", "--data_path", f"{folder}/text.txt", "--context_len", cfg.prompt_len]
+    rl += ["--horizon", cfg.new_tokens, "--eval_size", 8]
+    pairs = ["--data_path", f"{folder}/pairs.jsonl", "--batch_size", cfg.pairs, "--max_len", cfg.pair_len]
+    return {
+        "grpo_step": ("grpo.py", rl + ["--batch_size", cfg.rl_prompts, "--group_size", cfg.group_size, "--beta", 0.04]),
+        "ppo_step": ("ppo.py", rl + ["--batch_size", cfg.rl_prompts * cfg.group_size]),
+        "dpo_step": ("dpo.py", pairs + ["--eval_pairs", 8, "--num_samples", 1, "--sample_tokens", 8]),
+        "rm_step": ("reward_model.py", pairs + ["--task", "preference", "--eval_size", 8]),
+    }[name]
+
+
+def bench_script_step(name, cfg, env):
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_inputs(cfg, env, folder)
+        script, args = step_args(name, cfg, folder)
+        steps = cfg.warmup + cfg.repeats
+        args += ["--init_from", f"{folder}/init.pt", "--out_dir", f"{folder}/run", "--max_steps", steps]
+        args += ["--log_every", 1, "--eval_every", 10**6, "--save_every", 10**6, "--seed", cfg.seed]
+        args += ["--device", env["device"].type, "--dtype", env["dtype"]] + (["--compile"] if cfg.compile else [])
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *map(str, args)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stderr = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage, its peak memory among it
+        if os.waitstatus_to_exitcode(status) != 0:
+            last = [line for line in stderr.splitlines() if line.strip()][-1:] or ["no output"]
+            die(f"{name}: {script} failed: {last[0]}")
+        with open(f"{folder}/run/metrics.jsonl") as f:
+            rows = [r for r in map(json.loads, f) if "perf/step_ms" in r]
+    step_ms = statistics.median(r["perf/step_ms"] for r in rows[cfg.warmup :])
+    if env["device"].type == "cuda":
+        peak = max((r.get("perf/peak_mem_mb", 0) for r in rows), default=0) or None
+    else:
+        peak = usage.ru_maxrss / 2**20 if sys.platform == "darwin" else usage.ru_maxrss / 2**10
+    details = dict(script=script, args=" ".join(map(str, step_args(name, cfg, "DIR")[1])), peak_mb=peak)
+    return step_ms, "ms", details
+
+
 # memory first: on CPU the peak resident set never goes down, and sampling without a cache holds (B, T, V) logits
 BENCHES = {
     "memory": bench_memory,
     "train": bench_train,
     "sample_kv": lambda model, cfg, env: bench_sample(model, cfg, env, use_cache=True),
     "sample_nocache": lambda model, cfg, env: bench_sample(model, cfg, env, use_cache=False),
+    **{
+        name: lambda model, cfg, env, name=name: bench_script_step(name, cfg, env)
+        for name in ("grpo_step", "ppo_step", "dpo_step", "rm_step")
+    },
 }
 
 
@@ -534,6 +629,7 @@ def main():
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     env = dict(
         device=device,
+        dtype=dtype,
         raw_model=raw_model,
         autocast=lambda: (
             nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))

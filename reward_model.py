@@ -296,7 +296,7 @@ class GPT(nn.Module):
             cache.pos += T
             x = x[:, -1:]  # (B, 1, C)
         elif keep_last:
-            x = x[:, -keep_last:]  # (B, keep_last, C)
+            x = x[:, -keep_last:].contiguous()  # (B, keep_last, C)
         if return_hidden:
             return x, None
         logits = self.lm_head(x)  # (B, T, V)
@@ -358,11 +358,20 @@ class GPT(nn.Module):
         return model
 
 
+def row_chunks(x):
+    """Rows per chunk for work over (rows, V) logits. On CPU a few rows at a time keep the slice in the cache,
+    which makes softmax-like passes over a 50k vocabulary several times faster than one pass over the whole
+    tensor; on a GPU large chunks only bound the float32 copy of bf16 logits."""
+    return 8 if x.device.type == "cpu" else 4096
+
+
 def token_logprobs(logits, targets):
-    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Gathers the target
-    logit and subtracts logsumexp instead of keeping a full (B, T, V) log-softmax for backward."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0. Fused cross-entropy
+    over row chunks: its backward writes softmax - onehot directly, and no (B, T, V) log-softmax is kept."""
+    flat, tgt = logits.flatten(0, -2), targets.flatten()
+    n = row_chunks(flat)
+    nll = [F.cross_entropy(x.float(), y, reduction="none") for x, y in zip(flat.split(n), tgt.split(n))]
+    return -torch.cat(nll).view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
@@ -612,13 +621,15 @@ def grad_sync(model, enabled):
 
 
 def make_optimizer(model, lr, weight_decay, betas, device):
-    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not."""
+    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not. The fused kernel (CUDA and CPU)
+    updates each parameter in one pass, without temporaries the size of the 50k-token embedding: on CPU it
+    is about 4x faster than the default, which matters for small models."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):

@@ -256,3 +256,24 @@ def test_copies_in_every_script_give_identical_results(name):
     for module in modules[1:]:
         for a, b in zip(first, calls(getattr(module, name))):
             assert torch.equal(a, b), f"{module.__name__}.{name} differs from {modules[0].__name__}.{name}"
+
+
+@FAST
+@given(st.integers(1, 3), st.integers(1, 9), st.integers(2, 40), st.sampled_from([0.1, 3.0, 300.0]), st.integers(0, 99))
+def test_entropy_from_logits_matches_the_float64_definition_and_its_gradient(B, T, V, scale, seed):
+    """H = -sum p log p of softmax(logits) (float64 oracle), value and gradient, over several row chunks;
+    0 <= H <= log V."""
+    import grpo
+
+    torch.manual_seed(seed)
+    logits = (torch.randn(B, T, V) * scale).requires_grad_(True)
+    weights = torch.randn(B, T)
+    ent = grpo.entropy_from_logits(logits)
+    (ent * weights).sum().backward()
+    x = logits.detach().double().requires_grad_(True)
+    oracle = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+    (oracle * weights).sum().backward()
+    assert ent.shape == (B, T)
+    torch.testing.assert_close(ent.double(), oracle.detach(), atol=1e-4, rtol=1e-4)
+    assert (ent >= -1e-5).all() and (ent <= math.log(V) + 1e-5).all()
+    torch.testing.assert_close(logits.grad.double(), x.grad, atol=1e-4, rtol=1e-3)

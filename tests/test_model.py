@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -709,3 +710,17 @@ def test_from_pretrained_rejects_a_missing_or_misshapen_weight(tmp_path, corrupt
     folder = write_hf_folder(tmp_path / "bad", sd, layout)
     with pytest.raises(ValueError):
         GPT.from_pretrained(str(folder))
+
+
+@FAST
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(2, 40), st.integers(0, 2**31 - 1))
+def test_token_logprobs_gradient_is_onehot_minus_softmax(B, T, V, seed):
+    """d log p(y) / d logits = onehot(y) - softmax(logits) (float64 oracle), through the chunked fused path;
+    B * T up to 36 rows spans several chunks."""
+    torch.manual_seed(seed)
+    logits = (torch.randn(B, T, V) * 3).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T))
+    weights = torch.randn(B, T)
+    (token_logprobs(logits, targets) * weights).sum().backward()
+    expected = (F.one_hot(targets, V).double() - torch.softmax(logits.detach().double(), -1)) * weights[..., None]
+    torch.testing.assert_close(logits.grad.double(), expected, atol=1e-5, rtol=1e-5)
