@@ -10,17 +10,30 @@ warm-up runs, CUDA synchronized around every timed run:
     memory          peak MB (2^20 bytes) over two train steps (the second holds the AdamW state of the first): CUDA
                     max_memory_allocated; CPU the process's peak resident set (ru_maxrss, which includes the
                     Python and torch baseline, reported as `before_mb`), so on CPU it is measured first
+    grpo_step       ms per optimizer step of grpo.py: rl_prompts prompts of prompt_len tokens x group_size
+                    completions of new_tokens tokens, KL to a reference model (beta 0.04), one update per batch
+    ppo_step        ms per PPO iteration of ppo.py on the same number of completions (one per prompt), with its
+                    default 4 epochs x 4 minibatches, value model and reference
+    dpo_step        ms per optimizer step of dpo.py: `pairs` preference pairs of pair_len tokens, sigmoid loss,
+                    frozen reference
+    rm_step         ms per optimizer step of reward_model.py on the same pairs (Bradley-Terry)
+                    (the *_step measurements run the scripts themselves; see bench_script_step)
+With --vs hf each measurement is repeated with transformers (GPT2LMHeadModel.generate, a training step) or TRL
+(GRPOTrainer, DPOTrainer, RewardTrainer) on the same work and weights, and a second line gives `speedup`, how
+many times faster ours is (optional: pip install transformers trl).
 Models are built from scratch with random weights (nothing is downloaded): tiny (4 layers, 4 heads, 128 wide),
 small (6, 6, 384), gpt2 (12, 12, 768, the 124M GPT-2); all with the GPT-2 vocabulary and 1024 positions.
 
 Commands:
     python bench.py --model tiny                                     # CPU, float32, a few minutes on 2 cores
+    python bench.py --model tiny --vs hf                             # side by side with transformers / TRL
     python bench.py --model gpt2 --device cuda                       # one GPU, bf16 autocast
     python bench.py --model gpt2 --device cuda --compile --only train,memory --train_batch 16 --train_seq 1024
 """
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -29,6 +42,7 @@ import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -60,6 +74,7 @@ class Config:
     repeats: int = 3  # timed runs; the median is reported
     only: str = "sample_kv,sample_nocache,train,memory,grpo_step,ppo_step,dpo_step,rm_step"  # measurements to run
     seed: int = 1337  # seed of the weights, the prompts and the sampler
+    vs: str = ""  # hf: also run transformers / TRL on the same work and print the speedup (needs both installed)
 
 
 MODELS = {
@@ -414,6 +429,8 @@ def parse_config(argv=None):
         die("--device cuda: no CUDA device is available")
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         die(f"--dtype {cfg.dtype!r}: use auto, float32 or bfloat16")
+    if cfg.vs not in ("", "hf"):
+        die(f"--vs {cfg.vs!r}: the only comparison is --vs hf (transformers and TRL)")
     unknown = set(cfg.only.split(",")) - set(BENCHES)
     if unknown:
         die(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}; choose from {','.join(BENCHES)}")
@@ -570,7 +587,6 @@ def step_args(name, cfg, folder):
 
 def bench_script_step(name, cfg, env):
     import subprocess
-    import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
         write_inputs(cfg, env, folder)
@@ -585,7 +601,7 @@ def bench_script_step(name, cfg, env):
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage, its peak memory among it
         if os.waitstatus_to_exitcode(status) != 0:
             last = [line for line in stderr.splitlines() if line.strip()][-1:] or ["no output"]
-            die(f"{name}: {script} failed: {last[0]}")
+            die(f"{name}: {script} failed: {last[0].removeprefix('error: ')}")
         with open(f"{folder}/run/metrics.jsonl") as f:
             rows = [r for r in map(json.loads, f) if "perf/step_ms" in r]
     step_ms = statistics.median(r["perf/step_ms"] for r in rows[cfg.warmup :])
@@ -609,6 +625,8 @@ BENCHES = {
     },
 }
 
+
+HF_BENCHES = {}  # filled by the transformers / TRL section below
 
 # ----------------------------------------------------------------------------------------------------------
 
@@ -639,12 +657,36 @@ def main():
     common = dict(model=cfg.model, device=device.type, dtype=dtype)
     extra = dict(compile=cfg.compile, params=raw_model.num_params(), gpu=gpu, threads=torch.get_num_threads())
     wanted = set(cfg.only.split(","))
+    if cfg.vs == "hf":
+        for package in ("transformers", "trl"):
+            if importlib.util.find_spec(package) is None:
+                die(f"--vs hf needs {package}: pip install transformers trl (they are not requirements of the scripts)")
     for name, bench in BENCHES.items():
-        if name in wanted:
-            value, unit, details = bench(model, cfg, env)
-            row = {"bench": name, **common, "value": value, "unit": unit, **details, **extra}
-            row = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}  # 4 significant digits
-            print(json.dumps(row), flush=True)
+        if name not in wanted:
+            continue
+        value, unit, details = bench(model, cfg, env)
+        emit({"bench": name, "impl": "ours", **common, "value": value, "unit": unit, **details, **extra})
+        if cfg.vs == "hf" and name in HF_BENCHES:
+            with tempfile.TemporaryDirectory() as folder:
+                write_inputs(cfg, env, folder)
+                hf_value, _, hf_details = HF_BENCHES[name](model, cfg, env, folder)
+            speedup = value / hf_value if unit == "tokens/s" else hf_value / value  # > 1: ours is faster
+            emit(
+                {
+                    "bench": name,
+                    "impl": "hf",
+                    **common,
+                    "value": hf_value,
+                    "unit": unit,
+                    "speedup": speedup,
+                    **hf_details,
+                }
+            )
+
+
+def emit(row):
+    """One JSON line, floats to 4 significant digits."""
+    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_script
+from conftest import ROOT, needs_bpe, run_script
 
 LAUNCH = ROOT / "ddp_launch.sh"
 # the launcher finds torchrun (or python) on PATH: put this interpreter's bin folder first, as an activated venv does
@@ -47,6 +47,28 @@ def test_bench_prints_one_json_line_with_a_positive_value_per_measurement():
     units = {r["bench"]: r["unit"] for r in rows}
     assert units == {"sample_kv": "tokens/s", "sample_nocache": "tokens/s", "train": "tokens/s", "memory": "MB"}
     assert next(r for r in rows if r["bench"] == "train")["mfu"] is None  # no peak FLOPs on CPU
+
+
+@needs_bpe
+def test_bench_times_a_step_of_each_post_training_script():
+    """The *_step measurements run the scripts themselves on tiny work: a positive median in ms per step, the
+    child's peak memory, and the script named."""
+    names = ["grpo_step", "ppo_step", "dpo_step", "rm_step"]
+    args = ["--model", "tiny", "--only", ",".join(names), "--prompt_len", "4", "--new_tokens", "4", "--rl_prompts", "2"]
+    args += ["--group_size", "2", "--pairs", "2", "--pair_len", "16", "--repeats", "1", "--warmup", "1"]
+    proc = run_script("bench.py", *args, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["bench"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert sorted(rows) == sorted(names)
+    scripts = {"grpo_step": "grpo.py", "ppo_step": "ppo.py", "dpo_step": "dpo.py", "rm_step": "reward_model.py"}
+    for name, r in rows.items():
+        assert r["unit"] == "ms" and r["value"] > 0 and r["peak_mb"] > 100 and r["script"] == scripts[name], r
+
+
+@pytest.mark.parametrize("args", [["--only", "nope"], ["--vs", "trl"], ["--group_size", "1"]])
+def test_bench_new_flags_refuse_bad_values_in_one_line(args):
+    proc = run_script("bench.py", *args)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("args", [["--only", "nope"], ["--batch_size", "0"], ["--model", "huge"], ["--bogus"]])
