@@ -17,28 +17,11 @@ import signal
 import sys
 
 import pytest
-import torch
-from conftest import BPE_AVAILABLE, char_checkpoint, hh_file, run_script, synthetic_text
+from conftest import BPE_AVAILABLE, bpe_checkpoint, char_checkpoint, hh_file, run_script, synthetic_text
 
 SCRIPTS = ("gpt", "char_grpo", "grpo", "ppo", "dpo", "reward_model", "rookworld_grpo")
 
 # ------------------------------------------------------------------------------------------------ data and models
-
-
-def bpe_checkpoint(path, block_size, reward_head=False):
-    """A tiny random GPT-2-BPE model (or reward model) saved as a checkpoint of this project (no tiktoken needed)."""
-    from gpt import GPT, GPTConfig
-    from reward_model import RewardModel
-
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=block_size, vocab_size=50257, n_layer=1, n_head=2, n_embd=8)
-    model = RewardModel(config) if reward_head else GPT(config)
-    body = model.body if reward_head else model
-    ckpt = {"model": body.state_dict(), "model_config": vars(config), "tokenizer": "gpt2", "step": 0}
-    if reward_head:
-        ckpt.update(reward_head=model.head.state_dict(), reward_task="preference")
-    torch.save(ckpt, path)
-    return path
 
 
 @pytest.fixture(scope="module")
