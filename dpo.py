@@ -464,6 +464,10 @@ def parse_config(cls, argv=None):
         check(isinstance(saved, dict), f"--resume: {saved_path} does not hold the settings of a run")
         given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
         names = {f.name for f in dataclasses.fields(cls)}
+        foreign = sorted(set(saved) - names)
+        check(
+            not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})"
+        )
         cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
     return cfg
 

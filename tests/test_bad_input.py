@@ -162,6 +162,7 @@ CASES = {
     "resume_without_checkpoint": {s: (["--resume"], "--resume") for s in SCRIPTS},
     "resume_without_run": {s: (["--resume", "--out_dir", "/nonexistent/run"], "--resume") for s in SCRIPTS},
     "resume_corrupt_config": {s: (["--resume"], "config.json") for s in SCRIPTS},
+    "resume_run_of_another_script": {s: (["--resume"], "another script") for s in SCRIPTS},
     "unreachable_hub_id_offline": {
         s: (["--init_from", "nobody/no-such-model"], "nobody/no-such-model") for s in SCRIPTS
     },
@@ -255,6 +256,11 @@ def previous_run(script, f, out, kind):
     if kind == "resume_truncated_checkpoint":
         shutil.copy(f.truncated, out / "ckpt.pt")
     elif kind == "folder_holds_a_run":
+        shutil.copy(f.hh_ckpt, out / "ckpt.pt")
+    elif kind == "resume_run_of_another_script":  # its config.json and ckpt.pt are those of another script's run
+        other = importlib.import_module("char_grpo" if script == "gpt" else "gpt")
+        cfg = other.parse_config(other.Config, ["--out_dir", str(out)])
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         shutil.copy(f.hh_ckpt, out / "ckpt.pt")
     elif kind == "resume_corrupt_config":
         shutil.copy(f.hh_ckpt, out / "ckpt.pt")
