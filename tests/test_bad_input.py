@@ -61,7 +61,8 @@ def f(tmp_path_factory):
 
 
 # Tiny valid runs: each case adds its bad flags after these (argparse keeps the last value of a repeated flag).
-TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--device", "cpu"]
+CPU = ["--device", "cpu"]
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", *CPU]
 
 
 def base_args(script, f):
@@ -70,19 +71,19 @@ def base_args(script, f):
         "char_grpo": ["--data", f.text, *TINY, "--block_size", "32", "--context_len", "8", "--horizon", "4"],
         "grpo": ["--data", f.text, *TINY, "--block_size", "32", "--tokenizer", "char", "--context_len", "8"],
         "ppo": ["--data", f.text, *TINY, "--block_size", "32", "--tokenizer", "char", "--context_len", "8"],
-        "dpo": ["--data_path", f.hh, "--init_from", f.hh_ckpt, "--max_len", "64", "--sample_tokens", "8", *TINY[-2:]],
+        "dpo": ["--data_path", f.hh, "--init_from", f.hh_ckpt, "--max_len", "64", "--sample_tokens", "8", *CPU],
         "reward_model": ["--data_path", f.hh, *TINY, "--block_size", "64", "--tokenizer", "char"],
-        "rookworld_grpo": ["--data_path", f.rook, "--init_from", f.bpe_ckpt, "--horizon", "40", "--device", "cpu"],
+        "rookworld_grpo": ["--data_path", f.rook, "--init_from", f.bpe_ckpt, "--horizon", "40", *CPU],
     }[script]
 
 
 # ---------------------------------------------------------------------------------------------------- the matrix
 
-# kind -> script -> (flags added to the tiny valid run, or a function of the files giving them; text the error line
-# must hold). Each case runs with --out_dir a folder that holds a previous run's files (see previous_run).
+# kind -> script -> (flags added to the tiny valid run, or a function of the files giving them; the text, or texts,
+# the error line must hold). Each case runs with --out_dir a folder holding a previous run's files (previous_run).
 CASES = {
     "unknown_flag": {s: (["--no_such_flag", "1"], "--no_such_flag") for s in SCRIPTS},
-    "wrong_type": {s: (["--max_steps", "ten"], "--max_steps") for s in SCRIPTS},
+    "wrong_type": {s: (["--max_steps", "ten"], ("--max_steps", "invalid int value")) for s in SCRIPTS},
     "zero_size": {s: (["--batch_size", "0"], "--batch_size") for s in SCRIPTS},
     "negative_size": {
         "gpt": (["--block_size", "-8"], "--block_size"),
@@ -108,8 +109,10 @@ CASES = {
         "rookworld_grpo": (["--horizon", "190"], "--horizon"),
     },
     "missing_data_file": {
-        **{s: (["--data", "/nonexistent/data.txt"], "/nonexistent/data.txt") for s in ("gpt", "char_grpo")},
-        **{s: (["--data", "/nonexistent/data.txt"], "/nonexistent/data.txt") for s in ("grpo", "ppo")},
+        **{
+            s: (["--data", "/nonexistent/data.txt"], "/nonexistent/data.txt")
+            for s in ("gpt", "char_grpo", "grpo", "ppo")
+        },
         **{s: (["--data_path", "/nonexistent/d.jsonl"], "/nonexistent/d.jsonl") for s in ("dpo", "reward_model")},
         "rookworld_grpo": (["--data_path", "/nonexistent/rook.txt"], "/nonexistent/rook.txt"),
     },
@@ -157,14 +160,16 @@ CASES = {
         s: (lambda f: ["--init_from", f.abc_ckpt], "vocabulary")
         for s in ("gpt", "char_grpo", "grpo", "ppo", "dpo", "reward_model")
     },
-    "truncated_checkpoint": {s: (lambda f: ["--init_from", f.truncated], "truncated.pt") for s in SCRIPTS},
-    "resume_truncated_checkpoint": {s: (["--resume"], "ckpt.pt") for s in SCRIPTS},
-    "resume_without_checkpoint": {s: (["--resume"], "--resume") for s in SCRIPTS},
+    "truncated_checkpoint": {
+        s: (lambda f: ["--init_from", f.truncated], ("truncated.pt", "truncated or not a checkpoint")) for s in SCRIPTS
+    },
+    "resume_truncated_checkpoint": {s: (["--resume"], ("ckpt.pt", "truncated or not a checkpoint")) for s in SCRIPTS},
+    "resume_without_checkpoint": {s: (["--resume"], ("ckpt.pt", "without --resume")) for s in SCRIPTS},
     "resume_without_run": {s: (["--resume", "--out_dir", "/nonexistent/run"], "--resume") for s in SCRIPTS},
     "resume_corrupt_config": {s: (["--resume"], "config.json") for s in SCRIPTS},
     "resume_run_of_another_script": {s: (["--resume"], "another script") for s in SCRIPTS},
     "unreachable_hub_id_offline": {
-        s: (["--init_from", "nobody/no-such-model"], "nobody/no-such-model") for s in SCRIPTS
+        s: (["--init_from", "nobody/no-such-model"], ("nobody/no-such-model", "Hugging Face hub")) for s in SCRIPTS
     },
     "folder_holds_a_run": {s: ([], "already holds a run") for s in SCRIPTS},
 }
@@ -238,10 +243,17 @@ def test_every_kind_is_tried_or_explained_for_every_script():
 
 
 def case(script, kind, f):
-    """The flags of a case (the script's tiny valid run, then the bad ones) and the text its error line must hold."""
+    """The flags of a case (the script's tiny valid run, then the bad ones) and the texts its error line must hold."""
     extra, needle = EXTRA[script][int(kind[5:])] if kind.startswith("extra") else CASES[kind][script]
     extra = extra(f) if callable(extra) else extra
-    return [*base_args(script, f), *extra], needle
+    return [*base_args(script, f), *extra], (needle,) if isinstance(needle, str) else needle
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_cases_start_from_settings_that_pass_validation(script, f):
+    """Each case changes one thing of a valid command line, so its error is about that one thing."""
+    mod = importlib.import_module(script)
+    mod.validate(mod.parse_config(mod.Config, list(map(str, base_args(script, f)))))
 
 
 def previous_run(script, f, out, kind):
@@ -300,10 +312,10 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(script, kind, f, tmp
     out = tmp_path / "run"
     previous_run(script, f, out, kind)
     before = snapshot(out)
-    args, needle = case(script, kind, f)
+    args, needles = case(script, kind, f)
     code = run_main(script, args if "--out_dir" in args else [*args, "--out_dir", out], monkeypatch)
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and needle in err[0], (code, err)
+    assert code == 2 and len(err) == 1 and all(n in err[0] for n in needles), (code, err)
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -313,9 +325,9 @@ def test_bad_input_in_a_real_process_exits_2_without_a_traceback(script, kind, f
     out = tmp_path / "run"
     previous_run(script, f, out, kind)
     before = snapshot(out)
-    args, needle = case(script, kind, f)
+    args, needles = case(script, kind, f)
     proc = run_script(f"{script}.py", *args, "--out_dir", out, env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path, timeout=60)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1 and all(n in lines[0] for n in needles), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert snapshot(out) == before
