@@ -494,10 +494,18 @@ def parse_config(cls, argv=None):
         check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
         saved_path = os.path.join(cfg.out_dir, "config.json")
         check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
-        with open(saved_path) as f:
-            saved = json.load(f)
+        try:
+            with open(saved_path) as f:
+                saved = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            die(f"--resume: cannot read {saved_path} ({type(e).__name__}); restore it or start a new run")
+        check(isinstance(saved, dict), f"--resume: {saved_path} does not hold the settings of a run")
         given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
         names = {f.name for f in dataclasses.fields(cls)}
+        foreign = sorted(set(saved) - names)
+        check(
+            not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})"
+        )
         cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
     return cfg
 
@@ -784,7 +792,7 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        die(f"cannot read checkpoint {path} ({type(e).__name__}); it is truncated or not a checkpoint of this project")
+        die(f"cannot read checkpoint {path} ({type(e).__name__}): truncated or not a checkpoint; pass an intact one")
     check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
     return ckpt
 
@@ -804,6 +812,10 @@ def load_model(init_from, dropout=0.0):
         return model, ckpt["tokenizer"], ckpt
     if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
         die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    check(
+        not init_from.endswith(".pt") and not init_from.startswith(("/", ".", "~")),
+        f"--init_from {init_from}: no such file",
+    )
     try:
         return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
     except ValueError as e:
@@ -914,6 +926,7 @@ def read_jsonl(path, required):
                     bad += 1
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(records or bad, f"data file {path} is empty")
     check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
     if bad:
         print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
@@ -922,12 +935,13 @@ def read_jsonl(path, required):
 
 def prepare_out_dir(cfg, script, rt):
     """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
-    before any training starts."""
+    before anything is loaded. It writes no file of the run: save_config does, once every input has been checked,
+    so that bad input leaves a run folder as it was."""
     out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir = broadcast_object(out_dir, rt)
     ckpt = os.path.join(out_dir, "ckpt.pt")
     if cfg.resume:
-        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt}")
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt} yet; start the run again without --resume")
     else:
         check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
     if rt.master:
@@ -940,9 +954,17 @@ def prepare_out_dir(cfg, script, rt):
             os.remove(probe)
         except OSError as e:
             die(f"--out_dir {out_dir} is not writable ({e.strerror})")
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
     return out_dir
+
+
+def save_config(cfg, out_dir, rt):
+    """config.json of the run (atomically: --resume reads it back), written after every input has been checked."""
+    if rt.master:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "config.json")
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        os.replace(f"{path}.tmp", path)
 
 
 class Logger:
@@ -1710,6 +1732,7 @@ def main():
                 },
             )
 
+    save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
     samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
     t_start, last_eval = time.time(), {}

@@ -92,14 +92,23 @@ def torchrun(script, nproc, *args, timeout=300, env=None, cwd=None):
 
 def char_checkpoint(path, chars, block_size=32, seed=0, reward_head=False):
     """A tiny random char-level GPT (or reward model) saved as a checkpoint of this project."""
+    return tiny_checkpoint(path, {"type": "char", "chars": chars}, len(chars), block_size, seed, reward_head)
+
+
+def bpe_checkpoint(path, block_size=32, seed=0, reward_head=False):
+    """The same with the GPT-2 BPE vocabulary (made without tiktoken)."""
+    return tiny_checkpoint(path, "gpt2", 50257, block_size, seed, reward_head)
+
+
+def tiny_checkpoint(path, tokenizer, vocab_size, block_size, seed, reward_head):
     from gpt import GPT, GPTConfig
     from reward_model import RewardModel
 
     torch.manual_seed(seed)
-    config = GPTConfig(block_size=block_size, vocab_size=len(chars), n_layer=1, n_head=2, n_embd=16)
+    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
     model = RewardModel(config) if reward_head else GPT(config)
     body = model.body if reward_head else model
-    ckpt = {"model": body.state_dict(), "model_config": vars(config), "tokenizer": {"type": "char", "chars": chars}}
+    ckpt = {"model": body.state_dict(), "model_config": vars(config), "tokenizer": tokenizer}
     if reward_head:
         ckpt.update(reward_head=model.head.state_dict(), reward_task="preference")
     torch.save({**ckpt, "step": 0}, path)

@@ -350,11 +350,6 @@ def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle, monk
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
-def test_bad_input_in_a_real_process_prints_no_traceback(tmp_path, text_file):
-    proc = run_script("grpo.py", "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", "--group_size", "1")
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-
-
 def test_a_policy_checkpoint_is_not_a_reward_model(tmp_path):
     """--reward_model must hold a reward head; a plain policy checkpoint is refused with one line."""
     data = hh_file(tmp_path / "hh.jsonl")
