@@ -667,16 +667,18 @@ class GracefulExit:
             self.signum = signal.SIGTERM
         if completed_steps == self.raise_step and rt.rank == self.raise_rank:
             raise RuntimeError(f"FAULT_RAISE_AT_STEP: injected error on rank {rt.rank} after step {completed_steps}")
-        self.signum = int(all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item())
-        return self.signum > 0
+        # the signal any rank got (self.signum itself is left to the handler: writing it here could erase a signal
+        # that arrives during the all_reduce)
+        self.agreed = int(all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item())
+        return self.agreed > 0
 
     def exit(self, step, out_dir, rt):
         """Once the checkpoint of step is saved: one line saying how to continue, then exit 143 or 130."""
         if rt.master:
-            name = signal.Signals(self.signum).name
+            name = signal.Signals(self.agreed).name
             note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
         cleanup(rt)
-        sys.exit(128 + self.signum)
+        sys.exit(128 + self.agreed)
 
 
 def note(message):
