@@ -801,10 +801,10 @@ def save_checkpoint(path, ckpt):
         torch.save(ckpt, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
         if os.path.exists(tmp):
             os.remove(tmp)
-        why = e.strerror if isinstance(e, OSError) else "the write stopped short: is the disk full?"
+        why = e.strerror if isinstance(e, OSError) else f"{str(e).splitlines()[0]}: is the disk full?"
         note(f"error: cannot write the checkpoint {tmp} ({why}); {path} is left as it was")
         sys.exit(1)
     if ckpt["step"] == int(os.environ.get("FAULT_SLOW_SAVE_AT_STEP", -1)):

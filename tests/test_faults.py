@@ -88,7 +88,10 @@ class Run:
         self.out = Path(out_dir)
         self.stdout, self.stderr = (self.out.parent / f"{self.out.name}.{s}" for s in ("out", "err"))
         env = {**os.environ, **(env or {})}
-        env.pop("PYTHONUNBUFFERED", None) if not unbuffered else env.setdefault("PYTHONUNBUFFERED", "1")
+        if unbuffered:
+            env["PYTHONUNBUFFERED"] = "1"
+        else:  # as when stdout goes to a log file: Python buffers it
+            env.pop("PYTHONUNBUFFERED", None)
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, *launcher, str(ROOT / script), *map(str, args), "--out_dir", str(out_dir)],
