@@ -722,11 +722,14 @@ def mfu(flops_per_step, seconds, rt):
 class GracefulExit:
     """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
     step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
-    The environment variable FAULT_SIGTERM_AT_STEP=N (for tests) acts as a SIGTERM after N completed steps."""
+    Test hooks: FAULT_SIGTERM_AT_STEP=N acts as a SIGTERM after N completed steps; FAULT_RAISE_AT_STEP=N raises an
+    error on rank FAULT_RAISE_RANK (default 0) after N completed steps, as a crashing rank would."""
 
     def __init__(self):
         self.signum = 0
         self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
+        self.raise_step = int(os.environ.get("FAULT_RAISE_AT_STEP", -1))
+        self.raise_rank = int(os.environ.get("FAULT_RAISE_RANK", 0))
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._handler)
 
@@ -736,10 +739,44 @@ class GracefulExit:
     def requested(self, completed_steps, rt):
         if completed_steps == self.fault_step:
             self.signum = signal.SIGTERM
-        return all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item() > 0
+        if completed_steps == self.raise_step and rt.rank == self.raise_rank:
+            raise RuntimeError(f"FAULT_RAISE_AT_STEP: injected error on rank {rt.rank} after step {completed_steps}")
+        # the signal any rank got (self.signum itself is left to the handler: writing it here could erase a signal
+        # that arrives during the all_reduce)
+        self.agreed = int(all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item())
+        return self.agreed > 0
 
-    def exit_code(self):
-        return 128 + (self.signum or signal.SIGTERM)
+    def exit(self, step, out_dir, rt):
+        """Once the checkpoint of step is saved: one line saying how to continue, then exit 143 or 130."""
+        if rt.master:
+            name = signal.Signals(self.agreed).name
+            note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
+        cleanup(rt)
+        sys.exit(128 + self.agreed)
+
+
+def note(message):
+    """One line on stderr, above tqdm's progress bar when one is showing rather than glued to its end."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+def stop_if_not_finite(loss, step, ckpt_path, rt):
+    """A NaN or infinite loss ends the run with exit code 1 before this step can be saved, so ckpt.pt stays the last
+    good checkpoint. The loss is all-reduced, so every rank stops here together. FAULT_NAN_AT_STEP=N (for tests)
+    makes step N's loss NaN."""
+    if step == int(os.environ.get("FAULT_NAN_AT_STEP", -1)):
+        loss = float("nan")
+    if math.isfinite(loss):
+        return
+    if rt.master:
+        kept = f"{ckpt_path} is kept (resume from it with --resume and a lower --lr)"
+        if not os.path.exists(ckpt_path):
+            kept = "no checkpoint had been saved yet"
+        note(f"error: loss is {loss} at step {step}; stopping. {kept}")
+    cleanup(rt)
+    sys.exit(1)
 
 
 def rng_state():
@@ -805,11 +842,22 @@ def restore_rng(ckpt, rt):
 
 def save_checkpoint(path, ckpt):
     """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
-    any moment leaves either the previous or the new complete checkpoint."""
+    any moment leaves either the previous or the new complete checkpoint. A failed write (disk full) ends the run
+    with exit code 1 and keeps the previous checkpoint. FAULT_SLOW_SAVE_AT_STEP=N (for tests) pauses step N's save
+    between the write and the rename, so a test can kill the process in the middle of a save."""
     tmp = f"{path}.tmp"
-    torch.save(ckpt, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        torch.save(ckpt, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        why = e.strerror if isinstance(e, OSError) else f"{str(e).splitlines()[0]}: is the disk full?"
+        note(f"error: cannot write the checkpoint {tmp} ({why}); {path} is left as it was")
+        sys.exit(1)
+    if ckpt["step"] == int(os.environ.get("FAULT_SLOW_SAVE_AT_STEP", -1)):
+        time.sleep(60)
     os.replace(tmp, path)
 
 
@@ -1002,9 +1050,9 @@ class Logger:
 
         self.master, self.out_dir, self.wandb = rt.master, out_dir, None
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        if self.master and start_step and os.path.exists(self.path):  # resumed: drop lines past the checkpoint
+        if self.master and os.path.exists(self.path):  # lines past the checkpoint (all, in a new run) are dropped
             with open(self.path) as f:
-                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
+                lines = [ln for ln in f if _step_of(ln) < start_step]
             with open(self.path, "w") as f:
                 f.writelines(lines)
         self.file = open(self.path, "a") if self.master else None
@@ -1026,6 +1074,7 @@ class Logger:
             self.wandb.log(metrics, step=step)
         if echo:
             self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            sys.stdout.flush()  # a log file of stdout keeps every line if the run is killed
 
     def close(self):
         if not self.master:
@@ -1035,6 +1084,14 @@ class Logger:
         if self.wandb is not None:
             self.wandb.finish()
         plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def _step_of(line):
+    """The step of a metrics.jsonl line; infinite for a line cut short by a killed process."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def plot_curves(metrics_path, png_path):
@@ -2126,14 +2183,7 @@ def main():
         tokens += int(all_reduce(mask.sum(), rt).item())
         train_loss = sums[0].item()
         stop_requested = stop.requested(step + 1, rt)
-        if not math.isfinite(train_loss):
-            print(
-                f"error: loss is {train_loss} at step {step}; stopping. The last good checkpoint ({ckpt_path}) "
-                "is kept.",
-                file=sys.stderr,
-            )
-            cleanup(rt)
-            sys.exit(1)
+        stop_if_not_finite(train_loss, step, ckpt_path, rt)
         dt = time.time() - t0
         valid = [
             (parse_p if r["task"] == "P" else parse_a)(t) is not None for r, t in zip(batch["rows"], batch["texts"])
@@ -2175,14 +2225,7 @@ def main():
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             checkpoint(step + 1)
         if stop_requested:
-            if rt.master:
-                print(
-                    f"stopped by signal at step {step + 1}; checkpoint saved. Continue with: --resume --out_dir "
-                    f"{out_dir}",
-                    file=sys.stderr,
-                )
-            cleanup(rt)
-            sys.exit(stop.exit_code())
+            stop.exit(step + 1, out_dir, rt)
     checkpoint(cfg.max_steps)
     logger.close()
     if samples:
