@@ -633,6 +633,227 @@ BENCHES = {
 HF_BENCHES = {}  # filled by the transformers / TRL section below
 
 # ----------------------------------------------------------------------------------------------------------
+# transformers / TRL on the same work (--vs hf). Optional: transformers and trl are imported only here. Each
+# HF_BENCHES entry takes (model, cfg, env, folder), folder holding write_inputs' files, and returns its figure in the
+# unit of the measurement of the same name. The model is transformers' GPT-2 with the bench model's weights, no
+# dropout, float32 on the bench device (bf16 autocast on CUDA, as ours: the trainers' bf16=True is the same
+# autocast). Sampling: exactly new_tokens tokens (min_new_tokens keeps <|endoftext|> from ending a row early) from
+# the full distribution (temperature 1, top_k 0). TRL's steps are timed by a callback from on_step_begin to
+# on_step_end (generation, reference model, backward and AdamW step included; the trainer's batch fetch and logging
+# not), median over the steps after the warm-up. TRL 1.16 has no PPO trainer any more, so there is no ppo_step.
+
+
+def hf_modules():
+    try:
+        import datasets
+        import transformers
+        import trl
+    except ImportError:
+        die("--vs hf needs transformers and TRL: pip install transformers trl")
+    transformers.logging.set_verbosity_error()  # their warnings and progress bars, not the bench's lines
+    transformers.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    return transformers, trl, datasets
+
+
+def hf_model(cfg, env, reward_head=False):
+    """transformers' GPT2LMHeadModel (GPT2ForSequenceClassification with one label, its head random, for
+    reward_head) with the bench model's weights: our nn.Linear weights are the transpose of GPT-2's Conv1D."""
+    transformers, _, _ = hf_modules()
+    config = transformers.GPT2Config(
+        vocab_size=50257, n_positions=1024, **MODELS[cfg.model], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    config.num_labels, config.pad_token_id = 1, 50256
+    torch.manual_seed(cfg.seed)
+    cls = transformers.GPT2ForSequenceClassification if reward_head else transformers.GPT2LMHeadModel
+    model = cls(config)
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    ours = {k: v.t() if k.endswith(conv1d) else v for k, v in env["raw_model"].state_dict().items()}
+    del ours["lm_head.weight"]  # tied to wte in both
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight", "score.weight"}, (missing, unexpected)
+    return model.to(env["device"])
+
+
+def hf_sample(model, cfg, env, folder, use_cache):
+    hf = hf_model(cfg, env).eval()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(50257, (cfg.batch_size, cfg.prompt_len), generator=gen).to(env["device"])  # ours too
+    n = cfg.new_tokens
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n)
+
+    def run():
+        torch.manual_seed(cfg.seed)
+        with env["autocast"](), torch.no_grad():
+            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), use_cache=use_cache, **kwargs)
+        assert out.shape == (cfg.batch_size, cfg.prompt_len + n)
+
+    seconds = median_seconds(run, env["device"], cfg.warmup, cfg.repeats)
+    details = dict(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=n, seconds=seconds)
+    return cfg.batch_size * n / seconds, "tokens/s", details
+
+
+def hf_train(model, cfg, env, folder):
+    device = env["device"]
+    hf = hf_model(cfg, env).train()
+    step_model = torch.compile(hf) if cfg.compile else hf
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randint(50257, (cfg.train_batch, cfg.train_seq), generator=gen).to(device)
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=device.type in ("cuda", "cpu"))  # as ours
+
+    def step():
+        with env["autocast"]():
+            loss = step_model(input_ids=x, labels=x).loss  # the model shifts the labels
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = median_seconds(step, device, cfg.warmup, cfg.repeats)
+    details = dict(train_batch=cfg.train_batch, train_seq=cfg.train_seq, step_ms=1000 * seconds)
+    return cfg.train_batch * cfg.train_seq / seconds, "tokens/s", details
+
+
+def hf_tokenizer():
+    """GPT-2's tokenizer without the hub: from the encoder.json and vocab.bpe that tiktoken caches (and downloads
+    when it has to), as our scripts' tokenizer does."""
+    from tiktoken.load import read_file_cached
+
+    transformers, _, _ = hf_modules()
+    url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    vocab = json.loads(read_file_cached(url + "encoder.json"))
+    merges = [tuple(line.split()) for line in read_file_cached(url + "vocab.bpe").decode().splitlines()[1:] if line]
+    return transformers.GPT2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
+
+
+def trl_args(cfg, env, folder, **extra):
+    """Trainer settings that leave only the step: no eval, saving, logging, checkpointing, workers."""
+    return dict(
+        output_dir=f"{folder}/trl",
+        max_steps=cfg.warmup + cfg.repeats,
+        gradient_accumulation_steps=1,
+        bf16=env["dtype"] == "bfloat16",  # TRL's default is True, even on CPU
+        use_cpu=env["device"].type == "cpu",
+        torch_compile=cfg.compile,
+        gradient_checkpointing=False,  # TRL's default is True
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+        **extra,
+    )
+
+
+def trl_step_ms(trainer, cfg, env, sizes):
+    """Train and return (median ms per optimizer step after the warm-up, details)."""
+    transformers, _, _ = hf_modules()
+    times = []
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync(env["device"])
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync(env["device"])
+            times.append(time.perf_counter() - self.t0)
+
+    trainer.add_callback(StepTimer())
+    trainer.remove_callback(transformers.PrinterCallback)  # it prints the trainer's logs on stdout
+    trainer.train()
+    assert len(times) == cfg.warmup + cfg.repeats, times
+    return 1000 * statistics.median(times[cfg.warmup :]), "ms", dict(trainer=type(trainer).__name__, **sizes)
+
+
+def hh_pairs(cfg, tok, folder):
+    """pairs.jsonl split at the last "\\n\\nAssistant:" into prompt / chosen / rejected, the prompt cut from the left
+    so that prompt + response + <|endoftext|> is pair_len tokens, as in our scripts (TRL's RewardTrainer drops longer
+    rows, and its DPOTrainer would cut the response)."""
+    rows = []
+    with open(f"{folder}/pairs.jsonl") as f:
+        for record in map(json.loads, f):
+            cut = record["chosen"].rfind("\n\nAssistant:") + len("\n\nAssistant:")
+            prompt, chosen, rejected = record["chosen"][:cut], record["chosen"][cut:], record["rejected"][cut:]
+            longest = max(len(tok.encode(chosen)), len(tok.encode(rejected))) + 1
+            prompt = tok.decode(tok.encode(prompt)[-(cfg.pair_len - longest) :])
+            rows.append(dict(prompt=prompt, chosen=chosen, rejected=rejected))
+    return rows
+
+
+def hf_grpo(model, cfg, env, folder):
+    _, trl, datasets = hf_modules()
+    tok = hf_tokenizer()
+    tok.padding_side = "left"
+    with open(f"{folder}/text.txt") as f:
+        ids = tok.encode(f.read())
+    n = 4 * cfg.rl_prompts * (cfg.warmup + cfg.repeats)  # more prompts than the steps take
+    prompts = [tok.decode(ids[i : i + cfg.prompt_len]) for i in range(0, len(ids) - cfg.prompt_len, len(ids) // n)]
+    # TRL builds the reference model from the policy's path: both load the converted weights from there
+    hf_model(cfg, env).save_pretrained(f"{folder}/hf_lm")
+
+    def words(completions, **kwargs):  # a cheap reward: distinct words per completion
+        return [float(len(set(c.split()))) for c in completions]
+
+    args = trl.GRPOConfig(
+        **trl_args(cfg, env, folder, per_device_train_batch_size=cfg.rl_prompts * cfg.group_size),
+        num_generations=cfg.group_size,
+        max_completion_length=cfg.new_tokens,
+        generation_kwargs=dict(min_new_tokens=cfg.new_tokens),  # every completion full length, as ours
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.04,
+        num_iterations=1,
+        model_init_kwargs=dict(dtype=torch.float32),
+    )
+    dataset = datasets.Dataset.from_dict(dict(prompt=prompts))
+    trainer = trl.GRPOTrainer(f"{folder}/hf_lm", words, args=args, train_dataset=dataset, processing_class=tok)
+    return trl_step_ms(trainer, cfg, env, dict(prompts=cfg.rl_prompts, group_size=cfg.group_size))
+
+
+def hf_dpo(model, cfg, env, folder):
+    import copy
+
+    _, trl, datasets = hf_modules()
+    tok = hf_tokenizer()
+    hf = hf_model(cfg, env)
+    args = trl.DPOConfig(
+        **trl_args(cfg, env, folder, per_device_train_batch_size=cfg.pairs),
+        max_length=cfg.pair_len,
+        loss_type=["sigmoid"],
+        beta=0.1,
+        precompute_ref_log_probs=False,  # the reference model runs in every step, as ours
+    )
+    dataset = datasets.Dataset.from_list(hh_pairs(cfg, tok, folder))
+    trainer = trl.DPOTrainer(hf, copy.deepcopy(hf), args=args, train_dataset=dataset, processing_class=tok)
+    return trl_step_ms(trainer, cfg, env, dict(pairs=cfg.pairs, pair_len=cfg.pair_len))
+
+
+def hf_rm(model, cfg, env, folder):
+    _, trl, datasets = hf_modules()
+    tok = hf_tokenizer()
+    args = trl.RewardConfig(
+        **trl_args(cfg, env, folder, per_device_train_batch_size=cfg.pairs), max_length=cfg.pair_len
+    )
+    dataset = datasets.Dataset.from_list(hh_pairs(cfg, tok, folder))
+    hf = hf_model(cfg, env, reward_head=True)
+    trainer = trl.RewardTrainer(hf, args=args, train_dataset=dataset, processing_class=tok)
+    return trl_step_ms(trainer, cfg, env, dict(pairs=cfg.pairs, pair_len=cfg.pair_len))
+
+
+HF_BENCHES = {
+    "train": hf_train,
+    "sample_kv": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=True),
+    "sample_nocache": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=False),
+    "grpo_step": hf_grpo,
+    "dpo_step": hf_dpo,
+    "rm_step": hf_rm,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
 
 
 def main():
