@@ -33,7 +33,6 @@ Commands:
 
 import argparse
 import dataclasses
-import importlib.util
 import inspect
 import json
 import math
@@ -371,7 +370,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
     cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
-    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     for step in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
         masks.append(~done)
@@ -387,7 +386,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
             attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-            logits, _ = model(idx, attention_mask=attn)
+            logits, _ = model(idx, attention_mask=attn, keep_last=1)
     return torch.stack(tokens, 1), torch.stack(masks, 1).float()
 
 
@@ -629,8 +628,6 @@ BENCHES = {
     },
 }
 
-
-HF_BENCHES = {}  # filled by the transformers / TRL section below
 
 # ----------------------------------------------------------------------------------------------------------
 # transformers / TRL on the same work (--vs hf). Optional: transformers and trl are imported only here. Each
@@ -883,9 +880,7 @@ def main():
     extra = dict(compile=cfg.compile, params=raw_model.num_params(), gpu=gpu, threads=torch.get_num_threads())
     wanted = set(cfg.only.split(","))
     if cfg.vs == "hf":
-        for package in ("transformers", "trl"):
-            if importlib.util.find_spec(package) is None:
-                die(f"--vs hf needs {package}: pip install transformers trl (they are not requirements of the scripts)")
+        hf_modules()  # one line and exit 2 now, not after our measurements, when transformers or TRL is missing
     for name, bench in BENCHES.items():
         if name not in wanted:
             continue

@@ -444,7 +444,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
     cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
-    logits, _ = model(idx, attention_mask=attn, cache=cache)  # prefill
+    logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     for step in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
         masks.append(~done)
@@ -460,7 +460,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
             attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-            logits, _ = model(idx, attention_mask=attn)
+            logits, _ = model(idx, attention_mask=attn, keep_last=1)
     return torch.stack(tokens, 1), torch.stack(masks, 1).float()
 
 
