@@ -548,7 +548,7 @@ def bench_memory(model, cfg, env):
 # One optimizer step of each post-training script. The script itself runs (a subprocess, from bench.py's folder)
 # on the bench model's random weights saved as a ckpt.pt, with synthetic text or HH-RLHF-shaped pairs, for
 # warmup + repeats steps; the median of its own perf/step_ms over the steps after the warm-up is reported. Peak
-# memory: on CPU the child process's peak resident set (os.wait4), on CUDA the script's perf/peak_mem_mb if it
+# memory: on CPU the child process's peak resident set (VmHWM), on CUDA the script's perf/peak_mem_mb if it
 # logs one. The GPT-2 tokenizer is needed (tiktoken downloads it once; offline, set TIKTOKEN_CACHE_DIR).
 
 WORDS = "the a of and to in is you that it he was for on are as with his they at be this have from or one had".split()
@@ -588,6 +588,21 @@ def step_args(name, cfg, folder):
     }[name]
 
 
+def child_peak_kb(proc):
+    """Wait for a child process and return its peak resident set in KiB (Linux; None elsewhere). Read from
+    /proc/PID/status (VmHWM) while it runs: the child's ru_maxrss would include bench.py's own size, which the
+    kernel counts for a child forked from it."""
+    peak = None
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                peak = max(peak or 0, int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)))
+        except (OSError, AttributeError):  # no /proc (macOS), or the child is exiting
+            pass
+        time.sleep(0.05)
+    return peak
+
+
 def bench_script_step(name, cfg, env):
     import subprocess
 
@@ -599,11 +614,12 @@ def bench_script_step(name, cfg, env):
         args += ["--log_every", 1, "--eval_every", 10**6, "--save_every", 10**6, "--seed", cfg.seed]
         args += ["--device", env["device"].type, "--dtype", env["dtype"]] + (["--compile"] if cfg.compile else [])
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *map(str, args)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        stderr = proc.stderr.read()
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage, its peak memory among it
-        if os.waitstatus_to_exitcode(status) != 0:
-            last = [line for line in stderr.splitlines() if line.strip()][-1:] or ["no output"]
+        with open(f"{folder}/stderr.txt", "w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+            peak_kb = child_peak_kb(proc)
+            err.seek(0)
+            last = [line for line in err.read().splitlines() if line.strip()][-1:] or ["no output"]
+        if proc.returncode != 0:
             die(f"{name}: {script} failed: {last[0].removeprefix('error: ')}")
         with open(f"{folder}/run/metrics.jsonl") as f:
             rows = [r for r in map(json.loads, f) if "perf/step_ms" in r]
@@ -611,7 +627,7 @@ def bench_script_step(name, cfg, env):
     if env["device"].type == "cuda":
         peak = max((r.get("perf/peak_mem_mb", 0) for r in rows), default=0) or None
     else:
-        peak = usage.ru_maxrss / 2**20 if sys.platform == "darwin" else usage.ru_maxrss / 2**10
+        peak = peak_kb / 2**10 if peak_kb else None
     details = dict(script=script, args=" ".join(map(str, step_args(name, cfg, "DIR")[1])), peak_mb=peak)
     return step_ms, "ms", details
 
