@@ -345,6 +345,8 @@ class GPT(nn.Module):
             cache.pos += T
             x = x[:, -1:]  # (B, 1, C)
         elif keep_last:
+            # contiguous: on a strided slice the projection below ran (CPU, training) as a batched product with the
+            # weight expanded per row: 1.4 s per GRPO step in a profile, against about 0.5 s as one matrix product
             x = x[:, -keep_last:].contiguous()  # (B, keep_last, C)
         if return_hidden:
             return x, None
