@@ -940,6 +940,10 @@ def prepare_out_dir(cfg, script, rt):
     else:
         check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
     if rt.master:
+        new_dirs, d = [], os.path.abspath(out_dir)  # folders the probe creates: removed again, deepest first, so
+        while not os.path.exists(d) and d != os.path.dirname(d):  # a run that stops on bad input leaves no trace
+            new_dirs.append(d)
+            d = os.path.dirname(d)
         try:
             os.makedirs(out_dir, exist_ok=True)
             probe = os.path.join(out_dir, ".write_probe")
@@ -949,6 +953,10 @@ def prepare_out_dir(cfg, script, rt):
             os.remove(probe)
         except OSError as e:
             die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+        finally:
+            for d in new_dirs:
+                if os.path.isdir(d) and not os.listdir(d):
+                    os.rmdir(d)
     return out_dir
 
 

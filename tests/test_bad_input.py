@@ -331,3 +331,13 @@ def test_bad_input_in_a_real_process_exits_2_without_a_traceback(script, kind, f
     assert proc.returncode == 2 and len(lines) == 1 and all(n in lines[0] for n in needles), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_input_with_a_new_out_dir_leaves_no_folder(script, f, tmp_path, monkeypatch, capsys):
+    """The --out_dir write probe creates the folder and its missing parents, then removes them: a run stopped by bad
+    input found after the probe (its data file is missing) leaves nothing behind."""
+    monkeypatch.chdir(tmp_path)
+    args, _ = case(script, "missing_data_file", f)
+    assert run_main(script, [*args, "--out_dir", tmp_path / "new" / "run"], monkeypatch) == 2
+    assert "nonexistent" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
