@@ -1,11 +1,13 @@
-"""Run under torchrun (tests/test_gpt_train.py): DDP or FSDP gradients of gpt.py's loss on a split global batch
-must equal one process's gradients on the whole batch. Writes "ok" or the mismatch to argv[2]."""
+"""Run under torchrun (tests/test_gpt_train.py): DDP or FSDP gradients of gpt.py's training loss (the fused
+linear cross-entropy) on a split global batch must equal one process's gradients of the plain cross-entropy of
+the logits on the whole batch. Writes "ok" or the mismatch to argv[2]."""
 
 import copy
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpt  # noqa: E402
@@ -20,14 +22,15 @@ y[0, :10] = -1  # uneven target counts: the normaliser must be the global count,
 y[3, 5:] = -1
 reference = copy.deepcopy(model)
 n_global = (y != -1).sum()
-gpt.target_loss_sum(reference(x)[0], y).div(n_global).backward()
+F.cross_entropy(reference(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").div(n_global).backward()
 
 wrapped = gpt.wrap_model(model, rt)
 rows = slice(2 * rt.rank, 2 * rt.rank + 2)
 for micro in range(2):  # two micro-batches per rank, gradients synchronised on the last one only
     gpt.grad_sync(wrapped, micro == 1)
     xs, ys = x[rows][micro : micro + 1], y[rows][micro : micro + 1]
-    (gpt.target_loss_sum(wrapped(xs)[0], ys) * rt.world_size / n_global).backward()
+    loss = wrapped(xs, ys, return_logits=False)[1] * (ys != -1).sum()  # as in gpt.py's training loop
+    (loss * rt.world_size / n_global).backward()
 
 errors = []
 for (name, p), q in zip(model.named_parameters(), reference.parameters()):

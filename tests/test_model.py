@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from gpt import GPT, GPTConfig, KVCache, generate, sample_next, token_logprobs
+from gpt import GPT, GPTConfig, KVCache, generate, linear_cross_entropy, sample_next, token_logprobs
 
 FAST = settings(max_examples=25, deadline=None)
 ATOL = 1e-5  # float32 logits of the tiny model, computed along two different paths
@@ -724,3 +724,90 @@ def test_token_logprobs_gradient_is_onehot_minus_softmax(B, T, V, seed):
     (token_logprobs(logits, targets) * weights).sum().backward()
     expected = (F.one_hot(targets, V).double() - torch.softmax(logits.detach().double(), -1)) * weights[..., None]
     torch.testing.assert_close(logits.grad.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- fused cross-entropy
+
+
+def plain_cross_entropy_sum(h, weight, targets):
+    """The oracle: float64 logits held whole, log-softmax gathered at the targets, -1 skipped."""
+    logp = torch.log_softmax(h.double() @ weight.double().T, -1)
+    keep = targets != -1
+    return -logp[keep, targets[keep]].sum()
+
+
+@FAST
+@given(
+    st.integers(1, 23),
+    st.integers(2, 50),
+    st.sampled_from([1, 2, 5, 64]),
+    st.floats(0.0, 0.6),
+    st.floats(-3.0, 3.0),
+    st.integers(0, 2**31 - 1),
+)
+def test_linear_cross_entropy_value_and_gradients_equal_the_unfused_oracle(N, V, rows, skip, upstream, seed):
+    """The loss and the gradients of h and of the weight (under an arbitrary upstream scale) equal float64
+    autograd through whole logits, with chunks of 1, 2, 5 or 64 rows (a remainder chunk included) and some
+    targets -1, all of them at times."""
+    torch.manual_seed(seed)
+    h = (torch.randn(N, 8) * 2).requires_grad_(True)
+    weight = torch.randn(V, 8).requires_grad_(True)
+    targets = torch.randint(0, V, (N,)).masked_fill(torch.rand(N) < skip, -1)
+    (linear_cross_entropy(h, weight, targets, rows) * upstream).backward()
+    h64, w64 = h.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    expected = plain_cross_entropy_sum(h64, w64, targets)
+    (expected * upstream).backward()
+    with torch.no_grad():
+        assert linear_cross_entropy(h, weight, targets, rows).item() == pytest.approx(expected.item(), abs=1e-4)
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_cross_entropy_skips_the_gradient_of_a_frozen_weight_and_runs_under_no_grad():
+    torch.manual_seed(0)
+    h, weight, targets = torch.randn(9, 4, requires_grad=True), torch.randn(7, 4), torch.randint(0, 7, (9,))
+    linear_cross_entropy(h, weight, targets, rows=4).backward()
+    assert weight.grad is None and h.grad is not None
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, weight.requires_grad_(True), targets, rows=4)
+    assert not loss.requires_grad and loss.item() == pytest.approx(plain_cross_entropy_sum(h, weight, targets).item())
+
+
+def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_parameter_gradients():
+    """forward(idx, targets, return_logits=False) gives the mean cross-entropy of forward(idx, targets) and the
+    same gradient for every parameter (the tied embedding included), with no logits."""
+    model = tiny_model(scale=1.0).train()
+    fused = copy.deepcopy(model)
+    torch.manual_seed(1)
+    idx = torch.randint(0, 61, (3, 17))
+    targets = torch.randint(0, 61, (3, 17))
+    targets[0, :9] = -1
+    _, loss = model(idx, targets)
+    logits, fused_loss = fused(idx, targets, return_logits=False)
+    assert logits is None
+    assert fused_loss.item() == pytest.approx(loss.item(), abs=1e-5)
+    loss.backward()
+    fused_loss.backward()
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    _, none = fused(idx, torch.full_like(targets, -1), return_logits=False)
+    assert none.item() == 0.0  # no targets at all: 0, not NaN
+
+
+def test_fused_loss_under_bfloat16_autocast_keeps_float32_gradients_close_to_the_float32_run():
+    """Under autocast the products run in bf16 (as on a GPU) but the gradients keep the parameters' float32."""
+    model = tiny_model(scale=1.0).train()
+    h = torch.randn(12, 32, requires_grad=True)
+    targets = torch.randint(0, 61, (12,))
+    weight = model.lm_head.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = linear_cross_entropy(h, weight, targets, rows=5)
+    low.backward()
+    g_h, g_w = h.grad.clone(), weight.grad.clone()
+    assert low.dtype == torch.float32 and g_h.dtype == torch.float32 and g_w.dtype == torch.float32
+    h.grad = weight.grad = None
+    full = linear_cross_entropy(h, weight, targets, rows=5)
+    full.backward()
+    assert low.item() == pytest.approx(full.item(), rel=2e-2)
+    torch.testing.assert_close(g_h, h.grad, atol=2e-2, rtol=5e-2)
+    torch.testing.assert_close(g_w, weight.grad, atol=2e-2, rtol=5e-2)
