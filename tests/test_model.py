@@ -811,3 +811,14 @@ def test_fused_loss_under_bfloat16_autocast_keeps_float32_gradients_close_to_the
     assert low.item() == pytest.approx(full.item(), rel=2e-2)
     torch.testing.assert_close(g_h, h.grad, atol=2e-2, rtol=5e-2)
     torch.testing.assert_close(g_w, weight.grad, atol=2e-2, rtol=5e-2)
+
+
+def test_token_logprobs_keep_only_the_logits_and_a_normaliser_per_row_for_backward():
+    """Autograd keeps the logits it was given and O(rows) numbers, not a float32 log-softmax of every logit."""
+    logits = torch.randn(40, 300, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        logp = token_logprobs(logits, torch.randint(0, 300, (40,)))
+    logp.sum().backward()
+    assert logits.grad is not None
+    assert sum(saved) <= logits.numel() + 3 * 40

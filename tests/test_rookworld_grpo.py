@@ -494,3 +494,38 @@ def test_an_unreadable_stockfish_path_ends_the_command_with_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--stockfish" in lines[0] and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 17), st.integers(2, 9), st.sampled_from([1, 3, 64]), st.integers(0, 10_000))
+def test_vocab_kl_over_chunks_has_the_whole_tensor_value_and_gradient(M, V, rows, seed):
+    """Chunked and recomputed in backward, vocab_kl gives the value and the logits gradient of the plain formula
+    (float64, autograd) for every kind, with chunks of 1, 3 or 64 rows."""
+    gen = torch.Generator().manual_seed(seed)
+    logits, ref = torch.randn(M, V, generator=gen) * 2, torch.randn(M, V, generator=gen) * 2
+    weights = torch.randn(M, generator=gen)
+    for kind in ("forward", "reverse", "symmetric"):
+        x = logits.clone().requires_grad_(True)
+        (rw.vocab_kl(x, ref, kind, rows) * weights).sum().backward()
+        x64 = logits.double().requires_grad_(True)
+        lp, lq = torch.log_softmax(x64, -1), torch.log_softmax(ref.double(), -1)
+        fwd, rev = (lp.exp() * (lp - lq)).sum(-1), (lq.exp() * (lq - lp)).sum(-1)
+        expected = {"forward": fwd, "reverse": rev, "symmetric": (fwd + rev) / 2}[kind]
+        (expected * weights).sum().backward()
+        torch.testing.assert_close(rw.vocab_kl(logits, ref, kind, rows).double(), expected.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_vocab_kl_keeps_only_its_inputs_for_backward():
+    """What autograd saves for vocab_kl's backward is at most the two logits tensors it was given (the plain
+    formula saved four float32 tensors of that size)."""
+    logits = torch.randn(40, 500, requires_grad=True)
+    ref = torch.randn(40, 500)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
+        kl = rw.vocab_kl(logits, ref, "symmetric", rows=8)
+    kl.sum().backward()
+    assert logits.grad is not None
+    assert sum(saved) <= 2 * logits.numel() * 4
