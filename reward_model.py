@@ -400,6 +400,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 chunk = F.cross_entropy(logits, tc, ignore_index=-1, reduction="sum")
             if want_h or want_w:
                 (g,) = torch.autograd.grad(chunk, logits)  # softmax - onehot; 0 on rows whose target is -1
+                g = g.to(weight.dtype)  # float32 for float32 weights (autocast casts the products below)
                 if want_h:
                     grad_h[i : i + rows] = g @ weight
                 if want_w:
@@ -451,9 +452,10 @@ class TokenLogprobs(torch.autograd.Function):
         out = torch.empty_like(logits)
         n = row_chunks(logits)
         for i in range(0, logits.size(0), n):
+            g, y = grad[i : i + n, None], targets[i : i + n, None]
             p = torch.exp(logits[i : i + n].float() - lse[i : i + n, None])  # softmax of the chunk
-            out[i : i + n] = p.mul_(-grad[i : i + n, None])
-        out.scatter_add_(1, targets[:, None], grad[:, None].to(out.dtype))
+            # the onehot is added in float32, before any cast to bf16 logits: 1 - p of a confident token survives
+            out[i : i + n] = p.mul_(-g).scatter_add_(1, y, g)
         return out, None
 
 

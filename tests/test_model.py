@@ -809,8 +809,8 @@ def test_fused_loss_under_bfloat16_autocast_keeps_float32_gradients_close_to_the
     full = linear_cross_entropy(h, weight, targets, rows=5)
     full.backward()
     assert low.item() == pytest.approx(full.item(), rel=2e-2)
-    torch.testing.assert_close(g_h, h.grad, atol=2e-2, rtol=5e-2)
-    torch.testing.assert_close(g_w, weight.grad, atol=2e-2, rtol=5e-2)
+    for low_grad, grad in ((g_h, h.grad), (g_w, weight.grad)):
+        assert (low_grad - grad).norm() < 0.03 * grad.norm()  # bf16 rounding of the products, nothing more
 
 
 def test_token_logprobs_keep_only_the_logits_and_a_normaliser_per_row_for_backward():
@@ -822,3 +822,20 @@ def test_token_logprobs_keep_only_the_logits_and_a_normaliser_per_row_for_backwa
     logp.sum().backward()
     assert logits.grad is not None
     assert sum(saved) <= logits.numel() + 3 * 40
+
+
+def test_token_logprobs_gradient_of_bfloat16_logits_keeps_one_minus_p_of_a_confident_target():
+    """For bf16 logits (autocast on a GPU) the target's gradient g * (1 - p) must survive when p is close to 1:
+    adding the onehot after rounding -p to bf16 made it exactly 0. Against a float64 oracle."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 200) * 0.5
+    targets = torch.randint(0, 200, (64,))
+    logits[torch.arange(64), targets] += torch.linspace(6.0, 14.0, 64)  # p(target) from about 0.9 to 0.99999
+    logits = logits.bfloat16().requires_grad_(True)
+    grad_out = torch.rand(64) + 0.5
+    (token_logprobs(logits, targets) * grad_out).sum().backward()
+    p = torch.softmax(logits.detach().double(), -1)[torch.arange(64), targets]
+    expected = grad_out.double() * (1 - p)
+    got = logits.grad[torch.arange(64), targets].double()
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=0)
