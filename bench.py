@@ -17,6 +17,9 @@ warm-up runs, CUDA synchronized around every timed run:
     dpo_step        ms per optimizer step of dpo.py: `pairs` preference pairs of pair_len tokens, sigmoid loss,
                     frozen reference
     rm_step         ms per optimizer step of reward_model.py on the same pairs (Bradley-Terry)
+    rookworld_step  ms per optimizer step of rookworld_grpo.py: rw_prompts chess prompts x rw_samples completions
+                    (horizon 96, exact KL to a reference model), its default data made in memory; with peak_mb
+                    (issue target on a GPU: 8 x 8 on gpt2 in <= 2 s and <= 3 GB)
                     (the *_step measurements run the scripts themselves; see bench_script_step)
 With --vs hf each measurement is repeated with transformers (GPT2LMHeadModel.generate, a training step) or TRL
 (GRPOTrainer, DPOTrainer, RewardTrainer) on the same work and weights, and a second line gives `speedup`, how
@@ -69,9 +72,11 @@ class Config:
     group_size: int = 8  # grpo_step: completions per prompt (ppo_step: rl_prompts * group_size prompts, one each)
     pairs: int = 8  # dpo_step, rm_step: preference pairs per step
     pair_len: int = 96  # dpo_step, rm_step: tokens per sequence (prompt + response)
+    rw_prompts: int = 8  # rookworld_step: prompts per step
+    rw_samples: int = 8  # rookworld_step: completions per prompt
     warmup: int = 1  # untimed runs before the timed ones
     repeats: int = 3  # timed runs; the median is reported
-    only: str = "sample_kv,sample_nocache,train,memory,grpo_step,ppo_step,dpo_step,rm_step"  # measurements to run
+    only: str = "sample_kv,sample_nocache,train,memory,grpo_step,ppo_step,dpo_step,rm_step,rookworld_step"  # to run
     seed: int = 1337  # seed of the weights, the prompts and the sampler
     vs: str = ""  # hf: also run transformers / TRL on the same work and print the speedup (needs both installed)
 
@@ -525,6 +530,7 @@ def parse_config(argv=None):
     if unknown:
         die(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}; choose from {','.join(BENCHES)}")
     positive = ("batch_size", "prompt_len", "new_tokens", "train_batch", "train_seq", "repeats", "rl_prompts", "pairs")
+    positive += ("rw_prompts", "rw_samples")
     for name in positive:
         if getattr(cfg, name) <= 0:
             die(f"--{name} must be positive (got {getattr(cfg, name)})")
@@ -672,6 +678,10 @@ def step_args(name, cfg, folder):
         "ppo_step": ("ppo.py", rl + ["--batch_size", cfg.rl_prompts * cfg.group_size]),
         "dpo_step": ("dpo.py", pairs + ["--eval_pairs", 8, "--num_samples", 1, "--sample_tokens", 8]),
         "rm_step": ("reward_model.py", pairs + ["--task", "preference", "--eval_size", 8]),
+        "rookworld_step": (
+            "rookworld_grpo.py",
+            ["--batch_size", cfg.rw_prompts, "--k_samples", cfg.rw_samples, "--eval_size", 0],
+        ),
     }[name]
 
 
@@ -726,7 +736,7 @@ BENCHES = {
     "sample_nocache": lambda model, cfg, env: bench_sample(model, cfg, env, use_cache=False),
     **{
         name: lambda model, cfg, env, name=name: bench_script_step(name, cfg, env)
-        for name in ("grpo_step", "ppo_step", "dpo_step", "rm_step")
+        for name in ("grpo_step", "ppo_step", "dpo_step", "rm_step", "rookworld_step")
     },
 }
 

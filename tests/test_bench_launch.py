@@ -53,14 +53,16 @@ def test_bench_prints_one_json_line_with_a_positive_value_per_measurement():
 def test_bench_times_a_step_of_each_post_training_script():
     """The *_step measurements run the scripts themselves on tiny work: a positive median in ms per step, the
     child's peak memory, and the script named."""
-    names = ["grpo_step", "ppo_step", "dpo_step", "rm_step"]
+    names = ["grpo_step", "ppo_step", "dpo_step", "rm_step", "rookworld_step"]
     args = ["--model", "tiny", "--only", ",".join(names), "--prompt_len", "4", "--new_tokens", "4", "--rl_prompts", "2"]
-    args += ["--group_size", "2", "--pairs", "2", "--pair_len", "16", "--repeats", "1", "--warmup", "0"]
+    args += ["--group_size", "2", "--pairs", "2", "--pair_len", "16", "--rw_prompts", "2", "--rw_samples", "2"]
+    args += ["--repeats", "1", "--warmup", "0"]
     proc = run_script("bench.py", *args, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["bench"]: r for r in map(json.loads, proc.stdout.splitlines())}
     assert sorted(rows) == sorted(names)
     scripts = {"grpo_step": "grpo.py", "ppo_step": "ppo.py", "dpo_step": "dpo.py", "rm_step": "reward_model.py"}
+    scripts["rookworld_step"] = "rookworld_grpo.py"
     for name, r in rows.items():
         assert r["unit"] == "ms" and r["value"] > 0 and r["peak_mb"] > 100 and r["script"] == scripts[name], r
 
