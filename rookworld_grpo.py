@@ -117,7 +117,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
@@ -1317,37 +1316,60 @@ def entropy_from_logits(logits):
     return torch.cat(out).view(logits.shape[:-1])
 
 
-def vocab_kl(logits, ref_logits, kind="forward", rows=None):
+def vocab_kl(logits, ref_logits, kind="forward"):
     """Exact KL between the policy and the reference at every position, summed over the whole vocabulary:
     forward  sum_v pi(v) (log pi(v) - log ref(v))  = KL(pi || ref)
     reverse  sum_v ref(v) (log ref(v) - log pi(v)) = KL(ref || pi)
-    symmetric their mean. (..., V) logits of each -> (...) in float32, >= 0.
-    Over chunks of rows, each recomputed in the backward pass (activation checkpointing): a whole-tensor pass
-    kept four (positions, V) float32 tensors for backward, the largest of a step (8 x 8 rollouts of 80 tokens:
-    4 x 5120 x 50257 x 4 bytes = 4.1 GB); this keeps only the logits it is given. A float32 chunk stays under
-    32 MB (166 rows of GPT-2's vocabulary)."""
-    if kind not in ("forward", "reverse", "symmetric"):
-        raise ValueError(f"unknown KL type {kind!r}")
-    flat, ref_flat = logits.flatten(0, -2), ref_logits.flatten(0, -2)  # (M, V)
-    rows = rows or max(1, 2**23 // flat.size(-1))
-    parts = [
-        checkpoint(kl_rows, x, r, kind, use_reentrant=False, preserve_rng_state=False)  # kl_rows draws nothing
-        for x, r in zip(flat.split(rows), ref_flat.split(rows))
-    ]
-    return torch.cat(parts).view(logits.shape[:-1])
-
-
-def kl_rows(logits, ref_logits, kind):
-    """vocab_kl of one chunk: (rows, V), (rows, V) -> (rows,)."""
-    logp = F.log_softmax(logits.float(), dim=-1)  # (rows, V)
-    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)  # (rows, V)
+    symmetric their mean. (..., V) logits of each -> (...) in float32, >= 0."""
+    logp = F.log_softmax(logits.float(), dim=-1)  # (..., V)
+    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)  # (..., V)
     forward = lambda: (logp.exp() * (logp - ref_logp)).sum(-1)
     reverse = lambda: (ref_logp.exp() * (ref_logp - logp)).sum(-1)
     if kind == "forward":
         return forward()
     if kind == "reverse":
         return reverse()
-    return 0.5 * (forward() + reverse())
+    if kind == "symmetric":
+        return 0.5 * (forward() + reverse())
+    raise ValueError(f"unknown KL type {kind!r}")
+
+
+class VocabKLSum(torch.autograd.Function):
+    """sum_i w_i vocab_kl_i over positions i, with its gradient computed in the forward pass chunk by chunk (the
+    weights are known there; backward only scales it), as the fused loss of the model block does. Afterwards
+    autograd keeps one gradient the size of the logits, and neither the reference logits nor any float32
+    (positions, V) temporary: a whole-tensor vocab_kl kept four of those (8 x 8 rollouts of 80 tokens: 4 x 5120
+    x 50257 x 4 bytes = 4.1 GB). A float32 chunk stays under 32 MB (166 rows of GPT-2's vocabulary)."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, weights, kind, rows):  # (..., V), (..., V), (...) -> scalar
+        flat, ref_flat, w = logits.flatten(0, -2), ref_logits.flatten(0, -2), weights.flatten()
+        grad = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), device=logits.device)
+        for i in range(0, flat.size(0), rows):
+            x = flat[i : i + rows].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                part = (vocab_kl(x, ref_flat[i : i + rows], kind) * w[i : i + rows]).sum()
+            if grad is not None:
+                grad[i : i + rows] = torch.autograd.grad(part, x)[0]
+            total += part.detach()
+        ctx.save_for_backward(grad)
+        ctx.shape = logits.shape
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return grad.view(ctx.shape) * grad_total, None, None, None, None
+
+
+def vocab_kl_sum(logits, ref_logits, weights, kind="forward", rows=None):
+    """sum over positions of weights * vocab_kl(logits, ref_logits, kind), fused (VocabKLSum): a weight 0 (padding)
+    drops a position. (..., V), (..., V), (...) -> scalar (float32)."""
+    if kind not in ("forward", "reverse", "symmetric"):
+        raise ValueError(f"unknown KL type {kind!r}")
+    rows = rows or max(1, 2**23 // logits.size(-1))
+    return VocabKLSum.apply(logits, ref_logits.detach(), weights.detach(), kind, rows)
 
 
 def ema_advantages(rewards, tasks, baselines):
@@ -2252,18 +2274,18 @@ def main():
                     num_tokens=n_tokens,
                 )
                 loss = pg_loss
-                real = m > 0  # (n, T): the positions that count
-                real_logits = logits[real]  # (M, V): only real tokens (completions' lengths vary a lot)
+                # KL and entropy at every position, padding weighted 0: no copies of the (positions, V) logits
                 kl_sum = torch.zeros((), device=rt.device)
                 if ref is not None:
                     with torch.no_grad(), rt.autocast():
                         ref_logits = ref(
                             seq[rows][:, :-1], attention_mask=None if a is None else a[:, :-1], keep_last=T
-                        )[0][real]  # (M, V)
-                    kl_sum = vocab_kl(real_logits, ref_logits, cfg.kl_type).sum()  # exact over the vocabulary
+                        )[0]  # (n, T, V)
+                    kl_sum = vocab_kl_sum(logits, ref_logits, m, cfg.kl_type)  # exact over the vocabulary
+                    del ref_logits  # not kept for backward: free it before the next pass
                     loss = loss + beta * kl_sum / n_tokens
                 with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                    entropy = entropy_from_logits(real_logits).sum() / n_tokens
+                    entropy = (entropy_from_logits(logits) * m).sum() / n_tokens
                 loss = loss - cfg.entropy_coef * entropy
                 v_loss = torch.zeros((), device=rt.device)
                 if values is not None:
