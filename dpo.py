@@ -387,7 +387,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, with_grad, rows):  # (N, C), (V, C), (N,) -> scalar (float32)
         want_h, want_w = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(h) if want_h else None
+        grad_h = torch.empty_like(h) if want_h else None  # every row is written below
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
         for i in range(0, h.size(0), rows):

@@ -438,7 +438,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, with_grad, rows):  # (N, C), (V, C), (N,) -> scalar (float32)
         want_h, want_w = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(h) if want_h else None
+        grad_h = torch.empty_like(h) if want_h else None  # every row is written below
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
         for i in range(0, h.size(0), rows):
@@ -1342,9 +1342,9 @@ class VocabKLSum(torch.autograd.Function):
     x 50257 x 4 bytes = 4.1 GB). A float32 chunk stays under 32 MB (166 rows of GPT-2's vocabulary)."""
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, weights, kind, rows):  # (..., V), (..., V), (...) -> scalar
+    def forward(ctx, logits, ref_logits, weights, kind, rows, with_grad):  # (..., V), (..., V), (...) -> scalar
         flat, ref_flat, w = logits.flatten(0, -2), ref_logits.flatten(0, -2), weights.flatten()
-        grad = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
+        grad = torch.empty_like(flat) if with_grad and ctx.needs_input_grad[0] else None  # every row written below
         total = torch.zeros((), device=logits.device)
         for i in range(0, flat.size(0), rows):
             x = flat[i : i + rows].detach().requires_grad_(grad is not None)
@@ -1360,7 +1360,7 @@ class VocabKLSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         (grad,) = ctx.saved_tensors
-        return grad.view(ctx.shape) * grad_total, None, None, None, None
+        return grad.view(ctx.shape) * grad_total, None, None, None, None, None
 
 
 def vocab_kl_sum(logits, ref_logits, weights, kind="forward", rows=None):
@@ -1369,7 +1369,7 @@ def vocab_kl_sum(logits, ref_logits, weights, kind="forward", rows=None):
     if kind not in ("forward", "reverse", "symmetric"):
         raise ValueError(f"unknown KL type {kind!r}")
     rows = rows or max(1, 2**23 // logits.size(-1))
-    return VocabKLSum.apply(logits, ref_logits.detach(), weights.detach(), kind, rows)
+    return VocabKLSum.apply(logits, ref_logits.detach(), weights.detach(), kind, rows, torch.is_grad_enabled())
 
 
 def ema_advantages(rewards, tasks, baselines):
