@@ -14,7 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from gpt import GPT, GPTConfig, KVCache, generate, linear_cross_entropy, sample_next, token_logprobs
+from gpt import (
+    GPT,
+    GPTConfig,
+    KVCache,
+    LinearLogprobs,
+    generate,
+    linear_cross_entropy,
+    linear_logprobs,
+    sample_next,
+    token_logprobs,
+)
 
 FAST = settings(max_examples=25, deadline=None)
 ATOL = 1e-5  # float32 logits of the tiny model, computed along two different paths
@@ -839,3 +849,126 @@ def test_token_logprobs_gradient_of_bfloat16_logits_keeps_one_minus_p_of_a_confi
     got = logits.grad[torch.arange(64), targets].double()
     assert logits.grad.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=0)
+
+
+# ------------------------------------------------------------------------------ fused log-probs and entropy
+
+
+def logprobs_and_entropy_oracle(h, weight, targets):
+    """float64 logits held whole: log p(targets) and the entropy of every row."""
+    logq = torch.log_softmax(h.double() @ weight.double().T, -1)
+    return logq.gather(1, targets[:, None])[:, 0], -(logq.exp() * logq).sum(-1)
+
+
+@FAST
+@given(
+    st.integers(1, 30),
+    st.integers(2, 60),
+    st.sampled_from(["both", "logp", "entropy"]),
+    st.floats(0.1, 4.0),
+    st.integers(0, 2**31 - 1),
+)
+def test_linear_logprobs_values_and_gradients_equal_the_float64_oracle(N, V, used, scale, seed):
+    """log p(targets), the entropy, and the gradients of h and the weight under arbitrary per-row upstream
+    gradients of either output or both (an unused output gets None in backward), against float64 autograd.
+    Up to 30 rows span several 8-row chunks; a second call reuses the first one's logits tensor."""
+    torch.manual_seed(seed)
+    h = (torch.randn(N, 8) * scale).requires_grad_(True)
+    weight = torch.randn(V, 8).requires_grad_(True)
+    targets = torch.randint(0, V, (N,))
+    a, b = torch.randn(N), torch.randn(N)
+    h64, w64 = h.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    logp64, ent64 = logprobs_and_entropy_oracle(h64, w64, targets)
+
+    def objective(lp, e):  # only the outputs in use enter the graph
+        return sum([lp @ a.to(lp.dtype)] * (used != "entropy") + [e @ b.to(e.dtype)] * (used != "logp"))
+
+    objective(logp64, ent64).backward()
+    for _ in range(2):
+        h.grad = weight.grad = None
+        logp, ent = linear_logprobs(h, weight, targets)
+        assert logp.dtype == ent.dtype == torch.float32
+        torch.testing.assert_close(logp.double(), logp64.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent.double(), ent64.detach(), atol=1e-5, rtol=1e-5)
+        objective(logp, ent).backward()
+        torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_logprobs_never_hands_a_logits_tensor_that_a_graph_still_holds_to_another_call():
+    """Two passes with gradients before either backward, a no-grad pass between them (which leaves its tensor
+    for reuse), then the backwards in the other order: every gradient still equals its oracle."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (20,))
+    hs = [torch.randn(20, 8, requires_grad=True) for _ in range(3)]
+    first, _ = linear_logprobs(hs[0], weight, targets)
+    with torch.no_grad():
+        linear_logprobs(hs[1], weight, targets)
+    assert len(LinearLogprobs.spare) == 1
+    second, _ = linear_logprobs(hs[2], weight, targets)  # takes the no-grad call's tensor
+    assert len(LinearLogprobs.spare) == 0
+    second.sum().backward()
+    first.sum().backward()
+    for h in (hs[0], hs[2]):
+        h64 = h.detach().double().requires_grad_(True)
+        logprobs_and_entropy_oracle(h64, weight.detach(), targets)[0].sum().backward()
+        torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        logp, _ = linear_logprobs(hs[0], weight, targets)
+        logp.sum().backward(retain_graph=True)
+        logp.sum().backward()
+
+
+def test_linear_logprobs_skips_a_frozen_weight_the_entropy_on_request_and_runs_under_no_grad():
+    torch.manual_seed(0)
+    h, weight, targets = torch.randn(9, 4, requires_grad=True), torch.randn(7, 4), torch.randint(0, 7, (9,))
+    logp, ent = linear_logprobs(h, weight, targets, entropy=False)
+    assert ent is None
+    logp.sum().backward()
+    assert weight.grad is None and h.grad is not None
+    with torch.no_grad():
+        logp, ent = linear_logprobs(h, weight.requires_grad_(True), targets)
+    assert not logp.requires_grad and not ent.requires_grad
+    torch.testing.assert_close(logp.double(), logprobs_and_entropy_oracle(h, weight, targets)[0].detach())
+
+
+def test_forward_logprobs_equal_the_logits_path_with_the_same_parameter_gradients():
+    """forward(idx, targets, keep_last, logprobs=True) gives token_logprobs and the entropy of forward's logits,
+    and an objective of both gives every parameter (the tied embedding included) the same gradient."""
+    model = tiny_model(scale=1.0).train()
+    fused = copy.deepcopy(model)
+    torch.manual_seed(1)
+    idx = torch.randint(0, 61, (3, 17))
+    targets = torch.randint(0, 61, (3, 5))
+    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    logits, _ = model(idx, keep_last=5)
+    logq = torch.log_softmax(logits.float(), -1)
+    entropy = -(logq.exp() * logq).sum(-1)
+    logp, ent = fused(idx, targets, keep_last=5, logprobs=True)
+    torch.testing.assert_close(logp, token_logprobs(logits, targets), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, entropy, atol=1e-5, rtol=1e-5)
+    ((token_logprobs(logits, targets) * a).sum() + (entropy * b).sum()).backward()
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_linear_logprobs_under_bfloat16_autocast_keep_one_minus_p_of_a_confident_target():
+    """Under autocast the product runs in bf16 and the logits are bf16, but the gradient of log p(y) for a
+    target with p close to 1 must stay g * (1 - p) (the onehot added in float32), and h's gradient float32."""
+    torch.manual_seed(0)
+    N, V, C = 64, 200, 16
+    weight = torch.randn(V, C) * 0.3
+    targets = torch.randint(0, V, (N,))
+    h = torch.randn(N, C)
+    h = h + weight[targets] * torch.linspace(0.5, 3.0, N)[:, None]  # p(target) from moderate to close to 1
+    h.requires_grad_(True)
+    grad_out = torch.rand(N) + 0.5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = linear_logprobs(h, weight, targets)
+    (logp * grad_out).sum().backward()
+    assert logp.dtype == torch.float32 and h.grad.dtype == torch.float32
+    h64 = h.detach().double().requires_grad_(True)
+    (logprobs_and_entropy_oracle(h64, weight, targets)[0] * grad_out.double()).sum().backward()
+    assert (h.grad.double() - h64.grad).norm() < 0.03 * h64.grad.norm()  # bf16 rounding of the products
