@@ -1397,21 +1397,6 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) per position: (..., V) -> (...), computed in float32 over row chunks (see
-    row_chunks; about 5x faster on CPU than whole-tensor passes). With z = x - max(x), e = exp(z), s = sum(e),
-    the entropy is log s - sum(e z) / s: one exponential per logit, and two terms >= 0 (no cancellation)."""
-    flat = logits.flatten(0, -2)
-    out = []
-    for x in flat.split(row_chunks(flat)):
-        x = x.float()
-        z = x - x.amax(-1, keepdim=True)
-        e = torch.exp(z)
-        s = e.sum(-1)
-        out.append(s.log() - torch.linalg.vecdot(e, z) / s)
-    return torch.cat(out).view(logits.shape[:-1])
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
 
@@ -1694,9 +1679,15 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, idx, attention_mask=None, cache=None, keep_last=0):
+    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, entropy=True):
+        """(logits (B, T, V), values (B, T)); with targets, (log p(targets), entropy or None, values), each (B, T),
+        from linear_logprobs (as GPT.forward(..., logprobs=True): the logits stay inside it)."""
         h, _ = self.policy(idx, attention_mask=attention_mask, cache=cache, return_hidden=True, keep_last=keep_last)
-        return self.policy.lm_head(h), self.value_head(h).squeeze(-1).float()  # (B, T, V), (B, T)
+        values = self.value_head(h).squeeze(-1).float()
+        if targets is None:
+            return self.policy.lm_head(h), values
+        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), entropy)
+        return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
 
 
 def wrap_module(module, gpt, rt, compile=False):
@@ -1738,10 +1729,16 @@ def join(prompts, completion):
     return seq, None if attn.all() else attn
 
 
-def completion_logprobs(model, seq, attn, H):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them: (N, H), and the logits (N, H, V)."""
-    logits = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]  # (N, H, V)
-    return token_logprobs(logits, seq[:, -H:]), logits
+def completion_logprobs(model, seq, attn, H, entropy=False):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
+    each of those positions (else None): (N, H), (N, H). The logits stay inside the model's linear_logprobs."""
+    mask = None if attn is None else attn[:, :-1]
+    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, logprobs=True, entropy=entropy)
+
+
+def completion_logits(model, seq, attn, H):
+    """The logits (N, H, V) at the last H positions of seq (for a reward that needs them)."""
+    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
 
 
 def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
@@ -1760,17 +1757,15 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     return tokens, mask
 
 
-def logprobs_and_values(actor, critic, seq, attn, H):
-    """Log-probs (N, H) of the last H tokens of seq (N, P+H), the logits (N, H, V) and the values (N, H) read at the
-    same positions: the value of completion token t is V(s_t), read at the position that predicts it. critic None:
-    the actor is a PolicyWithValueHead and one forward gives both."""
-    x, a = seq[:, :-1], None if attn is None else attn[:, :-1]
+def logprobs_and_values(actor, critic, seq, attn, H, entropy=False):
+    """Log-probs (N, H) of the last H tokens of seq (N, P+H), with entropy=True the policy's entropy there (else
+    None), and the values (N, H) read at the same positions: the value of completion token t is V(s_t), read at the
+    position that predicts it. critic None: the actor is a PolicyWithValueHead and one forward gives all three."""
+    x, a, y = seq[:, :-1], None if attn is None else attn[:, :-1], seq[:, -H:]
     if critic is None:
-        logits, values = actor(x, attention_mask=a, keep_last=H)  # (N, H, V), (N, H)
-    else:
-        logits = actor(x, attention_mask=a, keep_last=H)[0]  # (N, H, V)
-        values = critic(x, attention_mask=a)[:, -H:]  # (N, H)
-    return token_logprobs(logits, seq[:, -H:]), logits, values
+        return actor(x, attention_mask=a, keep_last=H, targets=y, entropy=entropy)  # (N, H) each
+    logp, ent = actor(x, targets=y, attention_mask=a, keep_last=H, logprobs=True, entropy=entropy)  # (N, H) each
+    return logp, ent, critic(x, attention_mask=a)[:, -H:]
 
 
 @torch.no_grad()
@@ -1795,7 +1790,8 @@ def rollout(task, actor, critic, ref, cfg, rt, n_micro):
     with rt.autocast():
         for i in range(0, len(prompts), n_micro):
             s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
-            logp, logits, values = logprobs_and_values(actor, critic, s, a, H)  # (n, H), (n, H, V), (n, H)
+            logp, _, values = logprobs_and_values(actor, critic, s, a, H)  # (n, H), (n, H)
+            logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
             old_logp.append(logp)
             old_values.append(values)
             if isinstance(ref, BigramReference):
@@ -2110,15 +2106,17 @@ def main():
                         grad_sync(m, j + n_micro >= n_minibatch)
                     with rt.autocast():
                         a = None if attn is None else attn[rows]
-                        logp, logits, values = logprobs_and_values(actor_train, critic_train, seq[rows], a, H)
+                        logp, entropies, values = logprobs_and_values(
+                            actor_train, critic_train, seq[rows], a, H, entropy=True
+                        )  # (n, H) each
                     pg_loss, stats = ppo_policy_loss(
                         logp, old_logp[rows], adv[rows], mask[rows], cfg.clip_eps, cfg.dual_clip or None, n_tokens
                     )
                     v_loss = value_loss(
                         values.float(), old_values[rows], returns[rows], mask[rows], cfg.clip_eps_value, n_tokens
                     )
-                    with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                        entropy = masked_mean(entropy_from_logits(logits), mask[rows], n_tokens)
+                    entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
+                    entropy = masked_mean(entropies, mask[rows], n_tokens)
                     loss = pg_loss + cfg.vf_coef * v_loss - cfg.entropy_coef * entropy
                     scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                     epoch_sums += torch.stack(

@@ -1298,8 +1298,8 @@ def plot_curves(metrics_path, png_path):
 
 # ----------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). group_advantages and policy_loss (and
-# left_pad, join, peak_memory_mb below) are copies of grpo.py's; entropy_from_logits, masked_mean, gae, whiten,
-# value_loss and AdaptiveKLController of ppo.py's (tests/test_shared_blocks.py checks that the copies are identical).
+# left_pad, join, peak_memory_mb below) are copies of grpo.py's; masked_mean, gae, whiten, value_loss and
+# AdaptiveKLController of ppo.py's (tests/test_shared_blocks.py checks that the copies are identical).
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):

@@ -262,14 +262,14 @@ def test_copies_in_every_script_give_identical_results(name):
 @given(st.integers(1, 3), st.integers(1, 9), st.integers(2, 40), st.sampled_from([0.1, 3.0, 300.0]), st.integers(0, 99))
 def test_entropy_from_logits_matches_the_float64_definition_and_its_gradient(B, T, V, scale, seed):
     """H = -sum p log p of softmax(logits) (float64 oracle), value and gradient, over several row chunks;
-    0 <= H <= log V. (ppo.py's; rookworld_grpo.py has a copy, and grpo.py's training pass takes its entropy from
-    gpt.py's linear_logprobs.)"""
-    import ppo
+    0 <= H <= log V. (rookworld_grpo.py's, for its logits; grpo.py and ppo.py take the entropy from gpt.py's
+    linear_logprobs.)"""
+    import rookworld_grpo
 
     torch.manual_seed(seed)
     logits = (torch.randn(B, T, V) * scale).requires_grad_(True)
     weights = torch.randn(B, T)
-    ent = ppo.entropy_from_logits(logits)
+    ent = rookworld_grpo.entropy_from_logits(logits)
     (ent * weights).sum().backward()
     x = logits.detach().double().requires_grad_(True)
     oracle = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
