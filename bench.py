@@ -361,18 +361,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=h.device)
         for i in range(0, h.size(0), rows):
             hc, tc = h[i : i + rows], targets[i : i + rows]
-            logits = (hc @ weight.T).float()  # (rows, V); under autocast the product runs in bf16
-            with torch.enable_grad():
-                logits.requires_grad_(want_h or want_w)
-                chunk = F.cross_entropy(logits, tc, ignore_index=-1, reduction="sum")
+            keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
+            logq = torch.log_softmax((hc @ weight.T).float(), -1)  # (rows, V); the product runs in bf16 under autocast
+            loss -= (logq.gather(1, y) * keep).sum()
             if want_h or want_w:
-                (g,) = torch.autograd.grad(chunk, logits)  # softmax - onehot; 0 on rows whose target is -1
-                g = g.to(weight.dtype)  # float32 for float32 weights (autocast casts the products below)
+                g = logq.exp_().scatter_add_(1, y, -keep.float())  # softmax - onehot, in place
+                g = (g if keep.all() else g * keep).to(weight.dtype)  # 0 on rows whose target is -1
                 if want_h:
                     grad_h[i : i + rows] = g @ weight
-                if want_w:
-                    grad_w += g.T @ hc
-            loss += chunk.detach()
+                if want_w and torch.is_autocast_enabled(h.device.type):
+                    grad_w += g.T @ hc  # the product in the autocast dtype (in-place addmm_ would run in float32)
+                elif want_w:
+                    grad_w.addmm_(g.T, hc)  # in place: no (V, C) temporary per chunk (about 8% of the CPU loss)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
