@@ -242,8 +242,9 @@ class GPT(nn.Module):
         in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
         None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads).
         With targets and return_logits=False the loss is the fused linear_cross_entropy and logits is None
-        (training: the (B, T, V) logits are never held). With targets and logprobs=True it returns
-        (log p(targets), entropy or None), each (B, T) in float32, from linear_logprobs (RL: the logits stay inside)."""
+        (training: the (B, T, V) logits are never held). With targets (token ids here, no -1) and logprobs=True
+        it returns (log p(targets), entropy or None), each (B, T) in float32, from linear_logprobs (RL: the logits
+        stay inside it)."""
         B, T = idx.size()
         past = 0 if cache is None else cache.pos
         if past + T > self.config.block_size:
@@ -373,6 +374,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_h else None  # every row is written below
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
+        skipped = (want_h or want_w) and bool((targets == -1).any())  # one host sync per call, not per chunk
         for i in range(0, h.size(0), rows):
             hc, tc = h[i : i + rows], targets[i : i + rows]
             keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
@@ -380,7 +382,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss -= (logq.gather(1, y) * keep).sum()
             if want_h or want_w:
                 g = logq.exp_().scatter_add_(1, y, -keep.float())  # softmax - onehot, in place
-                g = (g if keep.all() else g * keep).to(weight.dtype)  # 0 on rows whose target is -1
+                g = (g * keep if skipped else g).to(weight.dtype)  # 0 on rows whose target is -1
                 if want_h:
                     grad_h[i : i + rows] = g @ weight
                 if want_w and torch.is_autocast_enabled(h.device.type):
@@ -412,19 +414,21 @@ def linear_cross_entropy(h, weight, targets, rows=None):
 class LinearLogprobs(torch.autograd.Function):
     """log p(targets) and the entropy of every row of the logits h @ weight.T: (N, C), (V, C), (N,) -> (N,), (N,),
     both float32; targets are token ids (no -1). The (N, V) logits are made here and never returned, so backward
-    overwrites them with their own gradient instead of allocating another (N, V) tensor. On CPU the tensor is
-    then kept in `spare` and the next call of the same shape computes into it (at once under no_grad): a fresh
-    400 MB tensor costs about 90 ms of page faults on first touch here. Both together take the GRPO training
-    pass from about 1,110 to 880 ms on CPU."""
+    overwrites them with their own gradient instead of allocating another (N, V) tensor. On CPU (float32) the
+    tensor is then kept in `spare`, once backward is done with it or at once under no_grad, and the next call of
+    the same shape computes into it: a fresh 400 MB tensor costs about 90 ms of page faults on first touch here.
+    Both together take the GRPO training pass from about 1,110 to 880 ms on CPU; the price is one (N, V) tensor
+    kept between passes (400 MB for 2,048 positions of GPT-2's vocabulary)."""
 
-    spare = []  # at most one CPU logits tensor that no graph holds any more
+    spare = []  # at most one CPU float32 logits tensor that no graph holds any more
 
     @staticmethod
     def forward(ctx, h, weight, targets, with_entropy, with_grad):
         ctx.set_materialize_grads(False)  # an unused output (the entropy, usually) gets None: no work for it
-        out = LinearLogprobs.spare.pop() if LinearLogprobs.spare else None
-        reuse = h.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and h.dtype == weight.dtype
-        if reuse and out is not None and out.shape == (h.size(0), weight.size(0)) and out.dtype == h.dtype:
+        ctx.reuse = h.device.type == "cpu" and h.dtype == weight.dtype == torch.float32
+        ctx.reuse = ctx.reuse and not torch.is_autocast_enabled("cpu")
+        out = LinearLogprobs.spare.pop() if ctx.reuse and LinearLogprobs.spare else None
+        if out is not None and out.shape == (h.size(0), weight.size(0)):
             logits = torch.mm(h, weight.T, out=out)  # (N, V)
         else:
             logits = h @ weight.T  # (N, V); under autocast the product runs in bf16
@@ -440,11 +444,12 @@ class LinearLogprobs(torch.autograd.Function):
         if with_grad:
             ctx.save_for_backward(h, weight, targets, lse, entropy)
             ctx.logits = logits  # not an output: nothing outside sees it, so backward may overwrite it
-        elif reuse:
+        elif ctx.reuse:
             LinearLogprobs.spare[:] = [logits]
         return logp, entropy if with_entropy else None
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_entropy):  # each (N,), or None where that output was not used
         h, weight, targets, lse, entropy = ctx.saved_tensors
         logits, ctx.logits = ctx.logits, None
@@ -454,17 +459,20 @@ class LinearLogprobs(torch.autograd.Function):
         for i in range(0, logits.size(0), n):  # d logp/dz = onehot(y) - p; d entropy/dz = -p (log p + entropy)
             z = logits[i : i + n]
             logq = z.float().sub_(lse[i : i + n, None])  # log-softmax; in place on float32 logits
-            g = torch.zeros_like(lse[i : i + n, None]) if grad_logp is None else grad_logp[i : i + n, None]
-            if grad_entropy is None:
-                grad = logq.exp_().mul_(-g)  # (n, V)
+            if grad_entropy is None:  # the usual case: only log p(targets) is used
+                grad = logq.exp_().mul_(-grad_logp[i : i + n, None])  # (n, V)
             else:
-                grad = torch.exp(logq).mul_(-g - grad_entropy[i : i + n, None] * (logq + entropy[i : i + n, None]))
-            grad.scatter_add_(1, targets[i : i + n, None], g)  # the onehot in float32, before any cast to bf16
+                coef = grad_entropy[i : i + n, None] * (logq + entropy[i : i + n, None])
+                if grad_logp is not None:
+                    coef += grad_logp[i : i + n, None]
+                grad = torch.exp(logq).mul_(coef.neg_())  # (n, V)
+            if grad_logp is not None:  # the onehot in float32, before any cast to bf16 logits
+                grad.scatter_add_(1, targets[i : i + n, None], grad_logp[i : i + n, None])
             if grad.data_ptr() != z.data_ptr():
                 z.copy_(grad)
         grad_h = (logits @ weight.to(logits.dtype)).to(h.dtype) if ctx.needs_input_grad[0] else None
         grad_w = (logits.T @ h.to(logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        if logits.device.type == "cpu":
+        if ctx.reuse:
             LinearLogprobs.spare[:] = [logits]
         return grad_h, grad_w, None, None, None
 

@@ -285,10 +285,15 @@ def test_the_value_of_token_t_is_read_before_it_and_never_sees_it(value_model):
 
 
 def test_the_shared_value_model_samples_exactly_as_its_policy():
-    """PolicyWithValueHead stands in for the GPT when sampling and evaluating: the same logits, the same tokens."""
+    """PolicyWithValueHead stands in for the GPT when sampling and evaluating: the same logits, the same tokens, the
+    same log-probs and entropies from completion_logprobs (the reward-model task's evaluation)."""
     policy, _, shared = tiny_models()
     idx = torch.randint(0, 13, (4, 5))
     assert torch.equal(shared(idx)[0], policy(idx)[0])
+    for a, b in zip(
+        ppo.completion_logprobs(shared, idx, None, 3, True), ppo.completion_logprobs(policy, idx, None, 3, True)
+    ):
+        assert torch.equal(a, b)
     a = ppo.generate(policy, idx, 6, generator=torch.Generator().manual_seed(0))
     b = ppo.generate(shared, idx, 6, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
