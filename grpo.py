@@ -429,17 +429,16 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_h else None  # every row is written below
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
-        skipped = (want_h or want_w) and bool((targets == -1).any())  # one host sync per call, not per chunk
         for i in range(0, h.size(0), rows):
             hc, tc = h[i : i + rows], targets[i : i + rows]
             keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
             logq = torch.log_softmax((hc @ weight.T).float(), -1)  # (rows, V); the product runs in bf16 under autocast
             loss -= (logq.gather(1, y) * keep).sum()
             if want_h or want_w:
-                g = logq.exp_().scatter_add_(1, y, -keep.float())  # softmax - onehot, in place
-                g = (g * keep if skipped else g).to(weight.dtype)  # 0 on rows whose target is -1
+                g = logq.exp_().scatter_add_(1, y, -keep.float()).to(weight.dtype)  # softmax - onehot, in place
+                hc = hc * keep  # a row whose target is -1 adds nothing: zeroed here and in dh, (rows, C), not in g
                 if want_h:
-                    grad_h[i : i + rows] = g @ weight
+                    grad_h[i : i + rows] = (g @ weight) * keep
                 if want_w and torch.is_autocast_enabled(h.device.type):
                     grad_w += g.T @ hc  # the product in the autocast dtype (in-place addmm_ would run in float32)
                 elif want_w:
