@@ -491,6 +491,45 @@ def linear_cross_entropy(h, weight, targets, rows=None):
     return LinearCrossEntropy.apply(h, weight, targets, torch.is_grad_enabled(), rows)
 
 
+def chunked_logprobs(logits, targets, with_entropy=False):
+    """Per row of logits (N, V), in float32 over row chunks: log p(targets), the log-normaliser (log sum exp) and,
+    with_entropy, the entropy (else None). The forward pass of TokenLogprobs and LinearLogprobs."""
+    logp, lse = torch.empty(logits.size(0), device=logits.device), torch.empty(logits.size(0), device=logits.device)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    n = row_chunks(logits)
+    for i in range(0, logits.size(0), n):
+        x, y = logits[i : i + n].float(), targets[i : i + n, None]
+        z = torch.log_softmax(x, -1)
+        logp[i : i + n] = z.gather(1, y)[:, 0]
+        lse[i : i + n] = x.gather(1, y)[:, 0] - logp[i : i + n]
+        if with_entropy:
+            entropy[i : i + n] = -torch.linalg.vecdot(torch.exp(z), z)
+    return logp, lse, entropy
+
+
+def logprobs_grad_(out, logits, lse, targets, grad_logp, grad_entropy=None, entropy=None):
+    """Write into out (N, V), which may be logits itself, the gradient w.r.t. the logits of
+    sum(grad_logp * log p(targets) + grad_entropy * entropy), row chunk by row chunk: d log p(y)/dz = onehot(y) - p
+    and d entropy/dz = -p (log p + entropy). Either upstream gradient may be None. The backward pass of
+    TokenLogprobs and LinearLogprobs."""
+    n = row_chunks(logits)
+    for i in range(0, logits.size(0), n):
+        logq = logits[i : i + n].float()  # the chunk itself for float32 logits
+        logq = logq.sub_(lse[i : i + n, None]) if out is logits else logq - lse[i : i + n, None]  # log-softmax
+        if grad_entropy is None:  # the usual case: only log p(targets) is used
+            grad = logq.exp_().mul_(-grad_logp[i : i + n, None])  # (n, V)
+        else:
+            coef = grad_entropy[i : i + n, None] * (logq + entropy[i : i + n, None])
+            if grad_logp is not None:
+                coef += grad_logp[i : i + n, None]
+            grad = torch.exp(logq).mul_(coef.neg_())  # (n, V)
+        if grad_logp is not None:  # the onehot in float32, before any cast to bf16: 1 - p of a confident token survives
+            grad.scatter_add_(1, targets[i : i + n, None], grad_logp[i : i + n, None])
+        if grad.data_ptr() != out[i : i + n].data_ptr():
+            out[i : i + n] = grad
+    return out
+
+
 class LinearLogprobs(torch.autograd.Function):
     """log p(targets) and the entropy of every row of the logits h @ weight.T: (N, C), (V, C), (N,) -> (N,), (N,),
     both float32; targets are token ids (no -1). The (N, V) logits are made here and never returned, so backward
@@ -512,21 +551,13 @@ class LinearLogprobs(torch.autograd.Function):
             logits = torch.mm(h, weight.T, out=out)  # (N, V)
         else:
             logits = h @ weight.T  # (N, V); under autocast the product runs in bf16
-        logp, lse, entropy = (torch.empty(h.size(0), device=h.device) for _ in range(3))
-        n = row_chunks(logits)
-        for i in range(0, h.size(0), n):
-            x, y = logits[i : i + n].float(), targets[i : i + n, None]
-            z = torch.log_softmax(x, -1)
-            logp[i : i + n] = z.gather(1, y)[:, 0]
-            lse[i : i + n] = x.gather(1, y)[:, 0] - logp[i : i + n]  # log sum exp of each row
-            if with_entropy:
-                entropy[i : i + n] = -torch.linalg.vecdot(torch.exp(z), z)
+        logp, lse, entropy = chunked_logprobs(logits, targets, with_entropy)
         if with_grad:
             ctx.save_for_backward(h, weight, targets, lse, entropy)
             ctx.logits = logits  # not an output: nothing outside sees it, so backward may overwrite it
         elif ctx.reuse:
             LinearLogprobs.spare[:] = [logits]
-        return logp, entropy if with_entropy else None
+        return logp, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -535,21 +566,7 @@ class LinearLogprobs(torch.autograd.Function):
         logits, ctx.logits = ctx.logits, None
         if logits is None:
             raise RuntimeError("LinearLogprobs: a second backward through one pass (retain_graph) is not supported")
-        n = row_chunks(logits)
-        for i in range(0, logits.size(0), n):  # d logp/dz = onehot(y) - p; d entropy/dz = -p (log p + entropy)
-            z = logits[i : i + n]
-            logq = z.float().sub_(lse[i : i + n, None])  # log-softmax; in place on float32 logits
-            if grad_entropy is None:  # the usual case: only log p(targets) is used
-                grad = logq.exp_().mul_(-grad_logp[i : i + n, None])  # (n, V)
-            else:
-                coef = grad_entropy[i : i + n, None] * (logq + entropy[i : i + n, None])
-                if grad_logp is not None:
-                    coef += grad_logp[i : i + n, None]
-                grad = torch.exp(logq).mul_(coef.neg_())  # (n, V)
-            if grad_logp is not None:  # the onehot in float32, before any cast to bf16 logits
-                grad.scatter_add_(1, targets[i : i + n, None], grad_logp[i : i + n, None])
-            if grad.data_ptr() != z.data_ptr():
-                z.copy_(grad)
+        logprobs_grad_(logits, logits, lse, targets, grad_logp, grad_entropy, entropy)  # in place
         grad_h = (logits @ weight.to(logits.dtype)).to(h.dtype) if ctx.needs_input_grad[0] else None
         grad_w = (logits.T @ h.to(logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         if ctx.reuse:
@@ -563,34 +580,23 @@ def linear_logprobs(h, weight, targets, entropy=True):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log p(targets) under logits, row chunk by row chunk, with the backward written out: the gradient
-    onehot(y) - softmax(logits), scaled per row, goes straight into one (N, V) tensor. Autograd through chunked
-    cross-entropy kept a float32 log-softmax of every logit for backward and then concatenated the chunks'
-    gradients; this keeps only the logits and the log-normaliser per row (one (N, V) float32 tensor less
+    """log p(targets) under logits the caller holds, row chunk by row chunk, with the backward written out: the
+    gradient onehot(y) - softmax(logits), scaled per row, goes straight into one (N, V) tensor. Autograd through
+    chunked cross-entropy kept a float32 log-softmax of every logit for backward and then concatenated the
+    chunks' gradients; this keeps only the logits and the log-normaliser per row (one (N, V) float32 tensor less
     for backward; about 5% off the GRPO training pass on CPU)."""
 
     @staticmethod
     def forward(ctx, logits, targets):  # (N, V), (N,) -> (N,) float32
-        n = row_chunks(logits)
-        nll = torch.cat(
-            [F.cross_entropy(x.float(), y, reduction="none") for x, y in zip(logits.split(n), targets.split(n))]
-        )
-        logp = -nll
-        lse = logits.gather(1, targets[:, None])[:, 0].float() + nll  # log sum exp of each row
+        logp, lse, _ = chunked_logprobs(logits, targets)
         ctx.save_for_backward(logits, targets, lse)
         return logp
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # grad (N,): d/d logits of grad * log p(y) = grad * (onehot(y) - softmax)
         logits, targets, lse = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        n = row_chunks(logits)
-        for i in range(0, logits.size(0), n):
-            g, y = grad[i : i + n, None], targets[i : i + n, None]
-            p = torch.exp(logits[i : i + n].float() - lse[i : i + n, None])  # softmax of the chunk
-            # the onehot is added in float32, before any cast to bf16 logits: 1 - p of a confident token survives
-            out[i : i + n] = p.mul_(-g).scatter_add_(1, y, g)
-        return out, None
+        return logprobs_grad_(torch.empty_like(logits), logits, lse, targets, grad), None
 
 
 def token_logprobs(logits, targets):
