@@ -378,7 +378,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     wanted, each chunk's logit gradient (softmax - onehot) becomes its share of dh and dweight at once, in the
     forward pass, and backward only scales them: the same three matrix products as unfused, without the
     2 x N x V floats of logits and their gradient. On CPU a chunk stays under 32 MB, the largest block glibc's
-    malloc reuses instead of mapping (and page-faulting) afresh: training is about 15% faster there."""
+    malloc reuses from one call to the next instead of mapping (and page-faulting) it afresh."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, with_grad, rows):  # (N, C), (V, C), (N,) -> scalar (float32)
@@ -386,17 +386,25 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_h else None  # every row is written below
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
+        lowp = torch.is_autocast_enabled(h.device.type)  # the products run in bf16
+        # Every chunk's logits and probabilities go into these two: on CPU fresh (rows, V) tensors for each chunk
+        # cost page faults (about 90,000 per step of bench.py's train), about 10% of a step.
+        z_buf, p_buf = (torch.empty(min(rows, h.size(0)), weight.size(0), device=h.device) for _ in range(2))
         for i in range(0, h.size(0), rows):
             hc, tc = h[i : i + rows], targets[i : i + rows]
             keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
-            logq = torch.log_softmax((hc @ weight.T).float(), -1)  # (rows, V); the product runs in bf16 under autocast
-            loss -= (logq.gather(1, y) * keep).sum()
+            z, p = z_buf[: hc.size(0)], p_buf[: hc.size(0)]
+            z.copy_(hc @ weight.T) if lowp else torch.mm(hc, weight.T, out=z)  # (rows, V) float32 logits
+            top, zy = z.amax(1, keepdim=True), z.gather(1, y)
+            torch.softmax(z, -1, out=p)  # one exp per logit (log_softmax then exp_ is two, and exp_ is slower)
+            lse = top - p.amax(1, keepdim=True).log()  # the largest probability is exp(top - lse), at least 1/V
+            loss -= ((zy - lse) * keep).sum()
             if want_h or want_w:
-                g = logq.exp_().scatter_add_(1, y, -keep.float()).to(weight.dtype)  # softmax - onehot, in place
+                g = p.scatter_add_(1, y, -keep.float()).to(weight.dtype)  # softmax - onehot, in place
                 hc = hc * keep  # a row whose target is -1 adds nothing: zeroed here and in dh, (rows, C), not in g
                 if want_h:
                     grad_h[i : i + rows] = (g @ weight) * keep
-                if want_w and torch.is_autocast_enabled(h.device.type):
+                if want_w and lowp:
                     grad_w += g.T @ hc  # the product in the autocast dtype (in-place addmm_ would run in float32)
                 elif want_w:
                     grad_w.addmm_(g.T, hc)  # in place: no (V, C) temporary per chunk (about 8% of the CPU loss)

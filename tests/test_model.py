@@ -783,6 +783,23 @@ def test_linear_cross_entropy_skips_the_gradient_of_a_frozen_weight_and_runs_und
     assert not loss.requires_grad and loss.item() == pytest.approx(plain_cross_entropy_sum(h, weight, targets).item())
 
 
+def test_linear_cross_entropy_is_exact_where_the_target_probability_underflows_float32():
+    """A target 300 nats below the top logit has probability exp(-300), 0 in float32: the loss is still the
+    float64 value (about 300, not inf) and the gradient still softmax - onehot."""
+    h = torch.tensor([[30.0, 0.0], [0.0, 1.0], [-20.0, 2.0]], requires_grad=True)
+    weight = torch.tensor([[5.0, 0.0], [-5.0, 0.0], [0.0, 3.0]], requires_grad=True)  # row 0 logits: 150, -150, 0
+    targets = torch.tensor([1, 2, 0])
+    loss = linear_cross_entropy(h, weight, targets, rows=2)
+    loss.backward()
+    h64, w64 = h.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    expected = plain_cross_entropy_sum(h64, w64, targets)
+    expected.backward()
+    assert expected.item() > 300
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_parameter_gradients():
     """forward(idx, targets, return_logits=False) gives the mean cross-entropy of forward(idx, targets) and the
     same gradient for every parameter (the tied embedding included), with no logits."""
