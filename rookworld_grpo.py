@@ -1436,42 +1436,56 @@ def vocab_kl(logits, ref_logits, kind="forward"):
     raise ValueError(f"unknown KL type {kind!r}")
 
 
-class VocabKLSum(torch.autograd.Function):
-    """sum_i w_i vocab_kl_i over positions i, with its gradient computed in the forward pass chunk by chunk (the
-    weights are known there; backward only scales it), as the fused loss of the model block does. Afterwards
-    autograd keeps one gradient the size of the logits, and neither the reference logits nor any float32
-    (positions, V) temporary: a whole-tensor vocab_kl kept four of those (8 x 8 rollouts of 80 tokens: 4 x 5120
-    x 50257 x 4 bytes = 4.1 GB). A float32 chunk stays under 32 MB (166 rows of GPT-2's vocabulary)."""
+class LogprobsKL(torch.autograd.Function):
+    """log p(targets) at every position and sum_i w_i vocab_kl_i, from one pass over the policy's logits. The KL's
+    gradient is computed in the forward pass, chunk by chunk (the weights are known there), and written over the
+    reference logits, row by row after reading them; backward scales it and adds the log-probs' gradient into it.
+    For backward autograd keeps the logits, that one gradient and a number per row: token_logprobs and a separate
+    KL kept a third (positions, V) tensor at the step's peak (and a whole-tensor vocab_kl, four float32 ones more:
+    8 x 8 rollouts of 80 tokens, 4 x 5120 x 50257 x 4 bytes = 4.1 GB). A float32 chunk stays under 32 MB."""
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, weights, kind, rows, with_grad):  # (..., V), (..., V), (...) -> scalar
-        flat, ref_flat, w = logits.flatten(0, -2), ref_logits.flatten(0, -2), weights.flatten()
-        grad = torch.empty_like(flat) if with_grad and ctx.needs_input_grad[0] else None  # every row written below
+    def forward(ctx, logits, targets, ref_logits, weights, kind, rows, with_grad):  # (N, V), (N,), (N, V), (N,)
+        logp, lse, _ = chunked_logprobs(logits, targets)
+        grad = None
+        if with_grad and ctx.needs_input_grad[0]:
+            grad = ref_logits if ref_logits.dtype == logits.dtype else torch.empty_like(logits)
         total = torch.zeros((), device=logits.device)
-        for i in range(0, flat.size(0), rows):
-            x = flat[i : i + rows].detach().requires_grad_(grad is not None)
+        for i in range(0, logits.size(0), rows):
+            x = logits[i : i + rows].detach().requires_grad_(grad is not None)
             with torch.enable_grad():
-                part = (vocab_kl(x, ref_flat[i : i + rows], kind) * w[i : i + rows]).sum()
+                part = (vocab_kl(x, ref_logits[i : i + rows], kind) * weights[i : i + rows]).sum()
             if grad is not None:
-                grad[i : i + rows] = torch.autograd.grad(part, x)[0]
+                grad[i : i + rows] = torch.autograd.grad(part, x)[0]  # over reference rows already read
             total += part.detach()
-        ctx.save_for_backward(grad)
-        ctx.shape = logits.shape
-        return total
+        ctx.save_for_backward(logits, targets, lse, grad)
+        ctx.rows = rows
+        return logp, total
 
     @staticmethod
-    def backward(ctx, grad_total):
-        (grad,) = ctx.saved_tensors
-        return grad.view(ctx.shape) * grad_total, None, None, None, None, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_total):  # (N,) and a scalar, or None where that output was not used
+        logits, targets, lse, grad = ctx.saved_tensors
+        grad.mul_(0.0 if grad_total is None else grad_total)  # in place: no second (N, V) tensor
+        if grad_logp is not None:  # plus grad_logp * (onehot - softmax), a chunk at a time
+            for i in range(0, logits.size(0), ctx.rows):
+                z, y, g = logits[i : i + ctx.rows], targets[i : i + ctx.rows], grad_logp[i : i + ctx.rows]
+                grad[i : i + ctx.rows] += logprobs_grad_(torch.empty_like(z), z, lse[i : i + ctx.rows], y, g)
+        return grad, None, None, None, None, None, None
 
 
-def vocab_kl_sum(logits, ref_logits, weights, kind="forward", rows=None):
-    """sum over positions of weights * vocab_kl(logits, ref_logits, kind), fused (VocabKLSum): a weight 0 (padding)
-    drops a position. (..., V), (..., V), (...) -> scalar (float32)."""
+def logprobs_and_kl(logits, targets, ref_logits, weights, kind="forward", rows=None):
+    """(log p(targets), sum over positions of weights * vocab_kl(logits, ref_logits, kind)), fused (LogprobsKL):
+    (..., V), (...), (..., V), (...) -> ((...) float32, scalar float32). A weight 0 (padding) drops a position
+    from the KL. With gradients on, the KL's gradient is written over ref_logits: the caller gives them up."""
     if kind not in ("forward", "reverse", "symmetric"):
         raise ValueError(f"unknown KL type {kind!r}")
     rows = rows or max(1, 2**23 // logits.size(-1))
-    return VocabKLSum.apply(logits, ref_logits.detach(), weights.detach(), kind, rows, torch.is_grad_enabled())
+    flat_logits, flat_ref = logits.flatten(0, -2), ref_logits.detach().flatten(0, -2)
+    logp, total = LogprobsKL.apply(
+        flat_logits, targets.flatten(), flat_ref, weights.detach().flatten(), kind, rows, torch.is_grad_enabled()
+    )
+    return logp.view(targets.shape), total
 
 
 def ema_advantages(rewards, tasks, baselines):
@@ -1991,10 +2005,10 @@ def join(prompts, completion):
 
 
 def completion_logprobs(model, seq, attn, H):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them (N, H), the logits (N, H, V), and the value
-    head's values (N, H) of the states before each token (None for a plain GPT, whose forward returns no values)."""
+    """log p of the last H tokens of seq (N, P+H) given what precedes them (N, H), and the value head's values
+    (N, H) of the states before each token (None for a plain GPT, whose forward returns no values)."""
     logits, values = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)
-    return token_logprobs(logits, seq[:, -H:]), logits, values
+    return token_logprobs(logits, seq[:, -H:]), values
 
 
 class ValueHeadGPT(nn.Module):
@@ -2068,7 +2082,7 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     with torch.no_grad(), rt.autocast():
         for i in range(0, len(rows), n_micro):
             a = None if attn is None else attn[i : i + n_micro]
-            logp, _, values = completion_logprobs(actor, seq[i : i + n_micro], a, H)  # (n, H)
+            logp, values = completion_logprobs(actor, seq[i : i + n_micro], a, H)  # (n, H)
             old_logp.append(logp)
             old_values.append(values)
     return {
@@ -2359,10 +2373,19 @@ def main():
             for i in range(0, N, n_micro):
                 rows = slice(i, i + n_micro)
                 grad_sync(policy, i + n_micro >= N)
-                a = None if attn is None else attn[rows]
                 m = mask[rows]
+                inputs, targets = seq[rows][:, :-1], seq[rows][:, -T:]  # the completion's tokens, after their states
+                a = None if attn is None else attn[rows][:, :-1]
                 with rt.autocast():
-                    logp, logits, values = completion_logprobs(policy, seq[rows], a, T)  # (n, T), (n, T, V), (n, T)
+                    logits, values = policy(inputs, attention_mask=a, keep_last=T)  # (n, T, V), (n, T) or None
+                kl_sum = torch.zeros((), device=rt.device)
+                if ref is not None:  # log-probs and the exact KL over the vocabulary, fused (LogprobsKL)
+                    with torch.no_grad(), rt.autocast():
+                        ref_logits = ref(inputs, attention_mask=a, keep_last=T)[0]  # (n, T, V)
+                    logp, kl_sum = logprobs_and_kl(logits, targets, ref_logits, m, cfg.kl_type)
+                    del ref_logits  # overwritten by the KL's gradient, which autograd keeps
+                else:
+                    logp = token_logprobs(logits, targets)  # (n, T)
                 pg_loss, stats = policy_loss(
                     logp,
                     batch["old_logp"][rows],
@@ -2376,15 +2399,7 @@ def main():
                     num_tokens=n_tokens,
                 )
                 loss = pg_loss
-                # KL and entropy at every position, padding weighted 0: no copies of the (positions, V) logits
-                kl_sum = torch.zeros((), device=rt.device)
-                if ref is not None:
-                    with torch.no_grad(), rt.autocast():
-                        ref_logits = ref(
-                            seq[rows][:, :-1], attention_mask=None if a is None else a[:, :-1], keep_last=T
-                        )[0]  # (n, T, V)
-                    kl_sum = vocab_kl_sum(logits, ref_logits, m, cfg.kl_type)  # exact over the vocabulary
-                    del ref_logits  # not kept for backward: free it before the next pass
+                if ref is not None:  # KL and entropy at every position, padding weighted 0
                     loss = loss + beta * kl_sum / n_tokens
                 with torch.set_grad_enabled(cfg.entropy_coef > 0):
                     entropy = (entropy_from_logits(logits) * m).sum() / n_tokens

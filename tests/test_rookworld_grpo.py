@@ -497,37 +497,60 @@ def test_an_unreadable_stockfish_path_ends_the_command_with_one_line(tmp_path):
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 17), st.integers(2, 9), st.sampled_from([1, 3, 64]), st.floats(-2.0, 2.0), st.integers(0, 10_000))
-def test_vocab_kl_sum_has_the_value_and_gradient_of_the_weighted_formula(M, V, rows, upstream, seed):
-    """vocab_kl_sum, with its gradient computed in the forward pass over chunks of 1, 3 or 64 rows, gives the value
-    and the logits gradient (under an upstream scale) of sum_i w_i KL_i in float64 autograd, for every kind; zero
-    weights (padding) drop their positions."""
+@given(
+    st.integers(1, 17),
+    st.integers(2, 9),
+    st.sampled_from([1, 3, 64]),
+    st.sampled_from(["both", "logp", "kl"]),
+    st.floats(-2.0, 2.0),
+    st.integers(0, 10_000),
+)
+def test_logprobs_and_kl_have_the_values_and_gradient_of_the_formulas(M, V, rows, used, upstream, seed):
+    """logprobs_and_kl, with the KL's gradient computed in the forward pass over chunks of 1, 3 or 64 rows, gives
+    log p(targets), sum_i w_i KL_i and the logits gradient of a * logp + upstream * KL (either output alone, or
+    both) of float64 autograd, for every kind; zero weights (padding) drop their positions from the KL."""
     gen = torch.Generator().manual_seed(seed)
     logits, ref = torch.randn(M, V, generator=gen) * 2, torch.randn(M, V, generator=gen) * 2
     weights = torch.rand(M, generator=gen) * (torch.rand(M, generator=gen) > 0.3)
+    targets, a = torch.randint(0, V, (M,), generator=gen), torch.randn(M, generator=gen)
     for kind in ("forward", "reverse", "symmetric"):
         x = logits.clone().requires_grad_(True)
-        total = rw.vocab_kl_sum(x, ref, weights, kind, rows)
-        (total * upstream).backward()
+        logp, total = rw.logprobs_and_kl(x, targets, ref.clone(), weights, kind, rows)
         x64 = logits.double().requires_grad_(True)
         lp, lq = torch.log_softmax(x64, -1), torch.log_softmax(ref.double(), -1)
         fwd, rev = (lp.exp() * (lp - lq)).sum(-1), (lq.exp() * (lq - lp)).sum(-1)
         expected = ({"forward": fwd, "reverse": rev, "symmetric": (fwd + rev) / 2}[kind] * weights.double()).sum()
-        (expected * upstream).backward()
+        logp64 = lp.gather(1, targets[:, None])[:, 0]
+        objective = {"both": lambda p, k: (a * p).sum() + upstream * k, "logp": lambda p, k: (a * p).sum()}.get(
+            used, lambda p, k: upstream * k
+        )
+        objective(logp, total).backward()
+        objective(logp64, expected).backward()
         assert total.item() == pytest.approx(expected.item(), abs=1e-4)
+        torch.testing.assert_close(logp.double(), logp64, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_vocab_kl_sum_keeps_one_gradient_and_not_the_reference_for_backward():
-    """What autograd keeps for vocab_kl_sum's backward is one tensor the size of the logits (the whole-tensor
-    formula kept four float32 ones and the reference logits); without gradients the value is the same."""
-    logits = torch.randn(4, 10, 500, requires_grad=True)
-    ref = torch.randn(4, 10, 500)
-    total = rw.vocab_kl_sum(logits, ref, torch.ones(4, 10), "symmetric", rows=8)
-    assert [t.numel() for t in total.grad_fn.saved_tensors] == [logits.numel()]
-    total.backward()
-    assert logits.grad is not None and logits.grad.shape == logits.shape
+def test_logprobs_and_kl_keep_one_gradient_in_the_reference_logits_for_backward():
+    """What autograd keeps for backward: the logits, the targets, one number per row and one gradient the size
+    of the logits, written over the reference logits (the caller's to give up) and scaled in place there; the
+    gradient that reaches the logits is that tensor. A second backward through the graph raises. Without
+    gradients the values are the same and the reference is left alone."""
+    torch.manual_seed(0)
+    logits, ref = torch.randn(4, 10, 500, requires_grad=True), torch.randn(4, 10, 500)
+    targets, weights = torch.randint(0, 500, (4, 10)), torch.ones(4, 10)
     with torch.no_grad():
-        assert rw.vocab_kl_sum(logits, ref, torch.ones(4, 10), "symmetric").item() == pytest.approx(
-            total.item(), rel=1e-5
-        )
+        kept = ref.clone()
+        logp0, total0 = rw.logprobs_and_kl(logits, targets, kept, weights, "symmetric")
+        assert torch.equal(kept, ref)
+    logp, total = rw.logprobs_and_kl(logits, targets, ref, weights, "symmetric", rows=8)
+    saved = total.grad_fn.saved_tensors
+    assert sorted(t.numel() for t in saved) == [40, 40, logits.numel(), logits.numel()]
+    assert ref.data_ptr() in [t.data_ptr() for t in saved]
+    seen = []
+    logits.register_hook(lambda g: seen.append(g.data_ptr()))
+    (logp.sum() + total).backward(retain_graph=True)
+    assert seen == [ref.data_ptr()]
+    assert total.item() == pytest.approx(total0.item(), rel=1e-5) and torch.allclose(logp, logp0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        total.backward()
