@@ -405,6 +405,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
         lowp = torch.is_autocast_enabled(h.device.type)  # the products run in the autocast dtype (bf16)
+        direct = not lowp and h.dtype == weight.dtype == torch.float32  # the product can go straight into z_buf
         # Every chunk's logits and probabilities go into these two: on CPU fresh (rows, V) tensors for each chunk
         # cost page faults (about 90,000 per step of bench.py's train), about 10% of a step.
         z_buf, p_buf = (torch.empty(min(rows, h.size(0)), weight.size(0), device=h.device) for _ in range(2))
@@ -412,10 +413,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             hc, tc = h[i : i + rows], targets[i : i + rows]
             keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
             z, p = z_buf[: hc.size(0)], p_buf[: hc.size(0)]  # (rows, V) float32 logits and probabilities
-            if lowp:
-                z.copy_(hc @ weight.T)
-            else:
+            if direct:
                 torch.mm(hc, weight.T, out=z)
+            else:
+                z.copy_(hc @ weight.T)
             top, zy = z.amax(1, keepdim=True), z.gather(1, y)
             torch.softmax(z, -1, out=p)  # one exp per logit (log_softmax then exp_ is two, and exp_ is slower)
             lse = top - p.amax(1, keepdim=True).log()  # the largest probability is exp(top - lse), at least 1/V

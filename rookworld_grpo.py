@@ -456,6 +456,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None
         loss = torch.zeros((), device=h.device)
         lowp = torch.is_autocast_enabled(h.device.type)  # the products run in the autocast dtype (bf16)
+        direct = not lowp and h.dtype == weight.dtype == torch.float32  # the product can go straight into z_buf
         # Every chunk's logits and probabilities go into these two: on CPU fresh (rows, V) tensors for each chunk
         # cost page faults (about 90,000 per step of bench.py's train), about 10% of a step.
         z_buf, p_buf = (torch.empty(min(rows, h.size(0)), weight.size(0), device=h.device) for _ in range(2))
@@ -463,10 +464,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             hc, tc = h[i : i + rows], targets[i : i + rows]
             keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
             z, p = z_buf[: hc.size(0)], p_buf[: hc.size(0)]  # (rows, V) float32 logits and probabilities
-            if lowp:
-                z.copy_(hc @ weight.T)
-            else:
+            if direct:
                 torch.mm(hc, weight.T, out=z)
+            else:
+                z.copy_(hc @ weight.T)
             top, zy = z.amax(1, keepdim=True), z.gather(1, y)
             torch.softmax(z, -1, out=p)  # one exp per logit (log_softmax then exp_ is two, and exp_ is slower)
             lse = top - p.amax(1, keepdim=True).log()  # the largest probability is exp(top - lse), at least 1/V
@@ -1446,6 +1447,7 @@ class LogprobsKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, ref_logits, weights, kind, rows, with_grad):  # (N, V), (N,), (N, V), (N,)
+        ctx.set_materialize_grads(False)  # an output that is not used gets None in backward, not zeros
         logp, lse, _ = chunked_logprobs(logits, targets)
         grad = None
         if with_grad and ctx.needs_input_grad[0]:
@@ -1466,20 +1468,28 @@ class LogprobsKL(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_total):  # (N,) and a scalar, or None where that output was not used
         logits, targets, lse, grad = ctx.saved_tensors
-        grad.mul_(0.0 if grad_total is None else grad_total)  # in place: no second (N, V) tensor
+        if grad_total is None:  # only the log-probs are used
+            grad.zero_()
+        else:
+            grad.mul_(grad_total)  # in place: no second (N, V) tensor
         if grad_logp is not None:  # plus grad_logp * (onehot - softmax), a chunk at a time
-            for i in range(0, logits.size(0), ctx.rows):
-                z, y, g = logits[i : i + ctx.rows], targets[i : i + ctx.rows], grad_logp[i : i + ctx.rows]
-                grad[i : i + ctx.rows] += logprobs_grad_(torch.empty_like(z), z, lse[i : i + ctx.rows], y, g)
+            n = max(ctx.rows, row_chunks(logits))
+            part = torch.empty_like(logits[:n])
+            for i in range(0, logits.size(0), n):
+                z, y, g = logits[i : i + n], targets[i : i + n], grad_logp[i : i + n]
+                grad[i : i + n] += logprobs_grad_(part[: z.size(0)], z, lse[i : i + n], y, g)
         return grad, None, None, None, None, None, None
 
 
 def logprobs_and_kl(logits, targets, ref_logits, weights, kind="forward", rows=None):
     """(log p(targets), sum over positions of weights * vocab_kl(logits, ref_logits, kind)), fused (LogprobsKL):
     (..., V), (...), (..., V), (...) -> ((...) float32, scalar float32). A weight 0 (padding) drops a position
-    from the KL. With gradients on, the KL's gradient is written over ref_logits: the caller gives them up."""
+    from the KL. When the logits need a gradient and ref_logits has their dtype, the KL's gradient is written over
+    ref_logits: the caller gives them up (and autograd's gradient of the logits is that memory)."""
     if kind not in ("forward", "reverse", "symmetric"):
         raise ValueError(f"unknown KL type {kind!r}")
+    if ref_logits.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        raise ValueError("logprobs_and_kl: ref_logits must not share memory with logits (it is overwritten)")
     rows = rows or max(1, 2**23 // logits.size(-1))
     flat_logits, flat_ref = logits.flatten(0, -2), ref_logits.detach().flatten(0, -2)
     logp, total = LogprobsKL.apply(
@@ -2399,7 +2409,7 @@ def main():
                     num_tokens=n_tokens,
                 )
                 loss = pg_loss
-                if ref is not None:  # KL and entropy at every position, padding weighted 0
+                if ref is not None:  # the KL at every position, padding weighted 0
                     loss = loss + beta * kl_sum / n_tokens
                 with torch.set_grad_enabled(cfg.entropy_coef > 0):
                     entropy = (entropy_from_logits(logits) * m).sum() / n_tokens

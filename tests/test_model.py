@@ -800,6 +800,21 @@ def test_linear_cross_entropy_is_exact_where_the_target_probability_underflows_f
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_cross_entropy_takes_float64_inputs():
+    """Inputs that are not float32 (here float64, no autocast) go through the product and a float32 copy, as before
+    the reused buffers: the value and gradients match the float64 oracle to float32 precision."""
+    torch.manual_seed(0)
+    h, weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True), torch.randn(9, 4, dtype=torch.float64)
+    targets = torch.tensor([0, 3, -1, 8, 2, 2, 5])
+    loss = linear_cross_entropy(h, weight, targets, rows=3)
+    loss.backward()
+    h64 = h.detach().clone().requires_grad_(True)
+    expected = plain_cross_entropy_sum(h64, weight, targets)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(h.grad, h64.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_parameter_gradients():
     """forward(idx, targets, return_logits=False) gives the mean cross-entropy of forward(idx, targets) and the
     same gradient for every parameter (the tied embedding included), with no logits."""

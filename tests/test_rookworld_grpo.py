@@ -531,6 +531,23 @@ def test_logprobs_and_kl_have_the_values_and_gradient_of_the_formulas(M, V, rows
         torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_logprobs_and_kl_refuse_shared_memory_and_give_finite_logprob_gradients_next_to_an_infinite_kl():
+    """ref_logits that share the logits' memory are refused (they would be overwritten). With only the log-probs
+    used, a reference with a -inf logit (an infinite KL gradient) leaves the logits' gradient that of token_logprobs."""
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 3))
+    with pytest.raises(ValueError, match="share memory"):
+        rw.logprobs_and_kl(logits, targets, logits.detach(), torch.ones(2, 3))
+    ref = torch.randn(2, 3, 7)
+    ref[0, 0, 2] = float("-inf")
+    logp, _ = rw.logprobs_and_kl(logits, targets, ref, torch.ones(2, 3), "forward")
+    logp.sum().backward()
+    x = logits.detach().clone().requires_grad_(True)
+    rw.token_logprobs(x, targets).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(logits.grad, x.grad)
+
+
 def test_logprobs_and_kl_keep_one_gradient_in_the_reference_logits_for_backward():
     """What autograd keeps for backward: the logits, the targets, one number per row and one gradient the size
     of the logits, written over the reference logits (the caller's to give up) and scaled in place there; the
