@@ -18,11 +18,11 @@ from gpt import (
     GPT,
     GPTConfig,
     KVCache,
-    LinearLogprobs,
     generate,
     linear_cross_entropy,
     linear_logprobs,
     sample_next,
+    sampling_logits,
     token_logprobs,
 )
 
@@ -148,6 +148,42 @@ def test_token_logprobs_of_bfloat16_logits_are_float32_and_nonpositive():
     assert logp.dtype == torch.float32 and (logp <= 0).all()
     oracle = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(logp.double(), oracle, atol=1e-5, rtol=0)
+
+
+@FAST
+@given(st.sampled_from([0.3, 0.5, 1.0, 2.0]), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_log_probs_of_sampled_tokens_are_those_of_the_sampling_distribution(temperature, top_k, seed):
+    """Tokens drawn by sample_next at (temperature, top_k) are scored by token_logprobs under the same
+    distribution: log softmax(logits / temperature) renormalised over the top_k set (float64 oracle); a token
+    outside that set is never drawn, and the logits of the excluded tokens change neither the log-probs nor get a
+    gradient: their probability under the training distribution is never used."""
+    torch.manual_seed(seed)
+    logits = (torch.randn(64, 12) * 2).requires_grad_(True)
+    drawn = sample_next(logits.detach(), temperature, top_k, torch.Generator().manual_seed(seed))
+    kth = logits.detach().topk(top_k, -1).values[:, -1:]
+    inside = logits.detach() >= kth
+    assert inside.gather(1, drawn[:, None]).all()
+    logp = token_logprobs(logits, drawn, temperature, top_k)
+    z = (logits.detach().double() / temperature).masked_fill(~inside, float("-inf"))
+    oracle = torch.log_softmax(z, -1).gather(1, drawn[:, None])[:, 0]
+    torch.testing.assert_close(logp.double(), oracle, atol=1e-5, rtol=1e-5)
+    logp.sum().backward()
+    assert (logits.grad[~inside] == 0).all()
+    moved = logits.detach() + torch.randn(64, 12).abs() * (~inside) * -3  # excluded logits pushed further down
+    torch.testing.assert_close(token_logprobs(moved, drawn, temperature, top_k), logp.detach(), atol=0, rtol=0)
+
+
+def test_a_token_below_the_top_k_is_scored_not_excluded_and_stays_finite():
+    """After an update a sampled token can fall out of the policy's top_k set: it is then kept in the set it is
+    scored over (sampling_logits' keep), so its log-prob and gradient stay finite instead of -inf (a k3 KL of
+    exp(inf), a NaN run)."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]], requires_grad=True)
+    logp = token_logprobs(logits, torch.tensor([3]), 1.0, 2)
+    expected = torch.log_softmax(torch.tensor([3.0, 2.0, 0.0], dtype=torch.float64), -1)[2]
+    torch.testing.assert_close(logp.double(), expected[None], atol=1e-6, rtol=1e-6)
+    logp.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0
+    assert sampling_logits(logits.detach(), 1.0, 2)[0, 3] == float("-inf")  # what the sampler itself excludes
 
 
 def test_loss_is_mean_cross_entropy_over_targets_not_minus_one():
@@ -886,10 +922,17 @@ def test_token_logprobs_gradient_of_bfloat16_logits_keeps_one_minus_p_of_a_confi
 # ------------------------------------------------------------------------------ fused log-probs and entropy
 
 
-def logprobs_and_entropy_oracle(h, weight, targets):
-    """float64 logits held whole: log p(targets) and the entropy of every row."""
-    logq = torch.log_softmax(h.double() @ weight.double().T, -1)
-    return logq.gather(1, targets[:, None])[:, 0], -(logq.exp() * logq).sum(-1)
+def logprobs_and_entropy_oracle(h, weight, targets, temperature=1.0, top_k=None):
+    """float64 logits held whole: log p(targets) and the entropy of every row under softmax(logits / temperature)
+    over the top_k largest logits (ties kept) and the target."""
+    z = (h.double() @ weight.double().T) / temperature
+    drop = torch.zeros_like(z, dtype=torch.bool)
+    if top_k:
+        kth = z.detach().sort(-1, descending=True).values[:, min(top_k, z.size(-1)) - 1, None]  # (N, 1)
+        drop = z.detach() < kth
+        drop[torch.arange(len(targets)), targets] = False
+    logq = torch.log_softmax(z.masked_fill(drop, float("-inf")), -1)
+    return logq.gather(1, targets[:, None])[:, 0], -(logq.exp() * logq.masked_fill(drop, 0.0)).sum(-1)
 
 
 @FAST
@@ -898,58 +941,33 @@ def logprobs_and_entropy_oracle(h, weight, targets):
     st.integers(2, 60),
     st.sampled_from(["both", "logp", "entropy"]),
     st.floats(0.1, 4.0),
+    st.sampled_from([1.0, 0.5, 1.7]),
+    st.sampled_from([None, 1, 3, 100]),
     st.integers(0, 2**31 - 1),
 )
-def test_linear_logprobs_values_and_gradients_equal_the_float64_oracle(N, V, used, scale, seed):
+def test_linear_logprobs_values_and_gradients_equal_the_float64_oracle(N, V, used, scale, temperature, top_k, seed):
     """log p(targets), the entropy, and the gradients of h and the weight under arbitrary per-row upstream
-    gradients of either output or both (an unused output gets None in backward), against float64 autograd.
-    Up to 30 rows span several 8-row chunks; a second call reuses the first one's logits tensor."""
+    gradients of either output or both, against float64 autograd, at any temperature and top_k (the sampling
+    distribution). Up to 30 rows span several 8-row chunks, each recomputed in backward."""
     torch.manual_seed(seed)
     h = (torch.randn(N, 8) * scale).requires_grad_(True)
     weight = torch.randn(V, 8).requires_grad_(True)
     targets = torch.randint(0, V, (N,))
     a, b = torch.randn(N), torch.randn(N)
     h64, w64 = h.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
-    logp64, ent64 = logprobs_and_entropy_oracle(h64, w64, targets)
+    logp64, ent64 = logprobs_and_entropy_oracle(h64, w64, targets, temperature, top_k)
 
     def objective(lp, e):  # only the outputs in use enter the graph
         return sum([lp @ a.to(lp.dtype)] * (used != "entropy") + [e @ b.to(e.dtype)] * (used != "logp"))
 
     objective(logp64, ent64).backward()
-    for _ in range(2):
-        h.grad = weight.grad = None
-        logp, ent = linear_logprobs(h, weight, targets)
-        assert logp.dtype == ent.dtype == torch.float32
-        torch.testing.assert_close(logp.double(), logp64.detach(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ent.double(), ent64.detach(), atol=1e-5, rtol=1e-5)
-        objective(logp, ent).backward()
-        torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-4, rtol=1e-4)
-
-
-def test_linear_logprobs_never_hands_a_logits_tensor_that_a_graph_still_holds_to_another_call():
-    """Two passes with gradients before either backward, a no-grad pass between them (which leaves its tensor
-    for reuse), then the backwards in the other order: every gradient still equals its oracle."""
-    torch.manual_seed(0)
-    weight = torch.randn(50, 8, requires_grad=True)
-    targets = torch.randint(0, 50, (20,))
-    hs = [torch.randn(20, 8, requires_grad=True) for _ in range(3)]
-    first, _ = linear_logprobs(hs[0], weight, targets)
-    with torch.no_grad():
-        linear_logprobs(hs[1], weight, targets)
-    assert len(LinearLogprobs.spare) == 1
-    second, _ = linear_logprobs(hs[2], weight, targets)  # takes the no-grad call's tensor
-    assert len(LinearLogprobs.spare) == 0
-    second.sum().backward()
-    first.sum().backward()
-    for h in (hs[0], hs[2]):
-        h64 = h.detach().double().requires_grad_(True)
-        logprobs_and_entropy_oracle(h64, weight.detach(), targets)[0].sum().backward()
-        torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="retain_graph"):
-        logp, _ = linear_logprobs(hs[0], weight, targets)
-        logp.sum().backward(retain_graph=True)
-        logp.sum().backward()
+    logp, ent = linear_logprobs(h, weight, targets, True, temperature, top_k, rows=8)
+    assert logp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), logp64.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ent64.detach(), atol=1e-5, rtol=1e-5)
+    objective(logp, ent).backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_linear_logprobs_skips_a_frozen_weight_the_entropy_on_request_and_runs_under_no_grad():
