@@ -1345,11 +1345,13 @@ def main():
     raw_model = model
     model = wrap_model(model, rt, cfg.compile)
     optimizer = make_optimizer(raw_model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
-    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     start_step = 0
     if ckpt is not None:
         load_optimizer_state(raw_model, optimizer, ckpt["optimizer"], rt)
         restore_rng(ckpt, rt)
+        if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again
+            scaler.load_state_dict(ckpt["scaler"])
         start_step = ckpt["step"]
         del ckpt
     decay_steps = cfg.lr_decay_steps or cfg.max_steps
@@ -1392,6 +1394,7 @@ def main():
                     "tokenizer": tok.spec,
                     "step": step,
                     "optimizer": optim_sd,
+                    "scaler": scaler.state_dict(),
                     "rng": rngs[0],
                     "rng_ranks": rngs,
                     "config": dataclasses.asdict(cfg),

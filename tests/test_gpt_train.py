@@ -59,6 +59,21 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
+    """With --dtype float16 the GradScaler's state (its loss scale and growth tracker) is part of the checkpoint:
+    a run resumed at step 4 ends with the uninterrupted run's scaler state and metrics, instead of restarting at
+    scale 65536 and skipping steps the uninterrupted run would not."""
+    common = ["--data", text_file, *RUN, "--dtype", "float16", "--device", "cpu", "--eval_every", "6"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "6"))
+    assert_ok(run_script("gpt.py", *common, "--out_dir", part, "--max_steps", "4", "--lr_decay_steps", "6"))
+    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "6"))
+    scaler = torch.load(full / "ckpt.pt", weights_only=True)["scaler"]
+    assert scaler["_growth_tracker"] == 6  # six finite steps in a row: the scaler is in use on this device
+    assert torch.load(part / "ckpt.pt", weights_only=True)["scaler"] == scaler
+    assert metrics(part) == metrics(full)
+
+
 def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file):
     """ckpt.pt round-trips: load_model gives the saved weights and tokenizer, and --init_from trains from it."""
     out = tmp_path / "run"
