@@ -4,7 +4,11 @@ char_grpo.py: can a GPT learn language from reward alone? Character-level GRPO w
 The policy continues real text: for each of --batch_size contexts of --context_len characters it samples
 --group_size rollouts of --horizon characters. Character t of a rollout earns r_t = 1 if it equals the true
 continuation at the same offset (`--reward_mode plus1`; `pm1` gives +1/-1), plus `w * log p(true char | rollout
-prefix)` with `--partial_logprob w`. The objective is GRPO's (Shao et al. 2024, DeepSeekMath):
+prefix)` with `--partial_logprob w`. Rollouts are drawn from softmax(logits / --temperature), and every log-prob of
+a rollout character (policy, old policy, rl/entropy) is taken under it, the reference's at the same temperature over
+the whole vocabulary as in TRL (the bigram's log-probs serve as its logits); partial credit's log p(true char) is a
+reward, the model's prediction of the text as eval/bpc scores it, so it stays at temperature 1.
+The objective is GRPO's (Shao et al. 2024, DeepSeekMath):
 
     J = E[ 1/|o| sum_t min(ratio_t A_t, clip(ratio_t, 1-eps, 1+eps) A_t) ] - beta * KL(pi || pi_ref),
     ratio_t = pi(o_t | prefix) / pi_old(o_t | prefix)
@@ -15,7 +19,11 @@ rollout's mean reward, normalised within the group). Where we depart from the pa
   - the reference policy is a choice (`--reference bigram|random|init|none`): a frozen add-one-smoothed bigram
     model of the training text by default, since a model trained from scratch has no sensible "initial" policy;
   - beta is annealed linearly from 0 to --beta_kl over --kl_warmup_tokens generated characters;
-  - `--loss_type` swaps the GRPO aggregation for DAPO, Dr. GRPO, GSPO, CISPO or REINFORCE (see policy_loss).
+  - the KL term is the mean per-character --kl_estimator value, differentiated as a loss term: k3 (the default, as
+    in DeepSeekMath) estimates KL(pi || pi_ref) but its gradient is that of KL(pi_ref || pi) (Tang & Munos 2025);
+    k2's gradient is that of KL(pi || pi_ref); k1 is refused, its expected gradient on-policy is zero;
+  - `--loss_type` swaps the GRPO aggregation for DAPO, Dr. GRPO, GSPO, CISPO or REINFORCE (see policy_loss); GSPO's
+    clip range defaults to the paper's 3e-4 / 4e-4 (its length-normalised sequence ratio never leaves 1 +- 0.2).
 `--supervised` trains the same model on the same data and token budget with cross-entropy on the true
 continuations (the baseline); `--compare` runs GRPO, then the baseline, and writes both into final_results.json.
 The model and the losses are hand-written on purpose: reading them is the point.
@@ -26,13 +34,13 @@ Commands:
     python char_grpo.py --device cuda --n_layer 6 --n_embd 384 --batch_size 64 --max_steps 2000   # one GPU
     torchrun --standalone --nproc_per_node=8 char_grpo.py --batch_size 32 --max_steps 2000          # 8 GPUs
 
-Metrics (metrics.jsonl):
+Metrics (metrics.jsonl; rl/ over every rank's rollouts):
     rl/reward_mean, rl/reward_std   mean and std of the per-character rewards of the step's rollouts
     rl/char_match                   fraction of rollout characters equal to the true continuation
     rl/zero_std_frac                fraction of groups whose rewards are all equal (no learning signal)
-    rl/kl, rl/beta                  mean KL estimate to the reference (--kl_estimator), and its coefficient
+    rl/kl, rl/beta                  mean --kl_estimator value (estimates KL(pi || pi_ref)), and its coefficient
     rl/clip_frac, rl/ratio_mean     fraction of clipped tokens and mean policy ratio (last epoch)
-    rl/entropy                      mean entropy of the policy over rollout positions (nats)
+    rl/entropy                      mean entropy of the sampling distribution over rollout positions (nats)
     rl/tokens                       characters generated (GRPO) or trained on (supervised) so far, all ranks
     train/loss, train/lr, train/grad_norm
     eval/next_char_acc, eval/bpc    teacher-forced next-character accuracy and bits per character on val
@@ -87,10 +95,10 @@ class Config:
     reference: str = "bigram"  # KL reference: bigram | random | init | none
     beta_kl: float = 0.02  # final KL coefficient
     kl_warmup_tokens: int = 200000  # generated characters over which beta rises linearly from 0 to beta_kl
-    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_estimator: str = "k3"  # k2 | k3, the per-character KL term of the loss (k1 is refused: zero gradient)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
-    clip_eps: float = 0.2  # PPO clip range
-    clip_eps_high: float = 0.0  # upper clip range for dapo and cispo (0: clip_eps; DAPO uses 0.28)
+    clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
+    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (0: clip_eps; DAPO: 0.28); unset: 0, gspo 4e-4
     ppo_epochs: int = 1  # optimizer steps per batch of rollouts (>1 reuses them through the ratio)
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     max_steps: int = 300  # rollout batches
@@ -1249,7 +1257,8 @@ def policy_loss(
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
-    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats)."""
+    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
+    batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
     num_seqs = N if num_seqs is None else num_seqs
@@ -1318,14 +1327,32 @@ def sample_windows(ids, n, context_len, horizon):
     return windows[:, :context_len], windows[:, context_len:]
 
 
-def completion_logprobs(model, seq, context_len, targets):
-    """log p(targets) at the completion positions of seq (N, C+H): the logits at C-1 .. C+H-2 predict them.
-    Returns (token log-probs (N, H), logits (N, H, V))."""
+def completion_logprobs(model, seq, context_len, targets, temperature=1.0):
+    """log p(targets) under softmax(logits / temperature) at the completion positions of seq (N, C+H): the logits at
+    C-1 .. C+H-2 predict them. Returns (token log-probs (N, H), logits (N, H, V), not divided by temperature)."""
     logits = model(seq[:, :-1])[0][:, context_len - 1 :]  # (N, H, V)
-    return token_logprobs(logits, targets), logits
+    return token_logprobs(logits, targets, temperature), logits
+
+
+def gather_rows(x, rt):
+    """Every rank's x (N, ...) in rank order: (world_size * N, ...); every rank must hold as many rows. Each rank
+    writes its rows into zeros and all_reduce sums them, which is exact."""
+    out = x.new_zeros(rt.world_size, *x.shape)
+    out[rt.rank] = x
+    return all_reduce(out, rt).flatten(0, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
+
+
+def resolve_clip(cfg):
+    """The clip ranges left unset (None): 0.2 and 0 (= clip_eps), or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
+    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. A given --clip_eps
+    is gspo's upper range too unless --clip_eps_high is given. config.json records the values used."""
+    gspo = cfg.loss_type == "gspo"
+    clip_eps = cfg.clip_eps if cfg.clip_eps is not None else 3e-4 if gspo else 0.2
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else 4e-4 if gspo and cfg.clip_eps is None else 0.0
+    return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
 def validate(cfg):
@@ -1351,9 +1378,13 @@ def validate(cfg):
         "adv": ("process", "outcome"),
         "scale_rewards": ("group", "batch", "none"),
         "reference": ("bigram", "random", "init", "none"),
-        "kl_estimator": ("k1", "k2", "k3"),
+        "kl_estimator": ("k2", "k3"),
         "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
     }
+    check(
+        cfg.kl_estimator != "k1",
+        "--kl_estimator k1: as a loss term its expected gradient on-policy is zero (E[grad log pi] = 0); use k2 or k3",
+    )
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
     check(not (cfg.compare and cfg.supervised), "--compare already runs the supervised baseline; drop --supervised")
@@ -1419,10 +1450,12 @@ def train(cfg, out_dir, rt):
 
     policy = wrap_model(model, rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     start_step, tokens = 0, 0
     if ckpt is not None:
         load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        if ckpt.get("scaler"):  # float16 runs' loss scale; older checkpoints and other dtypes have none
+            scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
         start_step, tokens = ckpt["step"], ckpt["tokens"]
 
@@ -1452,7 +1485,7 @@ def train(cfg, out_dir, rt):
         model_sd, optim_sd = training_state(raw, optimizer, rt)
         rngs = all_rng_states(rt)
         if rt.master:
-            extras = {"tokens": tokens, "supervised": cfg.supervised}
+            extras = {"tokens": tokens, "supervised": cfg.supervised, "scaler": scaler.state_dict()}
             if cfg.reference == "init":
                 extras["reference"] = ref_model.state_dict()
             save_checkpoint(
@@ -1500,6 +1533,7 @@ def train(cfg, out_dir, rt):
             for i in range(0, N, n_micro):
                 grad_sync(policy, i + n_micro >= N)
                 with rt.autocast():
+                    # temperature 1: plain cross-entropy, the baseline samples nothing
                     logp, _ = completion_logprobs(policy, seq[i : i + n_micro], C, target[i : i + n_micro])
                     loss = -logp.sum()
                 scaler.scale(loss * rt.world_size / n_global).backward()
@@ -1518,12 +1552,14 @@ def train(cfg, out_dir, rt):
             seq = torch.cat([prompts, completion], 1)  # (N, C+H)
             # 2. one no-grad pass: old log-probs, log p(true char) for partial credit, and the reference
             with torch.no_grad(), rt.autocast():
-                old_logp, logits = completion_logprobs(raw, seq, C, completion)  # (N, H)
+                old_logp, logits = completion_logprobs(raw, seq, C, completion, cfg.temperature)  # (N, H)
+                # a reward, not a policy log-prob: the model's own (temperature 1) prediction of the true text, the
+                # quantity eval/bpc measures, so --temperature changes how rollouts are drawn, not what earns reward
                 logp_true = token_logprobs(logits, truth)  # (N, H)
-                if ref_table is not None:
-                    ref_logp = ref_table[seq[:, C - 1 : -1], completion]  # (N, H): bigram of (previous, sampled)
+                if ref_table is not None:  # the previous character's bigram row serves as the reference's logits
+                    ref_logp = token_logprobs(ref_table[seq[:, C - 1 : -1]], completion, cfg.temperature)  # (N, H)
                 elif ref_model is not None:
-                    ref_logp, _ = completion_logprobs(ref_model, seq, C, completion)
+                    ref_logp, _ = completion_logprobs(ref_model, seq, C, completion, cfg.temperature)
                 else:
                     ref_logp = old_logp
             t_rollout = time.time() - t_roll
@@ -1532,7 +1568,10 @@ def train(cfg, out_dir, rt):
             if cfg.adv == "process":
                 adv = process_advantages(rewards, mask, G)  # (N, H)
             else:
-                adv = group_advantages(rewards.mean(1), G, cfg.scale_rewards)  # (N,)
+                # every rank's rollouts (groups never span ranks): --scale_rewards batch takes the std of the
+                # global batch; this rank keeps its own rows
+                every = group_advantages(gather_rows(rewards.mean(1), rt), G, cfg.scale_rewards)  # (world * N,)
+                adv = every.view(rt.world_size, N)[rt.rank]  # (N,)
             warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
             beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
             n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
@@ -1544,7 +1583,7 @@ def train(cfg, out_dir, rt):
                     rows = slice(i, i + n_micro)
                     grad_sync(policy, i + n_micro >= N)
                     with rt.autocast():
-                        logp, logits = completion_logprobs(policy, seq[rows], C, completion[rows])
+                        logp, logits = completion_logprobs(policy, seq[rows], C, completion[rows], cfg.temperature)
                     pg_loss, stats = policy_loss(
                         logp,
                         old_logp[rows],
@@ -1561,9 +1600,10 @@ def train(cfg, out_dir, rt):
                     loss = pg_loss + beta * kl
                     scaler.scale(loss * rt.world_size).backward()
                     with torch.no_grad():
-                        probs = torch.softmax(logits.float(), -1)
-                        entropy = -(probs * torch.log_softmax(logits.float(), -1)).sum(-1)  # (n, H)
-                        share = mask[rows].sum() / n_tokens
+                        z = sampling_logits(logits, cfg.temperature)  # (n, H, V): the distribution sampled from
+                        entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)  # (n, H)
+                        # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+                        share = len(seq[rows]) / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
                         sums += torch.stack(
                             [
                                 loss.detach(),
@@ -1581,12 +1621,13 @@ def train(cfg, out_dir, rt):
                     optimizer.zero_grad(set_to_none=True)
             sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
             train_loss = sums[0]
-            # a group without signal: all its rollouts got the same rewards (then every advantage is 0)
+            # the rollouts of every rank; a group without signal: all its rollouts got the same rewards
+            rewards, match = gather_rows(rewards, rt), gather_rows((completion == truth).float(), rt)  # (world * N, H)
             groups = rewards.view(-1, G, H) if cfg.adv == "process" else rewards.mean(1).view(-1, G, 1)
             metrics = {
                 "rl/reward_mean": rewards.mean().item(),
                 "rl/reward_std": rewards.std().item(),
-                "rl/char_match": (completion == truth).float().mean().item(),
+                "rl/char_match": match.mean().item(),
                 "rl/zero_std_frac": (groups == groups[:, :1]).all(2).all(1).float().mean().item(),
                 "rl/kl": sums[1].item(),
                 "rl/beta": beta,
@@ -1661,7 +1702,7 @@ def plot_compare(out_dir, runs):
 
 
 def main():
-    cfg = parse_config(Config)
+    cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "char_grpo", rt)

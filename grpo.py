@@ -4,12 +4,16 @@ grpo.py: the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE) on
 For every prompt q the policy samples a group of G completions o_1..o_G, a task scores them, and the rewards become
 group-relative advantages A. The policy then maximises a clipped surrogate (Shao et al. 2024, DeepSeekMath):
 
-    J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * KL(pi || pi_ref) + c_H * H(pi)
+    J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * mean_t k(d_it) + c_H * H(pi)
     r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)     (pi_old: the policy that sampled; --num_iterations > 1
                                                               reuses one batch of rollouts for several updates)
+Rollouts are sampled from softmax(logits / --temperature) restricted to the --top_k largest logits, and every
+log-prob of a completion token (pi and pi_old in r, the entropy H) is taken under that same distribution, so the
+first update on a batch starts from r = 1; the reference's log-probs use the same temperature over the whole
+vocabulary (as TRL does), so the KL stays finite (the bigram reference is a fixed table, used as it is).
 Advantages (--adv):
     group     A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std; --scale_rewards batch divides by the batch's
-              std instead, none only subtracts the mean (Dr. GRPO)
+              std (all ranks' rewards) instead, none only subtracts the mean (Dr. GRPO)
     rloo      A_i = R_i - mean of the other G - 1 rewards (Ahmadian et al. 2024): G/(G-1) times the centred reward
     process   per-token rewards normalised by their group's mean and std, A_t = sum of those from t on (DeepSeekMath
               process supervision; the next_token task, whose rewards are per token)
@@ -21,17 +25,25 @@ the optimizer step (all micro-batches and ranks together), L = --horizon, term_i
                                                          of the step weighs the same
     dr_grpo    -1/(N L) sum_i,t term_it                 a constant normaliser: no length bias (Liu et al. 2025);
                                                          pair it with --scale_rewards none
-    gspo       -1/N sum_i min(s_i A_i, clip(s_i) A_i)   sequence ratio s_i = exp(mean_t log r_it) (Zheng et al. 2025)
+    gspo       -1/N sum_i min(s_i A_i, clip(s_i) A_i)   sequence ratio s_i = exp(mean_t log r_it) (Zheng et al. 2025);
+                                                         a length-normalised ratio moves little, so gspo's default
+                                                         clip is the paper's [1 - 3e-4, 1 + 4e-4] (at 0.2 it would
+                                                         never clip)
     cispo      -1/(sum |o_i|) sum sg(min(r_it, 1 + eps_high)) A_it log pi(o_it)   the ratio is a detached weight,
                                                          so clipped tokens still get a gradient (MiniMax-M1, 2025)
     reinforce  -1/(sum |o_i|) sum A_it log pi(o_it)     no ratio, no clip; with --adv rloo this is RLOO
-The KL term is beta * mean over tokens of kl_penalty(logp, ref_logp, --kl_estimator) (k3 by default, as in
-DeepSeekMath), a loss term rather than a reward penalty.
+The KL term is beta * mean over tokens of k(d) = kl_penalty(logp, ref_logp, --kl_estimator), d = logp - ref_logp, a
+loss term rather than a reward penalty. The default k3 = exp(-d) - 1 + d (DeepSeekMath): its value estimates
+KL(pi || pi_ref), but differentiated as a loss its gradient is exactly that of KL(pi_ref || pi) (Tang & Munos 2025,
+"On a few pitfalls in KL divergence gradient estimation for RL"); k2 = d^2 / 2 has the gradient of KL(pi || pi_ref)
+on-policy. k1 = d is refused: as a loss term its expected gradient is zero on-policy (E_pi[grad log pi] = 0); k1
+belongs in the reward, as in ppo.py.
 
 Tasks (--task):
     next_token    dense reward on real text (char_grpo.py on BPE tokens): each generated token scores 1 if it equals
                   the true continuation at the same offset (`--reward_mode plus1`; `pm1`: +1 / -1), plus
-                  `--partial_logprob w` times log p(true token | rollout prefix); tiny Shakespeare or `--data FILE`
+                  `--partial_logprob w` times log p(true token | rollout prefix) at temperature 1 (a score of the
+                  true text, not a log-prob of a sampled token); tiny Shakespeare or `--data FILE`
     arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
                   by a newline, --format_reward for another well-formed integer followed by a newline, 0 otherwise;
                   start from `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out
@@ -53,13 +65,13 @@ Commands:
     python grpo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --device cuda
     torchrun --standalone --nproc_per_node=8 grpo.py --horizon 70         # 8 GPUs, one process each
 
-Metrics (metrics.jsonl):
+Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     rl/reward_mean, rl/reward_std  rewards of the step's first sampling round (per sequence; per token for next_token)
     rl/accuracy                    the same rollouts: arithmetic exact answers; next_token tokens equal to the truth
     rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
     rl/kl, rl/beta                 mean k3 estimate of KL(pi || pi_ref) per token, and the coefficient in use
-    rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration)
-    rl/entropy                     mean policy entropy over completion tokens (nats)
+    rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration); per sequence for gspo
+    rl/entropy                     mean entropy of the sampling distribution over completion tokens (nats)
     rl/completion_len, rl/truncated_frac   tokens per completion; completions without an end token
     rl/sampling_rounds             rollout rounds of the step (> 1 only with --dynamic_sampling)
     rl/tokens                      completion tokens generated so far, all ranks
@@ -124,10 +136,10 @@ class Config:
     adv: str = "auto"  # auto | group | rloo | process (auto: process for next_token, group otherwise)
     scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
-    clip_eps: float = 0.2  # PPO clip range (lower, and upper unless clip_eps_high is set)
-    clip_eps_high: float = 0.0  # upper clip range of dapo, gspo and cispo (0: clip_eps; DAPO uses 0.28)
+    clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
+    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (0: clip_eps; DAPO: 0.28); unset: 0, gspo 4e-4
     beta: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
-    kl_estimator: str = "k3"  # k1 | k2 | k3, the KL term of the loss
+    kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
     kl_warmup_tokens: int = 0  # beta rises linearly from 0 over this many generated tokens (0: no warm-up)
     reference: str = (
         "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
@@ -1291,7 +1303,8 @@ def policy_loss(
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
-    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats)."""
+    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
+    batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
     num_seqs = N if num_seqs is None else num_seqs
@@ -1591,8 +1604,9 @@ class RewardModelTask:
             )
             scores = self.score(prompts, completion, mask)
             seq, attn = join(prompts, completion)
-            logp, _ = completion_logprobs(model, seq, attn, completion.size(1))
-            ref_logp = completion_logprobs(ref, seq, attn, completion.size(1))[0] if ref is not None else logp
+            H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
+            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
+            ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
         shown = "\n\n".join(
             f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
@@ -1631,11 +1645,21 @@ def join(prompts, completion):
     return seq, None if attn.all() else attn
 
 
-def completion_logprobs(model, seq, attn, H, entropy=False):
+def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
     """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
-    each of those positions (else None): (N, H), (N, H). The logits stay inside the model's linear_logprobs."""
+    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
+    logits (the sampling distribution). The logits stay inside the model's linear_logprobs."""
     mask = None if attn is None else attn[:, :-1]
-    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, logprobs=True, entropy=entropy)
+    return model(
+        seq[:, :-1],
+        targets=seq[:, -H:],
+        attention_mask=mask,
+        keep_last=H,
+        logprobs=True,
+        entropy=entropy,
+        temperature=temperature,
+        top_k=top_k,
+    )
 
 
 def completion_logits(model, seq, attn, H):
@@ -1661,15 +1685,14 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
 
 def collect(task, raw, ref, cfg, rt, n_prompts):
     """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
-    sampling policy's and the reference's log-probs, then the rewards. Returns a dict of per-row tensors."""
-    G, H = cfg.group_size, cfg.horizon
+    sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
+    vocabulary), then the rewards. Returns a dict of per-row tensors."""
+    G, H, top_k = cfg.group_size, cfg.horizon, cfg.top_k or None
     prompts, info = task.sample(n_prompts)
     rows = [p for p in prompts for _ in range(G)]
     raw.eval()
     with torch.no_grad(), rt.autocast():
-        completion, mask = sample_completions(
-            raw, rows, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt
-        )  # (N, H), (N, H)
+        completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt)  # (N, H), (N, H)
     raw.train()
     truncated = torch.zeros(len(rows), dtype=torch.bool, device=rt.device)
     if task.eos_id is not None:
@@ -1689,14 +1712,16 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
             s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
             logits = completion_logits(raw, s, a, H) if task.needs_logits else None  # (n, H, V): the reward reads them
             if logits is not None:
-                logp = token_logprobs(logits, s[:, -H:])  # (n, H)
+                logp = token_logprobs(logits, s[:, -H:], cfg.temperature, top_k)  # (n, H)
+            elif policy_pass:
+                logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]  # (n, H)
             else:
-                logp = completion_logprobs(raw, s, a, H)[0] if policy_pass else None
+                logp = None
             old_logp.append(logp)
             if isinstance(ref, BigramReference):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
             elif ref is not None:
-                ref_logp.append(completion_logprobs(ref, s, a, H)[0])
+                ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
             part = info[i : i + n_micro] if info is not None else None
             rewards.append(
                 task.rewards(rows[i : i + n_micro], completion[i : i + n_micro], mask[i : i + n_micro], part, logits)
@@ -1751,6 +1776,46 @@ def concat_batches(batches):
     return out
 
 
+def gather_rows(x, rt):
+    """Every rank's x (N, ...) in rank order: (world_size * N, ...); every rank must hold as many rows. Each rank
+    writes its rows into zeros and all_reduce sums them, which is exact."""
+    out = x.new_zeros(rt.world_size, *x.shape)
+    out[rt.rank] = x
+    return all_reduce(out, rt).flatten(0, 1)
+
+
+def compute_advantages(rewards, mask, kind, group_size, scale, rt):
+    """ALGO LOGIC 4: this rank's advantages, (N, H) for process, else (N,) from each completion's reward (per-token
+    rewards averaged over its real tokens). Groups never span ranks, but --scale_rewards batch divides by the std of
+    every rank's rewards: group_advantages runs on all ranks' rewards and each rank keeps its own rows."""
+    if kind == "process":
+        return process_advantages(rewards, mask, group_size)  # (N, H)
+    seq_rewards = rewards if rewards.dim() == 1 else (rewards * mask).sum(1) / mask.sum(1)  # (N,)
+    if kind == "rloo":
+        return rloo_advantages(seq_rewards, group_size)  # (N,)
+    everyone = gather_rows(seq_rewards, rt)  # (world_size * N,)
+    return group_advantages(everyone, group_size, scale).view(rt.world_size, -1)[rt.rank]  # (N,)
+
+
+def rollout_metrics(task, first, batch, group_size, rt):
+    """rl/ metrics of the step's rollouts over every rank's rows (each rank holds as many): rewards, accuracy and
+    groups without signal of the first sampling round, lengths of the batch trained on."""
+    correct = task.correct(first["completion"], first["info"], first["rewards"])  # (N,) or None
+    rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
+    if rewards.dim() == 2:  # per token: the real ones
+        rewards = rewards[gather_rows(first["mask"], rt) > 0]
+    zero = gather_rows(zero_std_groups(first["rewards"], group_size).float(), rt)
+    lengths = gather_rows(torch.stack([batch["mask"].sum(1), batch["truncated"].float()], 1), rt).mean(0)
+    return {
+        "rl/reward_mean": rewards.mean().item(),
+        "rl/reward_std": rewards.std().item(),
+        "rl/accuracy": None if correct is None else gather_rows(correct, rt).mean().item(),
+        "rl/zero_std_frac": zero.mean().item(),
+        "rl/completion_len": lengths[0].item(),
+        "rl/truncated_frac": lengths[1].item() if task.eos_id is not None else None,
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -1760,6 +1825,16 @@ def peak_memory_mb(rt):
         return torch.cuda.max_memory_allocated(rt.device) / 2**20
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+def resolve_clip(cfg):
+    """The clip ranges left unset (None): 0.2 and 0 (= clip_eps), or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
+    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. A given --clip_eps
+    is gspo's upper range too unless --clip_eps_high is given. config.json records the values used."""
+    gspo = cfg.loss_type == "gspo"
+    clip_eps = cfg.clip_eps if cfg.clip_eps is not None else 3e-4 if gspo else 0.2
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else 4e-4 if gspo and cfg.clip_eps is None else 0.0
+    return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
 def validate(cfg):
@@ -1784,6 +1859,10 @@ def validate(cfg):
     check(cfg.top_k >= 0 and cfg.digits >= 1, "--top_k must be >= 0 and --digits >= 1")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
+    check(
+        cfg.kl_estimator != "k1",
+        "--kl_estimator k1: as a loss term k1 has zero expected gradient on-policy; k1 belongs in the reward (ppo.py)",
+    )
     choices = {
         "task": ("next_token", "arithmetic", "reward_model"),
         "tokenizer": ("gpt2", "char"),
@@ -1791,7 +1870,7 @@ def validate(cfg):
         "adv": ("auto", "group", "rloo", "process"),
         "scale_rewards": ("group", "batch", "none"),
         "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
-        "kl_estimator": ("k1", "k2", "k3"),
+        "kl_estimator": ("k2", "k3"),
         "reference": ("auto", "bigram", "random", "init", "none"),
     }
     for name, allowed in choices.items():
@@ -1802,7 +1881,7 @@ def validate(cfg):
 
 
 def main():
-    cfg = parse_config(Config)
+    cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "grpo", rt)
@@ -1870,10 +1949,12 @@ def main():
 
     policy = wrap_model(model, rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     start_step, tokens, first_eval = 0, 0, None
     if ckpt is not None:
         load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        if ckpt.get("scaler"):  # float16 runs: the loss scale and its growth tracker (older checkpoints have none)
+            scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
         start_step, tokens, first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
     if rt.master:
@@ -1906,6 +1987,7 @@ def main():
                     "rng": rngs[0],
                     "rng_ranks": rngs,
                     "config": dataclasses.asdict(cfg),
+                    "scaler": scaler.state_dict(),
                     **extras,
                 },
             )
@@ -1939,7 +2021,6 @@ def main():
             zero = zero_std_groups(part["rewards"], G)  # (B,)
             if rounds == 1:
                 first = part
-                zero_std_frac = zero.float().mean().item()
             if not cfg.dynamic_sampling:
                 batch = part
                 break
@@ -1959,14 +2040,7 @@ def main():
             mask[batch["truncated"]] = 0.0
 
         # 4. advantages
-        if adv_kind == "process":
-            adv = process_advantages(rewards, batch["mask"], G)  # (N, H)
-        else:
-            seq_rewards = rewards if rewards.dim() == 1 else (rewards * batch["mask"]).sum(1) / batch["mask"].sum(1)
-            if adv_kind == "rloo":
-                adv = rloo_advantages(seq_rewards, G)  # (N,)
-            else:
-                adv = group_advantages(seq_rewards, G, cfg.scale_rewards)  # (N,)
+        adv = compute_advantages(rewards, batch["mask"], adv_kind, G, cfg.scale_rewards, rt)  # (N,) or (N, H)
         warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
         beta = cfg.beta * warm if ref is not None else 0.0
         N = len(batch["prompts"])
@@ -1981,8 +2055,10 @@ def main():
                 rows = slice(i, i + n_micro)
                 grad_sync(policy, i + n_micro >= N)
                 a = None if attn is None else attn[rows]
-                with rt.autocast():
-                    logp, entropies = completion_logprobs(policy, seq[rows], a, H, entropy=True)  # (n, H) each
+                with rt.autocast():  # under the sampling distribution, as old_logp
+                    logp, entropies = completion_logprobs(
+                        policy, seq[rows], a, H, entropy=True, temperature=cfg.temperature, top_k=cfg.top_k or None
+                    )  # (n, H) each
                 old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
                 pg_loss, stats = policy_loss(
                     logp,
@@ -2007,7 +2083,8 @@ def main():
                 loss = loss - cfg.entropy_coef * entropy
                 scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                 with torch.no_grad():
-                    share = mask[rows].sum() / n_tokens
+                    # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+                    share = n_micro / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
                     k3 = kl_penalty(logp, batch["ref_logp"][rows], "k3") if batch["ref_logp"] is not None else logp * 0
                     sums += torch.stack(
                         [
@@ -2031,21 +2108,14 @@ def main():
         stop_requested = stop.requested(step + 1, rt)
         stop_if_not_finite(train_loss, step, ckpt_path, rt)
         dt = time.time() - t0
-        correct = task.correct(first["completion"], first["info"], first["rewards"])  # of the first round's groups
-        first_rewards = first["rewards"] if rewards.dim() == 1 else first["rewards"][first["mask"] > 0]
         metrics = {
-            "rl/reward_mean": first_rewards.mean().item(),
-            "rl/reward_std": first_rewards.std().item(),
-            "rl/accuracy": None if correct is None else correct.mean().item(),
-            "rl/zero_std_frac": zero_std_frac,
+            **rollout_metrics(task, first, batch, G, rt),
             "rl/kl": sums[1].item() if ref is not None else None,
             "rl/beta": beta,
             "rl/entropy": sums[2].item(),
             "rl/clip_frac": sums[3].item(),
             "rl/ratio_mean": sums[4].item(),
             "rl/pg_loss": sums[5].item(),
-            "rl/completion_len": batch["mask"].sum(1).mean().item(),
-            "rl/truncated_frac": batch["truncated"].float().mean().item() if task.eos_id is not None else None,
             "rl/sampling_rounds": rounds,
             "rl/tokens": tokens,
             "train/loss": train_loss,

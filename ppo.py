@@ -2,7 +2,11 @@
 ppo.py: actor-critic PPO with GAE (Schulman et al. 2017, 2016) for language models, on dense and learned rewards.
 
 The policy pi samples one completion o_1..o_T of each prompt q; a value model V estimates the return from each state
-s_t = (q, o_<t). Every completion is an episode whose steps are its tokens, with a per-token reward:
+s_t = (q, o_<t). pi is the distribution the sampler draws from, softmax(logits / --temperature) restricted to the
+--top_k most likely tokens: every log-prob of a completion token (pi_old at the rollout, pi in each update, the entropy
+H) is taken under it. log pi_ref is taken at the same temperature over the whole vocabulary (as TRL), so it stays
+finite (the bigram reference is a fixed count model, used as it is). Every completion is an episode whose steps are its
+tokens, with a per-token reward:
 
     r_t = R_t - kl_coef * k1_t,   k1_t = log pi_old(o_t | s_t) - log pi_ref(o_t | s_t)   (the KL penalty, in the reward)
     R_t = the task's reward where it is earned: next_token scores every token; arithmetic and reward_model score the
@@ -12,7 +16,7 @@ Advantages by generalised advantage estimation, the state after the last token b
     delta_t = r_t + gamma V(s_t+1) - V(s_t),    A_t = sum_l (gamma lam)^l delta_t+l,    G_t = A_t + V(s_t)
 G_t (the value target) is taken before --whiten_advantages normalises A over the rollout batch. Then --ppo_epochs
 passes over the batch in --num_minibatches minibatches, each one optimizer step of
-    L = L_clip + vf_coef L_V - entropy_coef H
+    L = L_clip + c_V L_V - entropy_coef H,     c_V = --vf_coef (shared value model) or 1 (separate: see below)
     L_clip = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),     rho_t = pi(o_t | s_t) / pi_old(o_t | s_t)
              (--dual_clip c > 1: for A_t < 0 the token term is also capped at -c A_t; Ye et al. 2020)
     L_V    = 0.5 mean_t max((V_t - G_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - G_t)^2)
@@ -24,15 +28,18 @@ KL the mean per-sequence sum of k1 and n the number of completions of the step (
 
 The value model (--value_model): `separate` (default) is a GPT body with a scalar head on every position's hidden
 state (reward_model.py's RewardModel class), initialised from the policy (the head at zero, so the first values are 0)
-or, with --value_init reward_model, from the --reward_model checkpoint, head included; it has its own optimizer.
-`shared` puts a value head (zero-initialised) on the policy's own final hidden states: one forward pass gives the
-logits and the values, and one optimizer trains both. V(s_t) is read at the position that predicts o_t (the last
-token of s_t), the same position whose logits give pi(o_t | s_t).
+or, with --value_init reward_model, from the --reward_model checkpoint, head included; it has its own AdamW, at
+--value_lr, and minimises L_V itself (c_V = 1): it shares no parameter with the policy, and AdamW ignores a gradient's
+scale, so a weight on L_V would only move where its gradient clipping starts. `shared` puts a value head
+(zero-initialised) on the policy's own final hidden states: one forward pass gives the logits and the values, one
+optimizer trains both, and c_V = --vf_coef weighs L_V against L_clip in the shared trunk's gradient. V(s_t) is read
+at the position that predicts o_t (the last token of s_t), the same position whose logits give pi(o_t | s_t).
 
 Tasks (--task), as in grpo.py:
     next_token    dense reward on real text: each generated token scores 1 if it equals the true continuation at the
                   same offset (`--reward_mode plus1`; `pm1`: +1 / -1), plus `--partial_logprob w` times
-                  log p(true token | rollout prefix); tiny Shakespeare or `--data FILE`
+                  log p(true token | rollout prefix) (at temperature 1 over the whole vocabulary: the model's own
+                  likelihood of the text, finite for a true token outside the top k); tiny Shakespeare or `--data FILE`
     arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
                   by a newline, --format_reward for another well-formed integer so ended, 0 otherwise; start from
                   `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out set is
@@ -58,7 +65,7 @@ Commands:
 
 Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, all ranks together):
     train/policy_loss, train/value_loss   L_clip and L_V, mean over the step's minibatch updates
-    train/entropy                  mean policy entropy over completion tokens (nats)
+    train/entropy                  mean entropy of pi (the sampling distribution) over completion tokens (nats)
     train/approx_kl                mean k3 estimate of KL(pi_old || pi) per token, (rho - 1) - log rho
     train/clipfrac                 tokens whose clipped surrogate is the active branch
     train/explained_variance       1 - Var[G - V_old] / Var[G] over the rollout's tokens (1: values predict returns)
@@ -141,7 +148,7 @@ class Config:
     clip_eps: float = 0.2  # PPO clip range of the probability ratio
     dual_clip: float = 0.0  # c > 1 caps the loss of negative-advantage tokens at -c A (0: off)
     clip_eps_value: float = 0.2  # clip range of the value around the rollout's value (0: unclipped value loss)
-    vf_coef: float = 0.1  # weight of the value loss
+    vf_coef: float = 0.1  # shared value model: weight of the value loss on the shared trunk (separate: --value_lr)
     entropy_coef: float = 0.0  # entropy bonus coefficient
     ppo_epochs: int = 4  # passes over each batch of rollouts
     num_minibatches: int = 4  # optimizer steps per pass (the batch split into this many minibatches)
@@ -1601,8 +1608,9 @@ class RewardModelTask:
             )
             scores = self.score(prompts, completion, mask)
             seq, attn = join(prompts, completion)
-            logp, _ = completion_logprobs(model, seq, attn, completion.size(1))
-            ref_logp = completion_logprobs(ref, seq, attn, completion.size(1))[0] if ref is not None else logp
+            H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
+            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
+            ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
         shown = "\n\n".join(
             f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
@@ -1632,14 +1640,15 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, logprobs=False, entropy=True):
+    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, logprobs=False, **dist):
         """(logits (B, T, V), values (B, T)); with targets and logprobs=True, (log p(targets), entropy or None,
-        values), each (B, T), from linear_logprobs (as GPT.forward(..., logprobs=True): the logits stay inside)."""
+        values), each (B, T), from linear_logprobs (as GPT.forward(..., logprobs=True): the logits stay inside), dist
+        its entropy, temperature and top_k: the log-probs and entropy of the sampling distribution."""
         h, _ = self.policy(idx, attention_mask=attention_mask, cache=cache, return_hidden=True, keep_last=keep_last)
         values = self.value_head(h).squeeze(-1).float()
         if targets is None or not logprobs:
             return self.policy.lm_head(h), values
-        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), entropy)
+        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **dist)
         return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
 
 
@@ -1682,11 +1691,12 @@ def join(prompts, completion):
     return seq, None if attn.all() else attn
 
 
-def completion_logprobs(model, seq, attn, H, entropy=False):
+def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
     """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
-    each of those positions (else None): (N, H), (N, H). The logits stay inside the model's linear_logprobs."""
-    mask = None if attn is None else attn[:, :-1]
-    out = model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, logprobs=True, entropy=entropy)
+    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the
+    top_k. The logits stay inside the model's linear_logprobs."""
+    mask, dist = None if attn is None else attn[:, :-1], dict(entropy=entropy, temperature=temperature, top_k=top_k)
+    out = model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, logprobs=True, **dist)
     return out[:2]  # a PolicyWithValueHead (--value_model shared) also returns its values
 
 
@@ -1711,14 +1721,16 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     return tokens, mask
 
 
-def logprobs_and_values(actor, critic, seq, attn, H, entropy=False):
-    """Log-probs (N, H) of the last H tokens of seq (N, P+H), with entropy=True the policy's entropy there (else
-    None), and the values (N, H) read at the same positions: the value of completion token t is V(s_t), read at the
-    position that predicts it. critic None: the actor is a PolicyWithValueHead and one forward gives all three."""
+def logprobs_and_values(actor, critic, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
+    """Log-probs (N, H) of the last H tokens of seq (N, P+H) under the sampling distribution (temperature, top_k),
+    with entropy=True the entropy of that distribution there (else None), and the values (N, H) read at the same
+    positions: the value of completion token t is V(s_t), read at the position that predicts it. critic None: the
+    actor is a PolicyWithValueHead and one forward gives all three."""
     x, a, y = seq[:, :-1], None if attn is None else attn[:, :-1], seq[:, -H:]
+    dist = dict(logprobs=True, entropy=entropy, temperature=temperature, top_k=top_k)
     if critic is None:
-        return actor(x, attention_mask=a, keep_last=H, targets=y, logprobs=True, entropy=entropy)  # (N, H) each
-    logp, ent = actor(x, targets=y, attention_mask=a, keep_last=H, logprobs=True, entropy=entropy)  # (N, H) each
+        return actor(x, attention_mask=a, keep_last=H, targets=y, **dist)  # (N, H) each
+    logp, ent = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
     return logp, ent, critic(x, attention_mask=a)[:, -H:]
 
 
@@ -1726,13 +1738,11 @@ def logprobs_and_values(actor, critic, seq, attn, H, entropy=False):
 def rollout(task, actor, critic, ref, cfg, rt, n_micro):
     """ALGO LOGIC 1-2: sample one completion per prompt, then no-grad passes (n_micro rows at a time) for the
     sampling policy's log-probs and values, the reference's log-probs and the task's rewards (per-row tensors)."""
-    H = cfg.horizon
+    H, T, top_k = cfg.horizon, cfg.temperature, cfg.top_k or None
     prompts, info = task.sample(cfg.batch_size)
     actor.eval()
     with rt.autocast():
-        completion, mask = sample_completions(
-            actor, prompts, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt
-        )  # (N, H), (N, H)
+        completion, mask = sample_completions(actor, prompts, H, T, top_k, task.eos_id, rt)  # (N, H), (N, H)
     actor.train()
     truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
     if task.eos_id is not None:
@@ -1744,14 +1754,14 @@ def rollout(task, actor, critic, ref, cfg, rt, n_micro):
     with rt.autocast():
         for i in range(0, len(prompts), n_micro):
             s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
-            logp, _, values = logprobs_and_values(actor, critic, s, a, H)  # (n, H), (n, H)
+            logp, _, values = logprobs_and_values(actor, critic, s, a, H, temperature=T, top_k=top_k)  # (n, H) each
             logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
             old_logp.append(logp)
             old_values.append(values)
             if isinstance(ref, BigramReference):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
-            elif ref is not None:
-                ref_logp.append(completion_logprobs(ref, s, a, H)[0])
+            elif ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
+                ref_logp.append(completion_logprobs(ref, s, a, H, temperature=T)[0])
             part = info[i : i + n_micro] if info is not None else None
             scores.append(
                 task.rewards(prompts[i : i + n_micro], completion[i : i + n_micro], mask[i : i + n_micro], part, logits)
@@ -1943,7 +1953,7 @@ def main():
     value_optimizer = None
     if critic is not None:
         value_optimizer = make_optimizer(critic, cfg.value_lr or cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
     start_step, tokens, first_eval = 0, 0, None
     if ckpt is not None:
@@ -1951,6 +1961,8 @@ def main():
         if critic is not None:
             load_optimizer_state(critic, value_optimizer, ckpt["value_optimizer"], rt)
         restore_rng(ckpt, rt)
+        if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again (absent: older runs)
+            scaler.load_state_dict(ckpt["scaler"])
         start_step, tokens, first_eval, kl_ctl.value = ckpt["step"], ckpt["tokens"], ckpt["first_eval"], ckpt["kl_coef"]
     if rt.master:
         n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
@@ -1977,6 +1989,7 @@ def main():
         rngs = all_rng_states(rt)
         if rt.master:
             extras = {"tokens": tokens, "first_eval": first_eval, "kl_coef": kl_ctl.value, "value_model": value_sd}
+            extras["scaler"] = scaler.state_dict()  # empty unless --dtype float16
             if not shared:
                 extras["value_model_config"] = dataclasses.asdict(critic.body.config)
                 extras["value_optimizer"] = value_optim_sd
@@ -1999,6 +2012,10 @@ def main():
 
     models = [m for m in (actor_train, critic_train) if m is not None]
     optimizers = [o for o in (optimizer, value_optimizer) if o is not None]
+    # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
+    # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
+    # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
+    vf_coef = cfg.vf_coef if shared else 1.0
     N = cfg.batch_size
     n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
     n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
@@ -2061,8 +2078,8 @@ def main():
                     with rt.autocast():
                         a = None if attn is None else attn[rows]
                         logp, entropies, values = logprobs_and_values(
-                            actor_train, critic_train, seq[rows], a, H, entropy=True
-                        )  # (n, H) each
+                            actor_train, critic_train, seq[rows], a, H, True, cfg.temperature, cfg.top_k or None
+                        )  # (n, H) each, under the sampling distribution, as old_logp
                     pg_loss, stats = ppo_policy_loss(
                         logp, old_logp[rows], adv[rows], mask[rows], cfg.clip_eps, cfg.dual_clip or None, n_tokens
                     )
@@ -2071,7 +2088,7 @@ def main():
                     )
                     entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
                     entropy = masked_mean(entropies, mask[rows], n_tokens)
-                    loss = pg_loss + cfg.vf_coef * v_loss - cfg.entropy_coef * entropy
+                    loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
                     scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                     epoch_sums += torch.stack(
                         [

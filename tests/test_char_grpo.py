@@ -2,6 +2,8 @@
 
 import json
 import math
+import signal
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,18 @@ SMALL_RUN = [*TINY, "--horizon", "4", "--batch_size", "4", "--group_size", "4", 
 def metrics(out_dir):
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def run_in_process(argv, monkeypatch):
+    """char_grpo's main() in this process, so that a test can spy inside a step; returns the exit code."""
+    monkeypatch.setattr(sys, "argv", ["char_grpo.py", *map(str, argv)])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # GracefulExit's handlers stay out of pytest
+    monkeypatch.setattr(cg, "plot_curves", lambda *a: None)
+    try:
+        cg.main()
+    except SystemExit as e:
+        return e.code
+    return 0
 
 
 def test_rewards_hand_values_for_both_modes_and_partial_credit():
@@ -34,6 +48,85 @@ def test_bigram_reference_is_the_normalised_add_one_counts():
     counts = torch.tensor([[0.0, 2, 0], [1, 0, 1], [0, 0, 0]]) + 1
     assert torch.allclose(table, counts / counts.sum(1, keepdim=True))
     assert torch.allclose(table.sum(1), torch.ones(3))
+
+
+def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tmp_path, text_file, monkeypatch):
+    """At --temperature 0.5 the log-probs in the loss, rl/entropy and the bigram reference's log-probs are those of
+    softmax(logits / 0.5) (the bigram's: of its log-probs / 0.5), against float64 oracles from the same weights and
+    rollouts; the first of two --ppo_epochs updates has ratio exactly 1 (old and new log-probs agree)."""
+    T, C = 0.5, 8
+    passes, losses, kls = [], [], []
+    completion_logprobs, policy_loss, kl_penalty = cg.completion_logprobs, cg.policy_loss, cg.kl_penalty
+
+    def completion_spy(model, seq, *args):
+        if torch.is_grad_enabled():  # the training pass: the rollouts and the weights that score them
+            passes.append((seq.clone(), {k: v.clone() for k, v in model.state_dict().items()}))
+        return completion_logprobs(model, seq, *args)
+
+    def loss_spy(logp, old_logp, *args, **kwargs):
+        losses.append((logp.detach().clone(), old_logp.clone()))
+        return policy_loss(logp, old_logp, *args, **kwargs)
+
+    def kl_spy(logp, ref_logp, kind):
+        kls.append(ref_logp.clone())
+        return kl_penalty(logp, ref_logp, kind)
+
+    monkeypatch.setattr(cg, "completion_logprobs", completion_spy)
+    monkeypatch.setattr(cg, "policy_loss", loss_spy)
+    monkeypatch.setattr(cg, "kl_penalty", kl_spy)
+    out = tmp_path / "run"
+    args = ["--data", text_file, *SMALL_RUN, "--temperature", T, "--ppo_epochs", 2, "--max_steps", 1]
+    assert run_in_process([*args, "--out_dir", out], monkeypatch) == 0
+    assert len(passes) == len(losses) == 2
+
+    model = cg.GPT(cg.GPTConfig(**torch.load(out / "ckpt.pt", weights_only=True)["model_config"])).double()
+
+    def oracle_logq(seq, state):  # (N, H, V) float64 log-probs of softmax(logits / T) at the completion positions
+        model.load_state_dict(state)
+        with torch.no_grad():
+            return torch.log_softmax(model(seq[:, :-1])[0][:, C - 1 :] / T, -1)
+
+    seq = passes[0][0]
+    completion = seq[:, C:, None]
+    logp, old_logp = losses[0]
+    assert torch.allclose(logp.double(), oracle_logq(*passes[0]).gather(-1, completion)[..., 0], atol=1e-5)
+    assert torch.equal(logp, old_logp)  # first update: ratio exactly 1
+    logq = oracle_logq(*passes[-1])  # rl/entropy is the last update's
+    entropy = -(logq.exp() * logq).sum(-1).mean().item()
+    assert next(r for r in metrics(out) if "rl/entropy" in r)["rl/entropy"] == pytest.approx(entropy, abs=1e-5)
+    text = text_file.read_text()
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text])
+    table = cg.bigram_logprobs(ids[: int(0.9 * len(ids))], len(chars)).double()  # (V, V) log p(next | previous)
+    ref_logp = torch.log_softmax(table[seq[:, C - 1 : -1]] / T, -1).gather(-1, completion)[..., 0]
+    assert torch.allclose(kls[0].double(), ref_logp, atol=1e-5)
+
+
+def test_k1_as_the_kl_loss_term_is_refused_with_exit_2(capsys):
+    """k1 = logp - ref_logp differentiated as a loss has zero expected gradient on-policy (E_pi[grad log pi] = 0):
+    validate stops with one line naming the reason and exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        cg.validate(cg.resolve_clip(cg.Config(kl_estimator="k1")))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "k1" in err and "gradient" in err
+
+
+def test_float16_loss_scale_is_saved_and_restored_on_resume(tmp_path, text_file, monkeypatch):
+    """--dtype float16: ckpt.pt holds the GradScaler state under "scaler", and --resume restores it (a resumed run
+    that takes no step saves back the state it loaded, not a fresh one); a checkpoint without it still resumes."""
+    out = tmp_path / "run"
+    args = ["--data", text_file, *SMALL_RUN, "--dtype", "float16", "--max_steps", 2, "--eval_every", 2]
+    assert run_in_process([*args, "--out_dir", out], monkeypatch) == 0
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["scaler"]["scale"] > 0
+    ckpt["scaler"].update(scale=1024.0, _growth_tracker=7)  # not what a fresh scaler or two steps give
+    torch.save(ckpt, out / "ckpt.pt")
+    assert run_in_process(["--resume", "--out_dir", out], monkeypatch) == 0
+    saved = torch.load(out / "ckpt.pt", weights_only=True)["scaler"]
+    assert (saved["scale"], saved["_growth_tracker"]) == (1024.0, 7)
+    del ckpt["scaler"]  # a checkpoint written before the scaler was saved
+    torch.save(ckpt, out / "ckpt.pt")
+    assert run_in_process(["--resume", "--out_dir", out], monkeypatch) == 0
 
 
 def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file):
@@ -83,28 +176,72 @@ def test_supervised_and_compare_runs(tmp_path, text_file):
     assert torch.load(out / "supervised" / "ckpt.pt", weights_only=True)["supervised"] is True
 
 
+# char_grpo.py under torchrun with spies on the rewards and on the advantages that reach the loss, saved per rank
+SPY = """
+import os, sys
+import torch
+sys.path.insert(0, {root!r})
+import char_grpo as cg
+
+seen = {{"rewards": [], "match": [], "adv": []}}
+char_rewards, policy_loss = cg.char_rewards, cg.policy_loss
+
+
+def rewards_spy(rollouts, truth, *args):
+    seen["match"].append((rollouts == truth).float())
+    seen["rewards"].append(char_rewards(rollouts, truth, *args))
+    return seen["rewards"][-1]
+
+
+def loss_spy(logp, old_logp, adv, *args, **kwargs):
+    seen["adv"].append(adv.clone())
+    return policy_loss(logp, old_logp, adv, *args, **kwargs)
+
+
+cg.char_rewards, cg.policy_loss = rewards_spy, loss_spy
+cg.main()
+torch.save(seen, os.path.join(os.environ["SPY_DIR"], "seen" + os.environ["RANK"] + ".pt"))
+"""
+
+
 @pytest.mark.distributed
 def test_two_process_gloo_run(tmp_path, text_file):
-    """torchrun with 2 CPU ranks trains, counts both ranks' tokens, and saves one checkpoint."""
-    out = tmp_path / "run"
+    """torchrun with 2 CPU ranks trains, counts both ranks' tokens and saves one checkpoint. With --scale_rewards
+    batch each rank's advantages are those of one process on both ranks' rollouts (the std of the global batch), and
+    the rl/ reward metrics are those of both ranks' rollouts."""
+    out, spy = tmp_path / "run", tmp_path / "spy.py"
+    spy.write_text(SPY.format(root=str(ROOT)))
+    args = [*SMALL_RUN, "--adv", "outcome", "--scale_rewards", "batch", "--partial_logprob", "0.1"]
     proc = torchrun(
-        ROOT / "char_grpo.py",
+        spy,
         2,
         "--device",
         "cpu",
         "--data",
         text_file,
-        *SMALL_RUN,
+        *args,
         "--max_steps",
         "2",
         "--eval_every",
         "2",
         "--out_dir",
         out,
+        env={"SPY_DIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["tokens"] == 2 * 2 * 4 * 4 * 4 and len(ckpt["rng_ranks"]) == 2
+    seen = [torch.load(tmp_path / f"seen{rank}.pt") for rank in (0, 1)]
+    logged = [r for r in metrics(out) if "rl/reward_mean" in r]
+    for step in range(2):
+        rewards = torch.cat([s["rewards"][step] for s in seen])  # (2N, H): both ranks' rollouts, rank order
+        assert not torch.equal(*rewards.chunk(2))  # the ranks sampled different rollouts
+        adv = torch.cat([s["adv"][step] for s in seen])
+        assert torch.allclose(adv, cg.group_advantages(rewards.mean(1), 4, "batch"), atol=1e-6)
+        match = torch.cat([s["match"][step] for s in seen])
+        assert logged[step]["rl/reward_mean"] == pytest.approx(rewards.mean().item(), abs=1e-6)
+        assert logged[step]["rl/reward_std"] == pytest.approx(rewards.std().item(), abs=1e-6)
+        assert logged[step]["rl/char_match"] == pytest.approx(match.mean().item(), abs=1e-6)
 
 
 @pytest.mark.learning

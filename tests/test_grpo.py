@@ -31,6 +31,50 @@ def metrics(out_dir):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+def main_in_process(monkeypatch, *args):
+    """grpo.main() with these flags in this process (no interpreter start; its functions can be wrapped)."""
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, args)])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # main() installs its own
+    try:
+        grpo.main()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def record(monkeypatch):
+    """Wrap grpo.collect and grpo.policy_loss so a test sees what the training loop used: every collected batch with
+    the policy's weights when it was sampled, and every policy_loss call's (logp, old_logp, mask, stats)."""
+    seen = {"batches": [], "losses": []}
+    collect, policy_loss = grpo.collect, grpo.policy_loss
+
+    def recording_collect(task, raw, ref, cfg, rt, n_prompts):
+        weights = {k: v.detach().clone() for k, v in raw.state_dict().items()}
+        batch = collect(task, raw, ref, cfg, rt, n_prompts)
+        seen["batches"].append((raw.config, weights, batch))
+        return batch
+
+    def recording_policy_loss(logp, old_logp, adv, mask, *args, **kwargs):
+        loss, stats = policy_loss(logp, old_logp, adv, mask, *args, **kwargs)
+        seen["losses"].append((logp.detach().clone(), old_logp.detach().clone(), mask.clone(), stats))
+        return loss, stats
+
+    monkeypatch.setattr(grpo, "collect", recording_collect)
+    monkeypatch.setattr(grpo, "policy_loss", recording_policy_loss)
+    return seen
+
+
+def completion_logits(config, weights, batch):
+    """float64 logits (N, H, V) of a model with these weights at the positions that predict the batch's completions
+    (next_token prompts all have the same length: no padding)."""
+    model = grpo.GPT(config).double()
+    model.load_state_dict(weights)
+    H = batch["completion"].size(1)
+    seq = torch.cat([torch.tensor(batch["prompts"]), batch["completion"]], 1)
+    with torch.no_grad():
+        return model(seq[:, :-1])[0][:, -H:]
+
+
 # ------------------------------------------------------------------------------------------- loss aggregation by hand
 
 
@@ -71,6 +115,59 @@ def test_gspo_clips_the_sequence_ratio_not_the_token_ratios():
     loss, stats = grpo.policy_loss(logp[:1], old[:1], adv[:1], mask[:1], "gspo", clip_eps=0.2)
     assert loss.item() == pytest.approx(-1.2 * 2)
     assert stats["clip_frac"].item() == 1.0 and stats["ratio_mean"].item() == pytest.approx(2 ** (1 / 3))
+
+
+def test_gspo_clip_frac_counts_sequences_not_tokens():
+    """Sequence 0 (3 tokens, ratios 2, 1, 1, A = +1): s = 2^(1/3) = 1.26 clips at 1.2. Sequence 1 (1 token, ratio 1.1,
+    A = -1) stays inside [0.8, 1.2]. One of two sequences clipped: 1/2 (a token count would say 3/4)."""
+    old = torch.log(torch.tensor([[0.2, 0.5, 0.4], [0.6, 0.3, 0.2]]))
+    logp = old + torch.log(torch.tensor([[2.0, 1.0, 1.0], [1.1, 1.0, 1.0]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    _, stats = grpo.policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask, "gspo", clip_eps=0.2)
+    assert stats["clip_frac"].item() == 0.5
+    assert stats["ratio_mean"].item() == pytest.approx((2 ** (1 / 3) + 1.1) / 2)
+
+
+def test_gspo_default_clip_range_clips_a_sequence_ratio_of_exp_1e_minus_3():
+    """A length-normalised sequence ratio moves little: exp(+-1e-3) lies well inside 1 +- 0.2. With --loss_type gspo
+    and no --clip_eps the range is the GSPO paper's [1 - 3e-4, 1 + 4e-4], which clips both (A = +1 above, A = -1
+    below). Other loss types keep 0.2, and a given --clip_eps is kept for both ends."""
+    cfg = grpo.resolve_clip(grpo.parse_config(grpo.Config, ["--loss_type", "gspo"]))
+    assert (cfg.clip_eps, cfg.clip_eps_high) == (3e-4, 4e-4)
+    old = torch.log(torch.full((2, 3), 0.3, dtype=torch.float64))
+    logp = old + torch.tensor([[1e-3], [-1e-3]], dtype=torch.float64)  # sequence ratios exp(1e-3) and exp(-1e-3)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, stats = grpo.policy_loss(logp, old, adv, torch.ones(2, 3), "gspo", cfg.clip_eps, cfg.clip_eps_high)
+    assert stats["clip_frac"].item() == 1.0
+    assert loss.item() == pytest.approx(-((1 + 4e-4) - (1 - 3e-4)) / 2)
+    for argv, expected in [
+        (["--loss_type", "grpo"], (0.2, 0.0)),
+        (["--loss_type", "gspo", "--clip_eps", "0.1"], (0.1, 0.0)),
+    ]:
+        cfg = grpo.resolve_clip(grpo.parse_config(grpo.Config, argv))
+        assert (cfg.clip_eps, cfg.clip_eps_high) == expected
+
+
+def test_gspo_logged_clip_frac_weighs_micro_batches_by_their_sequences(tmp_path, monkeypatch):
+    """--loss_type gspo, 2 micro-batches of 8 completions with different token counts, 2 iterations per batch:
+    rl/clip_frac (last iteration) is the fraction of its 16 sequences whose clipped branch is active, so the
+    micro-batches' fractions weigh by sequences, not tokens. The reward is the completion's length (every group has
+    signal). config.json records gspo's default clip range, which clips here."""
+    monkeypatch.setattr(grpo, "arithmetic_reward", lambda text, answer, format_reward=0.0: float(len(text)))
+    seen = record(monkeypatch)
+    init = char_checkpoint(tmp_path / "init.pt", grpo.ARITHMETIC_CHARS)
+    out = tmp_path / "run"
+    args = ["--task", "arithmetic", "--init_from", init, "--loss_type", "gspo", "--horizon", "4", "--batch_size", "4"]
+    args += ["--group_size", "4", "--grad_accum", "2", "--num_iterations", "2", "--lr", "1e-2", "--warmup_steps", "0"]
+    main_in_process(monkeypatch, *args, "--max_steps", "1", "--eval_size", "4", "--out_dir", out)
+    last = seen["losses"][-2:]  # the second iteration's two micro-batches
+    frac = [stats["clip_frac"].item() for *_, stats in last]
+    tokens = [mask.sum().item() for _, _, mask, _ in last]
+    per_sequence = sum(frac) / 2
+    per_token = sum(f * t for f, t in zip(frac, tokens)) / sum(tokens)
+    assert per_sequence > 0 and per_sequence != pytest.approx(per_token)  # this batch tells the two apart
+    assert [r for r in metrics(out) if "rl/clip_frac" in r][0]["rl/clip_frac"] == pytest.approx(per_sequence)
+    assert json.loads((out / "config.json").read_text())["clip_eps"] == 3e-4
 
 
 @FAST
@@ -211,9 +308,64 @@ def test_token_normaliser_is_global_across_two_gloo_ranks(tmp_path):
     """dapo's token count (and every other loss's normaliser) covers the whole step: two ranks with uneven token
     counts give the one-process loss and gradient. (Micro-batches: tests/test_grpo_math.py.)"""
     result = tmp_path / "result.txt"
-    proc = torchrun(ROOT / "tests" / "grpo_dist_check.py", 2, result)
+    proc = torchrun(ROOT / "tests" / "grpo_dist_check.py", 2, "normaliser", result)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result.read_text() == "ok"
+
+
+@pytest.mark.distributed
+def test_advantages_and_rollout_metrics_cover_every_rank(tmp_path):
+    """Two ranks, each with its own groups: --scale_rewards batch divides by the std of both ranks' rewards, and the
+    rl/ metrics (reward mean and std, accuracy, zero-std groups, lengths) are those of both ranks' rollouts: each
+    rank gets what one process computes on the whole batch."""
+    result = tmp_path / "result.txt"
+    proc = torchrun(ROOT / "tests" / "grpo_dist_check.py", 2, "rollouts", result)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result.read_text() == "ok"
+
+
+# ------------------------------------------------------------------------- log-probs of the sampling distribution
+
+
+def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, text_file, monkeypatch):
+    """At --temperature 0.5, rl/entropy is the mean over completion tokens of H(softmax(logits / 0.5)), computed here
+    in float64 from the weights that sampled the batch (one iteration: the training pass sees the same weights)."""
+    seen = record(monkeypatch)
+    out = tmp_path / "run"
+    args = ["--data", text_file, *NEXT, "--temperature", "0.5", "--reference", "none", "--max_steps", "1"]
+    main_in_process(monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
+    config, weights, batch = seen["batches"][0]
+    logq = torch.log_softmax(completion_logits(config, weights, batch) / 0.5, -1)  # (N, H, V)
+    entropy = -(logq.exp() * logq).sum(-1)  # (N, H)
+    expected = (entropy * batch["mask"]).sum() / batch["mask"].sum()
+    logged = [r for r in metrics(out) if "rl/entropy" in r][0]["rl/entropy"]
+    assert logged == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_old_logprobs_are_those_of_the_top_k_sampler_and_the_first_update_has_ratio_one(
+    tmp_path, text_file, monkeypatch
+):
+    """--temperature 0.7 --top_k 3 --num_iterations 2: every sampled token is among the 3 largest logits; the sampling
+    policy's log-probs are those of softmax(logits / 0.7) over those 3 tokens; the reference's (init: the same
+    weights) are at temperature 0.7 over the whole vocabulary; and the first update on the batch sees the ratio 1
+    exactly (the training pass scores tokens under the same distribution), so nothing clips."""
+    seen = record(monkeypatch)
+    args = ["--data", text_file, *NEXT, "--temperature", "0.7", "--top_k", "3", "--num_iterations", "2"]
+    main_in_process(
+        monkeypatch, *args, "--reference", "init", "--max_steps", "1", "--eval_size", "4", "--out_dir", tmp_path
+    )
+    config, weights, batch = seen["batches"][0]
+    z = completion_logits(config, weights, batch) / 0.7  # (N, H, V)
+    sampled = batch["completion"][..., None]  # (N, H, 1)
+    third = z.topk(3, -1).values[..., -1:]  # (N, H, 1)
+    assert (z.gather(-1, sampled) >= third - 1e-6).all()  # a token outside the top 3 is never sampled
+    truncated = torch.log_softmax(z.masked_fill(z < third, float("-inf")), -1).gather(-1, sampled)[..., 0]
+    full = torch.log_softmax(z, -1).gather(-1, sampled)[..., 0]
+    torch.testing.assert_close(batch["old_logp"].double(), truncated, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch["ref_logp"].double(), full, atol=1e-5, rtol=0)
+    logp, old_logp, _, stats = seen["losses"][0]  # the first iteration's only micro-batch
+    assert torch.equal(logp, old_logp)
+    assert stats["ratio_mean"].item() == 1.0 and stats["clip_frac"].item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- end-to-end runs
@@ -238,6 +390,26 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     assert [r["rl/beta"] for r in rows][0] == 0.0 and rows[-1]["rl/beta"] == pytest.approx(0.02)  # warmed up
     results = json.loads((full / "final_results.json").read_text())
     assert results["tokens"] == 6 * 4 * 4 * 4 and set(results["before"]) == set(results["after"])
+
+
+def test_float16_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, text_file, monkeypatch):
+    """--dtype float16 (CPU autocast here) trains through a GradScaler: its state goes into ckpt.pt, and --resume
+    continues it. The saved scale is set to 2^10 (as after overflows) before resuming: the resumed run keeps it, and
+    its growth tracker (steps since the last overflow) counts 2 + 1, not the 1 of a scaler started afresh."""
+    out = tmp_path / "run"
+    args = ["--data", text_file, *NEXT, "--device", "cpu", "--dtype", "float16", "--max_steps", "3"]
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        main_in_process(monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
+    assert exit_info.value.code == 143
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["scaler"]["scale"] == 2.0**16 and ckpt["scaler"]["_growth_tracker"] == 2
+    ckpt["scaler"]["scale"] = 2.0**10
+    torch.save(ckpt, out / "ckpt.pt")
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    main_in_process(monkeypatch, "--resume", "--out_dir", out)
+    resumed = torch.load(out / "ckpt.pt", weights_only=True)
+    assert resumed["step"] == 3 and resumed["scaler"]["scale"] == 2.0**10 and resumed["scaler"]["_growth_tracker"] == 3
 
 
 @pytest.mark.parametrize(
@@ -331,20 +503,14 @@ def test_two_process_gloo_runs(tmp_path, text_file, parallel):
         (["--context_len", "30", "--horizon", "10"], "block_size"),
         (["--batch_size", "3", "--grad_accum", "2"], "--grad_accum"),
         (["--temperature", "0"], "--temperature"),
+        (["--kl_estimator", "k1"], "zero expected gradient"),  # k1 belongs in the reward, not in the loss
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle, monkeypatch, capsys):
     """Impossible settings end with exit code 2 and one line naming the setting; nothing is trained. (main() runs in
     this process, which spares an interpreter start per case; the next test runs one case as a real process.)"""
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--data", str(text_file), *NEXT, "--out_dir", str(tmp_path / "run")])
-    sys.argv += args
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # main() installs its own
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            grpo.main()
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+    with pytest.raises(SystemExit) as exit_info:
+        main_in_process(monkeypatch, "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", *args)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run" / "ckpt.pt").exists()

@@ -133,6 +133,26 @@ def test_k1_and_k3_average_to_the_true_kl_on_samples_from_the_policy():
         assert est == pytest.approx(true_kl, abs=0.01), kind
 
 
+def test_kl_estimators_as_loss_terms_have_these_expected_gradients():
+    """Exact enumeration over a 5-token categorical pi = softmax(theta), d = log pi - log pi_ref: the expected gradient
+    E_{x~pi}[grad k(d(x))] (samples held fixed, as a loss term is differentiated) is 0 for k1, since
+    E_pi[grad log pi] = 0 (why grpo.py refuses k1 as a loss term); grad KL(pi || pi_ref) for k2; and
+    grad KL(pi_ref || pi) for k3 (Tang & Munos 2025), although k3's value estimates KL(pi || pi_ref)."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    p = logp.exp().detach()  # the sampling weights carry no gradient
+    grad = lambda f: torch.autograd.grad(f, theta, retain_graph=True)[0]
+    expected = {kind: grad((p * cg.kl_penalty(logp, ref, kind)).sum()) for kind in ("k1", "k2", "k3")}
+    forward_kl = grad((logp.exp() * (logp - ref)).sum())  # grad KL(pi || pi_ref)
+    reverse_kl = grad((ref.exp() * (ref - logp)).sum())  # grad KL(pi_ref || pi)
+    torch.testing.assert_close(expected["k1"], torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(expected["k2"], forward_kl)
+    torch.testing.assert_close(expected["k3"], reverse_kl)
+    assert not torch.allclose(expected["k3"], forward_kl, atol=1e-3)
+
+
 # --------------------------------------------------------------------------------------------------- policy loss
 
 

@@ -1,10 +1,13 @@
 """ppo.py: GAE against plain loops and its limits (Monte Carlo, TD), whitening, the clipped policy loss (dual clip
 included) and the clipped value loss by hand, the Ziegler KL controller, where rewards are placed, what the value
-model sees, copies shared with grpo.py, and end-to-end runs of the three tasks (run folder, exact resume, torchrun
-DDP and FSDP, bad input, learning)."""
+model sees, copies shared with grpo.py, the sampling distribution of every log-prob (temperature, top-k), and
+end-to-end runs of the three tasks (run folder, exact resume float16 included, --vf_coef with a separate value model,
+torchrun DDP and FSDP, bad input, learning)."""
 
 import json
 import math
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -299,6 +302,79 @@ def test_the_shared_value_model_samples_exactly_as_its_policy():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+# ------------------------------------------------------------------------------------- the sampling distribution
+
+
+def first_step(tmp_path, monkeypatch, text_file, *args):
+    """Runs ppo.main() in this process for one step of one epoch of one minibatch (one update), and returns what it
+    saw: the rollout batch, the policy's logits (float64) at the completion positions before any update, the first
+    ppo_policy_loss call's (logp, old_logp, stats) and the step's logged metrics."""
+    seen = {}
+    real_rollout, real_loss = ppo.rollout, ppo.ppo_policy_loss
+
+    def rollout(task, actor, critic, ref, cfg, rt, n_micro):
+        batch = real_rollout(task, actor, critic, ref, cfg, rt, n_micro)
+        with torch.no_grad():
+            seen["logits"] = actor(batch["seq"][:, :-1], keep_last=cfg.horizon)[0].double()  # (N, H, V)
+        seen["batch"] = batch
+        return batch
+
+    def policy_loss(logp, old_logp, *rest):
+        loss, stats = real_loss(logp, old_logp, *rest)
+        seen.setdefault("update", (logp.detach(), old_logp, stats))
+        return loss, stats
+
+    monkeypatch.setattr(ppo, "rollout", rollout)
+    monkeypatch.setattr(ppo, "ppo_policy_loss", policy_loss)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main's SIGTERM/SIGINT handlers would outlive it here
+    argv = ["--data", text_file, *NEXT, "--num_minibatches", "1", "--ppo_epochs", "1", "--max_steps", "1"]
+    argv += ["--eval_size", "8", "--device", "cpu", "--dtype", "float32", "--out_dir", tmp_path / "run", *args]
+    monkeypatch.setattr(sys, "argv", ["ppo.py", *map(str, argv)])
+    ppo.main()
+    seen["metrics"] = [r for r in metrics(tmp_path / "run") if "train/loss" in r][0]
+    return seen
+
+
+def truncated_logprobs(logits, temperature, top_k):
+    """log softmax(logits / temperature) with every logit below the top_k-th largest removed (float64 oracle)."""
+    z = logits / temperature
+    kth = z.topk(top_k, dim=-1).values[..., -1:]
+    return torch.log_softmax(z.masked_fill(z < kth, float("-inf")), -1)
+
+
+def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, monkeypatch, text_file):
+    """At --temperature 0.5 train/entropy (one update, before it changes the policy) is the mean entropy of
+    softmax(logits / 0.5) at the completion positions, not that of softmax(logits)."""
+    seen = first_step(tmp_path, monkeypatch, text_file, "--temperature", "0.5")
+    logq = torch.log_softmax(seen["logits"] / 0.5, -1)  # (N, H, V)
+    entropy = -(logq.exp() * logq).sum(-1)  # (N, H); next_token: every completion token is real
+    assert seen["metrics"]["train/entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
+
+
+def test_rollout_samples_inside_the_top_k_and_stores_the_truncated_distributions_logprobs(
+    tmp_path, monkeypatch, text_file
+):
+    """--temperature 0.7 --top_k 3: no sampled token lies outside the 3 most likely, and the stored old log-probs
+    are those of softmax(logits / 0.7) renormalised over those 3 tokens."""
+    seen = first_step(tmp_path, monkeypatch, text_file, "--temperature", "0.7", "--top_k", "3")
+    batch = seen["batch"]
+    want = truncated_logprobs(seen["logits"], 0.7, 3).gather(-1, batch["completion"][..., None])[..., 0]  # (N, H)
+    assert torch.isfinite(want).all()  # inside the top 3
+    assert torch.allclose(batch["old_logp"].double(), want, atol=1e-5)
+
+
+def test_first_update_ratio_is_exactly_1_under_temperature_and_top_k(tmp_path, monkeypatch, text_file):
+    """The first update sees the policy that sampled: its log-probs, under the same truncated tempered distribution,
+    equal the rollout's bit for bit (ratio mean 1.0, nothing clipped), and are those of that distribution."""
+    seen = first_step(tmp_path, monkeypatch, text_file, "--temperature", "0.7", "--top_k", "3")
+    logp, old_logp, stats = seen["update"]
+    assert torch.equal(logp, old_logp)
+    assert stats["ratio_mean"].item() == 1.0 and stats["clip_frac"].item() == 0.0
+    want = truncated_logprobs(seen["logits"], 0.7, 3).gather(-1, seen["batch"]["completion"][..., None])[..., 0]
+    # the minibatch holds the rollout's rows in another order: compare the sorted values
+    assert torch.allclose(logp.flatten().sort().values.double(), want.flatten().sort().values, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- end-to-end runs
 
 
@@ -333,6 +409,36 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     assert spec["type"] == "char" and isinstance(model, gpt.GPT)
     results = json.loads((full / "final_results.json").read_text())
     assert set(results["before"]) == set(results["after"]) == {"next_token_acc", "loss", "greedy_match"}
+
+
+def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
+    """With --dtype float16 the GradScaler's state (loss scale, growth tracker) is part of ckpt.pt: a run stopped
+    after step 1 and resumed ends with the uninterrupted run's scaler state and metrics, instead of restarting at
+    scale 65536 with a fresh growth tracker."""
+    common = ["--data", text_file, *NEXT, "--dtype", "float16", "--device", "cpu", "--ppo_epochs", "1"]
+    common += ["--max_steps", "2", "--eval_every", "2", "--eval_size", "8"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_script("ppo.py", *common, "--out_dir", full).returncode == 0
+    proc = run_script("ppo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert run_script("ppo.py", "--resume", "--out_dir", part).returncode == 0
+    scaler = torch.load(full / "ckpt.pt", weights_only=True)["scaler"]
+    assert scaler["_growth_tracker"] == 4  # 2 steps of 2 finite updates: the scaler is in use on this device
+    assert torch.load(part / "ckpt.pt", weights_only=True)["scaler"] == scaler
+    assert metrics(part) == metrics(full)
+
+
+def test_vf_coef_does_not_change_a_separate_value_models_training(tmp_path, text_file):
+    """A separate value model shares no parameter with the policy and has its own AdamW, so it minimises L_V itself:
+    --vf_coef 0.1 and 3 give the same run, metrics included (a weight would only move where its clipping starts)."""
+    common = ["--data", text_file, *NEXT, "--max_steps", "1", "--eval_size", "8"]
+    runs = []
+    for vf_coef in ("0.1", "3"):
+        out = tmp_path / vf_coef
+        proc = run_script("ppo.py", *common, "--vf_coef", vf_coef, "--out_dir", out)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(metrics(out))
+    assert runs[0] == runs[1]
 
 
 def test_reward_model_task_with_the_value_model_initialised_from_the_reward_model(tmp_path):
