@@ -1225,7 +1225,8 @@ def process_advantages(token_rewards, mask, group_size, eps=1e-4):
 
 def kl_penalty(logp, ref_logp, kind="k3"):
     """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
-    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0)."""
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (>= 0, unbiased where pi_ref's support
+    lies inside pi's: under top-k sampling it reads low by pi_ref's mass outside the kept tokens)."""
     d = logp - ref_logp
     if kind == "k1":
         return d

@@ -10,7 +10,10 @@ group-relative advantages A. The policy then maximises a clipped surrogate (Shao
 Rollouts are sampled from softmax(logits / --temperature) restricted to the --top_k largest logits, and every
 log-prob of a completion token (pi and pi_old in r, the entropy H) is taken under that same distribution, so the
 first update on a batch starts from r = 1; the reference's log-probs use the same temperature over the whole
-vocabulary (as TRL does), so the KL stays finite (the bigram reference is a fixed table, used as it is).
+vocabulary (as TRL does), so the KL stays finite (the bigram reference is a fixed table, used as it is). With
+--top_k that KL has a floor of -log pi_ref(top-k set) per token even where pi = pi_ref: it is the KL between the
+truncated sampler and the full reference, and k3, whose unbiasedness needs pi_ref's support inside pi's, reads it
+too low, so rl/kl logs the k1 estimate, unbiased whatever the supports.
 Advantages (--adv):
     group     A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std; --scale_rewards batch divides by the batch's
               std (all ranks' rewards) instead, none only subtracts the mean (Dr. GRPO)
@@ -69,7 +72,7 @@ Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     rl/reward_mean, rl/reward_std  rewards of the step's first sampling round (per sequence; per token for next_token)
     rl/accuracy                    the same rollouts: arithmetic exact answers; next_token tokens equal to the truth
     rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
-    rl/kl, rl/beta                 mean k3 estimate of KL(pi || pi_ref) per token, and the coefficient in use
+    rl/kl, rl/beta                 mean k1 estimate of KL(pi || pi_ref) per token, and the coefficient in use
     rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration); per sequence for gspo
     rl/entropy                     mean entropy of the sampling distribution over completion tokens (nats)
     rl/completion_len, rl/truncated_frac   tokens per completion; completions without an end token
@@ -1271,7 +1274,8 @@ def process_advantages(token_rewards, mask, group_size, eps=1e-4):
 
 def kl_penalty(logp, ref_logp, kind="k3"):
     """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
-    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0)."""
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (>= 0, unbiased where pi_ref's support
+    lies inside pi's: under top-k sampling it reads low by pi_ref's mass outside the kept tokens)."""
     d = logp - ref_logp
     if kind == "k1":
         return d
@@ -2085,11 +2089,11 @@ def main():
                 with torch.no_grad():
                     # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
                     share = n_micro / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
-                    k3 = kl_penalty(logp, batch["ref_logp"][rows], "k3") if batch["ref_logp"] is not None else logp * 0
+                    k1 = kl_penalty(logp, batch["ref_logp"][rows], "k1") if batch["ref_logp"] is not None else logp * 0
                     sums += torch.stack(
                         [
                             loss.detach(),
-                            (k3 * mask[rows]).sum() / n_tokens,
+                            (k1 * mask[rows]).sum() / n_tokens,
                             entropy.detach(),
                             stats["clip_frac"] * share,
                             stats["ratio_mean"] * share,

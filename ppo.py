@@ -5,7 +5,9 @@ The policy pi samples one completion o_1..o_T of each prompt q; a value model V 
 s_t = (q, o_<t). pi is the distribution the sampler draws from, softmax(logits / --temperature) restricted to the
 --top_k most likely tokens: every log-prob of a completion token (pi_old at the rollout, pi in each update, the entropy
 H) is taken under it. log pi_ref is taken at the same temperature over the whole vocabulary (as TRL), so it stays
-finite (the bigram reference is a fixed count model, used as it is). Every completion is an episode whose steps are its
+finite (the bigram reference is a fixed count model, used as it is); with --top_k the penalty below has a floor of
+-log pi_ref(top-k set) per token even where pi = pi_ref, the true KL of the truncated sampler to the full reference
+(--adaptive_kl counts it too). Every completion is an episode whose steps are its
 tokens, with a per-token reward:
 
     r_t = R_t - kl_coef * k1_t,   k1_t = log pi_old(o_t | s_t) - log pi_ref(o_t | s_t)   (the KL penalty, in the reward)
@@ -1346,7 +1348,8 @@ class AdaptiveKLController:
 
 def kl_penalty(logp, ref_logp, kind="k3"):
     """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
-    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0)."""
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (>= 0, unbiased where pi_ref's support
+    lies inside pi's: under top-k sampling it reads low by pi_ref's mass outside the kept tokens)."""
     d = logp - ref_logp
     if kind == "k1":
         return d

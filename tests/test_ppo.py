@@ -428,17 +428,19 @@ def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run
     assert metrics(part) == metrics(full)
 
 
-def test_vf_coef_does_not_change_a_separate_value_models_training(tmp_path, text_file):
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+def test_vf_coef_weighs_the_value_loss_only_where_the_trunk_is_shared(tmp_path, text_file, value_model):
     """A separate value model shares no parameter with the policy and has its own AdamW, so it minimises L_V itself:
-    --vf_coef 0.1 and 3 give the same run, metrics included (a weight would only move where its clipping starts)."""
-    common = ["--data", text_file, *NEXT, "--max_steps", "1", "--eval_size", "8"]
+    --vf_coef 0.1 and 3 give the same run, metrics included (a weight would only move where its clipping starts).
+    With the shared trunk, vf_coef weighs L_V against the policy loss in one gradient: the runs differ."""
+    common = ["--data", text_file, *NEXT, "--max_steps", "2", "--eval_size", "8", "--value_model", value_model]
     runs = []
     for vf_coef in ("0.1", "3"):
         out = tmp_path / vf_coef
         proc = run_script("ppo.py", *common, "--vf_coef", vf_coef, "--out_dir", out)
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(metrics(out))
-    assert runs[0] == runs[1]
+    assert (runs[0] == runs[1]) == (value_model == "separate")
 
 
 def test_reward_model_task_with_the_value_model_initialised_from_the_reward_model(tmp_path):
