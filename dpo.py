@@ -9,7 +9,7 @@ With s = sigmoid, eps = --label_smoothing, x = beta * h, the losses (`--loss_typ
     sigmoid    -(1-eps) log s(x) - eps log s(-x)                DPO, Rafailov et al. 2023; eps > 0: cDPO, Mitchell 2023
     robust     ((1-eps)(-log s(x)) + eps log s(-x)) / (1-2eps)      rDPO, Chowdhury et al. 2024
     hinge      max(0, 1 - x)                                        SLiC-HF, Zhao et al. 2023
-    ipo        (h - 1/(2 beta))^2                                   IPO, Azar et al. 2023 (summed log-probs, as there)
+    ipo        (h' - 1/(2 beta))^2, h' = a/|y_c| - b/|y_r|            IPO, Azar et al. 2023 (per-token log-ratios)
     exo_pair   s(x)(log s(x) - log(1-eps)) + s(-x)(log s(-x) - log eps)   EXO, Ji et al. 2024 (eps = 0 -> 1e-3)
     nca_pair   -log s(beta a) - 1/2 log s(-beta a) - 1/2 log s(-beta b)   NCA, Chen et al. 2024
     bco_pair   -log s(beta a - delta) - log s(-(beta b - delta))          BCO, Jung et al. 2024
@@ -21,6 +21,9 @@ With s = sigmoid, eps = --label_smoothing, x = beta * h, the losses (`--loss_typ
     orpo       -avg_c - lambda log s(log odds_c - log odds_r), odds = p/(1-p), p = exp(avg)    ORPO, Hong et al. 2024
     kto        chosen w_d (1 - s(beta (a - z0))), rejected w_u (1 - s(beta (z0 - b)))        KTO, Ethayarajh et al. 2024
 `--sft_weight w` adds w times the chosen response's mean token NLL to any of them (RPO, Pang et al. 2024).
+IPO comes in two conventions: TRL averages each log-ratio over the response's tokens (|y| = its token count; its
+source says the IPO authors confirmed that this form reproduces the paper), rlhf-book and OpenRLHF sum them. We
+average, as TRL does; ipo's implicit rewards are then beta * a/|y_c| and beta * b/|y_r|, so their margin is beta h'.
 
 Where we depart from the papers or from TRL, on purpose:
   - bco_pair's delta is the mean reward of all earlier steps (0 at the first; TRL includes the current
@@ -31,9 +34,10 @@ Where we depart from the papers or from TRL, on purpose:
   - reward accuracy counts ties as 1/2, so the reference itself scores 0.5;
   - simpo and orpo train without the reference; it is still loaded for eval/logratio_* and --judge.
 Sequences are right-padded; chosen and rejected rows go through the policy in one forward pass; log-probs are summed
-over response tokens only. The loss is the sum over pairs divided by the number of pairs of the whole step (all
-micro-batches and ranks), so it does not depend on how the batch is split. The model and the losses are
-hand-written on purpose: reading them is the point.
+over response tokens only. A pair longer than --max_len loses the start of its prompt, the same tokens for both
+responses (truncate_pair), so the two are always compared on one context. The loss is the sum over pairs divided by
+the number of pairs of the whole step (all micro-batches and ranks), so it does not depend on how the batch is split.
+The model and the losses are hand-written on purpose: reading them is the point.
 
 Data: HH-RLHF dialogues {"chosen": ..., "rejected": ...} split into (prompt, chosen response, rejected response) at
 the last "\\n\\nAssistant:", from the hub (`--dataset`, its train and test splits) or a local `--data_path`
@@ -50,7 +54,8 @@ Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs;
     */reward_acc                            fraction of pairs whose chosen reward beats the rejected (ties 1/2)
     */margin                                mean chosen reward - rejected reward
     */chosen_reward, */rejected_reward      mean implicit rewards beta * (log pi - log pi_ref), summed over the
-                                            response (simpo: beta * mean token log-prob; orpo: lambda * the same)
+                                            response (ipo: averaged over it; simpo: beta * mean token log-prob;
+                                            orpo: lambda * the same)
     */chosen_logp, */rejected_logp          mean summed response log-probs under the policy (DPO can lower both)
     eval/logratio_acc, eval/logratio_margin DPO's accuracy (h > 0, ties 1/2) and mean h in nats, for every loss type,
                                             so runs of different losses compare
@@ -265,6 +270,8 @@ class GPT(nn.Module):
         return_logits=True,
         logprobs=False,
         entropy=True,
+        temperature=1.0,
+        top_k=None,
     ):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
         padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
@@ -274,7 +281,7 @@ class GPT(nn.Module):
         With targets and return_logits=False the loss is the fused linear_cross_entropy and logits is None
         (training: the (B, T, V) logits are never held). With targets (token ids here, no -1) and logprobs=True
         it returns (log p(targets), entropy or None), each (B, T) in float32, from linear_logprobs (RL: the logits
-        stay inside it)."""
+        are made one chunk at a time), under the sampling distribution of temperature and top_k."""
         B, T = idx.size()
         past = 0 if cache is None else cache.pos
         if past + T > self.config.block_size:
@@ -315,7 +322,8 @@ class GPT(nn.Module):
         if return_hidden:
             return x, None
         if targets is not None and logprobs:
-            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), entropy)
+            flat, w, y = x.flatten(0, 1), self.lm_head.weight, targets.flatten()
+            logp, ent = linear_logprobs(flat, w, y, entropy, temperature, top_k)
             return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
         if targets is not None and not return_logits:
             loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
@@ -452,131 +460,56 @@ def linear_cross_entropy(h, weight, targets, rows=None):
     return LinearCrossEntropy.apply(h, weight, targets, torch.is_grad_enabled(), rows)
 
 
-def chunked_logprobs(logits, targets, with_entropy=False):
-    """Per row of logits (N, V), in float32 over row chunks: log p(targets), the log-normaliser (log sum exp) and,
-    with_entropy, the entropy (else None). The forward pass of TokenLogprobs and LinearLogprobs."""
-    logp, lse = torch.empty(logits.size(0), device=logits.device), torch.empty(logits.size(0), device=logits.device)
-    entropy = torch.empty_like(logp) if with_entropy else None
-    n = row_chunks(logits)
-    for i in range(0, logits.size(0), n):
-        x, y = logits[i : i + n].float(), targets[i : i + n, None]
-        z = torch.log_softmax(x, -1)
-        logp[i : i + n] = z.gather(1, y)[:, 0]
-        lse[i : i + n] = x.gather(1, y)[:, 0] - logp[i : i + n]
-        if with_entropy:
-            entropy[i : i + n] = -torch.linalg.vecdot(torch.exp(z), z)
-    return logp, lse, entropy
+def sampling_logits(logits, temperature=1.0, top_k=None, keep=None):
+    """The float32 logits of the distribution the sampler draws from: logits / temperature, and -inf below the
+    top_k-th largest (ties kept). keep (...,) token ids stay in the set even if below it: a token that the policy
+    sampled before an update is scored, not excluded (at the sampling policy itself it is always inside)."""
+    z = logits.float() if temperature == 1 else logits.float() / temperature  # (..., V)
+    if top_k:
+        kth = torch.topk(z, min(top_k, z.size(-1)), dim=-1).values[..., -1:]  # (..., 1)
+        drop = z < kth
+        if keep is not None:
+            drop = drop.scatter(-1, keep[..., None], False)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
 
 
-def logprobs_grad_(out, logits, lse, targets, grad_logp, grad_entropy=None, entropy=None):
-    """Write into out (N, V), which may be logits itself, the gradient w.r.t. the logits of
-    sum(grad_logp * log p(targets) + grad_entropy * entropy), row chunk by row chunk: d log p(y)/dz = onehot(y) - p
-    and d entropy/dz = -p (log p + entropy). Either upstream gradient may be None. The backward pass of
-    TokenLogprobs and LinearLogprobs."""
-    n = row_chunks(logits)
-    for i in range(0, logits.size(0), n):
-        logq = logits[i : i + n].float()  # the chunk itself for float32 logits
-        logq = logq.sub_(lse[i : i + n, None]) if out is logits else logq - lse[i : i + n, None]  # log-softmax
-        if grad_entropy is None:  # the usual case: only log p(targets) is used
-            grad = logq.exp_().mul_(-grad_logp[i : i + n, None])  # (n, V)
-        else:
-            coef = grad_entropy[i : i + n, None] * (logq + entropy[i : i + n, None])
-            if grad_logp is not None:
-                coef += grad_logp[i : i + n, None]
-            grad = torch.exp(logq).mul_(coef.neg_())  # (n, V)
-        if grad_logp is not None:  # the onehot in float32, before any cast to bf16: 1 - p of a confident token survives
-            grad.scatter_add_(1, targets[i : i + n, None], grad_logp[i : i + n, None])
-        if grad.data_ptr() != out[i : i + n].data_ptr():
-            out[i : i + n] = grad
-    return out
+def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=None, rows=1024):
+    """(log p(targets), entropy or None) per row, each (N,) float32, under the sampling distribution
+    softmax(sampling_logits(h @ weight.T, temperature, top_k)); with weight None, h already holds the logits
+    (N, V). One chunk of rows at a time; with a gradient each chunk is recomputed in backward
+    (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V."""
+
+    def chunk(x, y):  # (n, C) or (n, V), (n,) -> (n,) or (2, n)
+        z = sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, keep=y)
+        logq = torch.log_softmax(z, -1)  # (n, V)
+        logp = logq.gather(1, y[:, None])[:, 0]
+        if not entropy:
+            return logp
+        return torch.stack([logp, -(logq.exp() * logq.masked_fill(logq.isinf(), 0)).sum(-1)])  # p = 0: no 0 * inf
+
+    parts = []
+    for x, y in zip(h.split(rows), targets.split(rows)):
+        grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
+        parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) if grad else chunk(x, y))
+    out = torch.cat(parts, -1)
+    return (out[0], out[1]) if entropy else (out, None)
 
 
-class LinearLogprobs(torch.autograd.Function):
-    """log p(targets) and the entropy of every row of the logits h @ weight.T: (N, C), (V, C), (N,) -> (N,), (N,),
-    both float32; targets are token ids (no -1). The (N, V) logits are made here and never returned, so backward
-    overwrites them with their own gradient instead of allocating another (N, V) tensor. On CPU (float32) the
-    tensor is then kept in `spare`, once backward is done with it or at once under no_grad, and the next call of
-    the same shape computes into it: a fresh 400 MB tensor costs about 90 ms of page faults on first touch here.
-    Both together take the GRPO training pass from about 1,110 to 880 ms on CPU; the price is one (N, V) tensor
-    kept between passes (400 MB for 2,048 positions of GPT-2's vocabulary)."""
-
-    spare = []  # at most one CPU float32 logits tensor that no graph holds any more
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, with_entropy, with_grad):
-        ctx.set_materialize_grads(False)  # an unused output (the entropy, usually) gets None: no work for it
-        ctx.reuse = h.device.type == "cpu" and h.dtype == weight.dtype == torch.float32
-        ctx.reuse = ctx.reuse and not torch.is_autocast_enabled("cpu")
-        out = LinearLogprobs.spare.pop() if ctx.reuse and LinearLogprobs.spare else None
-        if out is not None and out.shape == (h.size(0), weight.size(0)):
-            logits = torch.mm(h, weight.T, out=out)  # (N, V)
-        else:
-            logits = h @ weight.T  # (N, V); under autocast the product runs in bf16
-        logp, lse, entropy = chunked_logprobs(logits, targets, with_entropy)
-        if with_grad:
-            ctx.save_for_backward(h, weight, targets, lse, entropy)
-            ctx.logits = logits  # not an output: nothing outside sees it, so backward may overwrite it
-        elif ctx.reuse:
-            LinearLogprobs.spare[:] = [logits]
-        return logp, entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp, grad_entropy):  # each (N,), or None where that output was not used
-        h, weight, targets, lse, entropy = ctx.saved_tensors
-        logits, ctx.logits = ctx.logits, None
-        if logits is None:
-            raise RuntimeError("LinearLogprobs: a second backward through one pass (retain_graph) is not supported")
-        logprobs_grad_(logits, logits, lse, targets, grad_logp, grad_entropy, entropy)  # in place
-        grad_h = (logits @ weight.to(logits.dtype)).to(h.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (logits.T @ h.to(logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        if ctx.reuse:
-            LinearLogprobs.spare[:] = [logits]
-        return grad_h, grad_w, None, None, None
-
-
-def linear_logprobs(h, weight, targets, entropy=True):
-    """(log p(targets), entropy or None) per row of the logits h @ weight.T; the logits stay inside LinearLogprobs."""
-    return LinearLogprobs.apply(h, weight, targets, entropy, torch.is_grad_enabled())
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """log p(targets) under logits the caller holds, row chunk by row chunk, with the backward written out: the
-    gradient onehot(y) - softmax(logits), scaled per row, goes straight into one (N, V) tensor. Autograd through
-    chunked cross-entropy kept a float32 log-softmax of every logit for backward and then concatenated the
-    chunks' gradients; this keeps only the logits and the log-normaliser per row (one (N, V) float32 tensor less
-    for backward; about 5% off the GRPO training pass on CPU)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets):  # (N, V), (N,) -> (N,) float32
-        logp, lse, _ = chunked_logprobs(logits, targets)
-        ctx.save_for_backward(logits, targets, lse)
-        return logp
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):  # grad (N,): d/d logits of grad * log p(y) = grad * (onehot(y) - softmax)
-        logits, targets, lse = ctx.saved_tensors
-        return logprobs_grad_(torch.empty_like(logits), logits, lse, targets, grad), None
-
-
-def token_logprobs(logits, targets):
-    """log p(targets) under logits: (B, T, V), (B, T) -> (B, T) in float32, all <= 0 (TokenLogprobs)."""
-    return TokenLogprobs.apply(logits.flatten(0, -2), targets.flatten()).view(targets.shape)
+def token_logprobs(logits, targets, temperature=1.0, top_k=None):
+    """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
+    (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
+    flat = logits.flatten(0, -2)
+    return linear_logprobs(flat, None, targets.flatten(), False, temperature, top_k)[0].view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
-    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits.
-    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is exact, and much
-    cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits
+    (sampling_logits). Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is
+    exact, and much cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
     if temperature == 0:
         return logits.argmax(-1)  # (B,)
-    # each new (B, V) temporary costs page faults on CPU: no division at temperature 1, the cumsum in place
-    logits = logits.float() if temperature == 1 else logits.float() / temperature  # (B, V)
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    cdf = torch.softmax(logits, dim=-1).cumsum_(-1)  # (B, V)
+    cdf = torch.softmax(sampling_logits(logits, temperature, top_k), dim=-1).cumsum_(-1)  # (B, V)
     device = generator.device if generator is not None else logits.device
     u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
     # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
@@ -1312,8 +1245,10 @@ def preference_loss(
     (ref_*). Returns (losses, chosen_rewards, rejected_rewards); the rewards are the implicit beta * (pi - ref),
     detached (simpo: beta * mean token log-prob, with chosen_len and rejected_len the response token counts).
     a = pi_chosen - ref_chosen, b = pi_rejected - ref_rejected, h = a - b, x = beta * h; the formulas are the
-    docstring's table. bco_delta is BCO's reward shift, a running mean of earlier rewards that the caller keeps
-    (the function stays pure); discopop_tau is DiscoPOP's temperature."""
+    docstring's table. ipo first averages the log-ratios per token, a / chosen_len and b / rejected_len (TRL's form;
+    rlhf-book and OpenRLHF sum), and its rewards are beta times those averages. bco_delta is BCO's reward shift, a
+    running mean of earlier rewards that the caller keeps (the function stays pure); discopop_tau is DiscoPOP's
+    temperature."""
     eps = label_smoothing
     if loss_type == "simpo":  # no reference: length-normalised log-probs are the reward
         if chosen_len is None or rejected_len is None:
@@ -1323,6 +1258,10 @@ def preference_loss(
         losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
         return losses, (beta * avg_c).detach(), (beta * avg_r).detach()
     a, b = pi_chosen - ref_chosen, pi_rejected - ref_rejected  # (B,) log-ratios
+    if loss_type == "ipo":  # per-token log-ratios: the target 1/(2 beta) does not depend on response lengths
+        if chosen_len is None or rejected_len is None:
+            raise ValueError("ipo needs chosen_len and rejected_len")
+        a, b = a / chosen_len, b / rejected_len
     h = a - b
     x = beta * h
     if loss_type == "sigmoid":
@@ -1377,6 +1316,16 @@ def kto_loss(logps, ref_logps, desirable, beta, kl_ref, desirable_weight=1.0, un
     return torch.where(desirable, gain, loss), (beta * r).detach()
 
 
+def truncate_pair(prompt, chosen, rejected, max_len):
+    """Cut a pair of token-id lists to fit max_len: (prompt, chosen, rejected) with len(prompt) + len(response) <=
+    max_len for both responses. The prompt is cut once, from its start (its end, next to the responses, stays), to
+    as many tokens as fit beside the longer response, so both responses are scored on the same context; it never
+    becomes empty. A response is cut, from its end, only where even a one-token prompt does not fit beside it."""
+    keep = max(1, max_len - max(len(chosen), len(rejected)))  # prompt tokens beside the longer response
+    prompt = prompt[-keep:]
+    return prompt, chosen[: max_len - len(prompt)], rejected[: max_len - len(prompt)]
+
+
 def sequence_logprobs(model, head, ids, mask):
     """Log-probs of right-padded rows ids (N, T) summed over the tokens where mask (N, T) is 1.0 (the response;
     prompt and padding are 0). Returns (summed log-probs (N,), response token counts (N,)). Token t is scored by the
@@ -1402,8 +1351,8 @@ def collate(rows, pad_id=0):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Data: HH-RLHF records -> (prompt, chosen, rejected). split_hh, hh_pairs and encode_pair are copied verbatim in
-# reward_model.py; tests/test_dpo.py checks that both give the same results.
+# Data: HH-RLHF records -> (prompt, chosen, rejected). split_hh, hh_pairs, encode_pair (and truncate_pair above) are
+# copied verbatim in reward_model.py; tests/test_dpo.py checks that both give the same results.
 
 HH_TURN = "\n\nAssistant:"
 
@@ -1441,14 +1390,12 @@ def hh_pairs(records):
     return pairs, skipped
 
 
-def encode_pair(tok, prompt, response, max_len):
-    """Token ids of prompt + response (+ <|endoftext|> when the tokenizer has one) and how many of them are prompt.
-    Too long: the prompt loses tokens from the left first (the response is what is scored), then the response
-    loses its end; at least one prompt token always stays."""
-    p = tok.encode(prompt)
-    r = (tok.encode(response) + ([tok.eot_id] if tok.eot_id is not None else []))[: max_len - 1]
-    p = p[-(max_len - len(r)) :]
-    return p + r, len(p)
+def encode_pair(tok, prompt, chosen, rejected, max_len):
+    """Token ids of prompt + chosen and of prompt + rejected (each response + <|endoftext|> when the tokenizer has
+    one), cut together by truncate_pair, and how many of them are the prompt, which both rows share."""
+    end = [tok.eot_id] if tok.eot_id is not None else []
+    p, c, r = truncate_pair(tok.encode(prompt), tok.encode(chosen) + end, tok.encode(rejected) + end, max_len)
+    return p + c, p + r, len(p)
 
 
 def load_pairs(cfg):
@@ -1599,8 +1546,8 @@ def train(cfg, out_dir, rt):
 
     def batch_tensors(pairs):
         """Chosen rows, then rejected rows, right-padded: ids (2B, T) and response mask (2B, T) on the device."""
-        rows = [encode_pair(tok, p, c, cfg.max_len) for p, c, _ in pairs]
-        rows += [encode_pair(tok, p, r, cfg.max_len) for p, _, r in pairs]
+        encoded = [encode_pair(tok, *pair, cfg.max_len) for pair in pairs]
+        rows = [(c, n) for c, _, n in encoded] + [(r, n) for _, r, n in encoded]
         ids, mask = collate(rows)
         return ids.to(rt.device), mask.to(rt.device)
 
@@ -1643,11 +1590,13 @@ def train(cfg, out_dir, rt):
     # state: optimizer, step, BCO's running mean of rewards, cached reference log-probs
     policy = wrap_model(model, rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     start_step, pairs_seen, bco = 0, 0, [0.0, 0]  # bco: [mean reward, rewards counted]
     ref_cache = None
     if ckpt is not None:
         load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
+            scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
         start_step, pairs_seen, bco, ref_cache = ckpt["step"], ckpt["pairs"], ckpt["bco"], ckpt.get("ref_logps")
     if cfg.precompute_ref and ref_cache is None:
@@ -1746,17 +1695,20 @@ def train(cfg, out_dir, rt):
         return texts
 
     @torch.no_grad()
-    def judge_scores(prompts, responses):
-        """The judge's reward of each (prompt, response): its score at the last token, as reward_model.py scores."""
-        rows = [encode_pair(judge_tok, p, r, judge.body.config.block_size) for p, r in zip(prompts, responses)]
-        scores = []
-        for i in range(0, len(rows), cfg.batch_size):
-            chunk = rows[i : i + cfg.batch_size]
-            ids, _ = collate(chunk)
-            last = torch.tensor([len(r) - 1 for r, _ in chunk])
+    def judge_margins(prompts, responses, ref_responses):
+        """The judge's reward of the policy's response minus the reference's, per prompt (n,): each is the score at
+        its last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
+        n = judge.body.config.block_size
+        pairs = [encode_pair(judge_tok, *t, n) for t in zip(prompts, responses, ref_responses)]
+        margins = []
+        for i in range(0, len(pairs), cfg.batch_size):
+            rows = [row for a, b, _ in pairs[i : i + cfg.batch_size] for row in (a, b)]  # policy, reference, ...
+            ids, _ = collate([(row, 0) for row in rows])
+            last = torch.tensor([len(row) - 1 for row in rows])
             with rt.autocast():
-                scores.append(judge(ids.to(rt.device)).cpu()[torch.arange(len(chunk)), last])
-        return torch.cat(scores)
+                scores = judge(ids.to(rt.device)).cpu()[torch.arange(len(rows)), last]  # (2b,)
+            margins.append(scores[0::2] - scores[1::2])
+        return torch.cat(margins)
 
     def checkpoint(step):
         model_sd, optim_sd = training_state(raw, optimizer, rt)
@@ -1770,6 +1722,7 @@ def train(cfg, out_dir, rt):
                     "tokenizer": spec,
                     "step": step,
                     "optimizer": optim_sd,
+                    "scaler": scaler.state_dict(),
                     "rng": rngs[0],
                     "rng_ranks": rngs,
                     "config": dataclasses.asdict(cfg),
@@ -1871,7 +1824,7 @@ def train(cfg, out_dir, rt):
     responses = greedy_responses(raw, prompts)
     ref_responses = greedy_responses(ref, prompts) if ref is not None else None
     if judge is not None:
-        wins = judge_scores(prompts, responses) - judge_scores(prompts, ref_responses)  # (n,)
+        wins = judge_margins(prompts, responses, ref_responses)  # (n,)
         last_eval["eval/win_rate"] = ((wins > 0).float() + 0.5 * (wins == 0).float()).mean().item()
         logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
     logger.close()

@@ -49,7 +49,6 @@ HAND = {
     "sigmoid": ({}, -log_s(0.75)),
     "robust": ({"label_smoothing": 0.1}, (-0.9 * log_s(0.75) + 0.1 * log_s(-0.75)) / 0.8),
     "hinge": ({}, 0.25),  # max(0, 1 - 0.75)
-    "ipo": ({}, 0.25),  # (1.5 - 1/(2 * 0.5))^2
     "exo_pair": (
         {"label_smoothing": 0.1},
         s(0.75) * (log_s(0.75) - math.log(0.9)) + s(-0.75) * (log_s(-0.75) - math.log(0.1)),
@@ -71,6 +70,20 @@ def test_pair_losses_match_hand_computed_values(loss_type):
     value, chosen_r, rejected_r = loss(loss_type, **EXAMPLE, beta=0.5, **kw)
     assert value == pytest.approx(expected, rel=1e-9)
     assert (chosen_r, rejected_r) == pytest.approx((0.5, -0.25))
+
+
+def test_ipo_hand_value_averages_the_logratios_per_token():
+    """IPO on per-token log-ratios (TRL's form): a = 1 over 2 chosen tokens, b = -0.5 over 4 rejected tokens, so
+    h = 1/2 + 1/8 = 0.625 and, beta = 0.5, the loss is (0.625 - 1)^2; the rewards are beta * a/2 and beta * b/4.
+    (Summed log-probs would give (1.5 - 1)^2 = 0.25 and rewards 0.5, -0.25.)"""
+    value, chosen_r, rejected_r = loss("ipo", **EXAMPLE, beta=0.5, chosen_len=2.0, rejected_len=4.0)
+    assert value == pytest.approx(0.375**2, rel=1e-9)
+    assert (chosen_r, rejected_r) == pytest.approx((0.25, -0.0625), rel=1e-9)
+
+
+def test_ipo_needs_the_response_lengths():
+    with pytest.raises(ValueError, match="ipo needs chosen_len and rejected_len"):
+        loss("ipo", **EXAMPLE, beta=0.5)
 
 
 def test_cdpo_and_exo_hand_values_with_their_smoothing():
@@ -149,16 +162,18 @@ def test_cdpo_is_the_label_noise_mixture_and_equals_sigmoid_at_zero_smoothing(pi
 
 
 @FAST
-@given(ratios, ratios, st.floats(0.05, 3))
-def test_ipo_is_minimised_at_h_equal_to_one_over_two_beta(a, b, beta):
-    """(h - 1/(2 beta))^2 is 0 with zero gradient at h* = 1/(2 beta), and larger anywhere else."""
+@given(ratios, ratios, st.floats(0.05, 3), st.integers(1, 50), st.integers(1, 50))
+def test_ipo_is_minimised_at_h_equal_to_one_over_two_beta(a, b, beta, len_c, len_r):
+    """(h - 1/(2 beta))^2, h of per-token log-ratios, is 0 with zero gradient at h* = 1/(2 beta), and larger
+    anywhere else."""
     target = 1 / (2 * beta)
-    at_min = loss("ipo", a + target, 0.0, a, 0.0, beta=beta)[0]  # h = target exactly
+    lens = dict(chosen_len=float(len_c), rejected_len=float(len_r))
+    at_min = loss("ipo", a + target * len_c, 0.0, a, 0.0, beta=beta, **lens)[0]  # h = target exactly
     assert at_min == pytest.approx(0.0, abs=1e-12)
-    assert loss("ipo", a, b, 0.0, 0.0, beta=beta)[0] >= at_min
+    assert loss("ipo", a, b, 0.0, 0.0, beta=beta, **lens)[0] >= at_min
     t = lambda v: torch.tensor([v], dtype=torch.float64)
-    pi_c = t(a + target).requires_grad_()
-    dpo.preference_loss(pi_c, t(0.0), t(a), t(0.0), "ipo", beta)[0].sum().backward()
+    pi_c = t(a + target * len_c).requires_grad_()
+    dpo.preference_loss(pi_c, t(0.0), t(a), t(0.0), "ipo", beta, 0.0, t(len_c), t(len_r))[0].sum().backward()
     assert abs(pi_c.grad.item()) < 1e-9
 
 
@@ -312,14 +327,48 @@ def test_hh_pairs_split_at_the_last_assistant_turn_and_count_skips():
     assert dpo.split_hh("\n\nHuman: a\n\nAssistant: b") == ("\n\nHuman: a\n\nAssistant:", " b")
 
 
-def test_encode_pair_truncates_the_prompt_from_the_left_first():
-    """max_len 6 with a 5-token prompt and a 2-token response (+ eot): the prompt keeps its last 3 tokens; a
-    response longer than max_len keeps its start and one prompt token."""
-    tok = SimpleNamespace(encode=lambda text: [ord(c) - 96 for c in text], eot_id=0)
-    ids, n_prompt = dpo.encode_pair(tok, "abcde", "xy", 6)
-    assert (ids, n_prompt) == ([3, 4, 5, 24, 25, 0], 3)
-    ids, n_prompt = dpo.encode_pair(tok, "abc", "uvwxyz", 4)
-    assert (ids, n_prompt) == ([3, 21, 22, 23], 1)
+ids_lists = st.lists(st.integers(0, 99), max_size=30)
+prompts = st.lists(st.integers(0, 99), min_size=1, max_size=30)
+max_lens = st.integers(2, 40)
+
+
+@FAST
+@given(prompts, ids_lists, ids_lists, max_lens)
+def test_truncate_pair_cuts_one_prompt_from_its_start_and_responses_only_when_needed(prompt, chosen, rejected, max_len):
+    """truncate_pair's rules: one prompt for both responses, a suffix of the original (its end stays), never empty,
+    as long as fits beside the longer response; responses are prefixes, cut only when a one-token prompt does not
+    fit beside them; prompt + response <= max_len for both."""
+    p, c, r = dpo.truncate_pair(prompt, chosen, rejected, max_len)
+    assert p and p == prompt[len(prompt) - len(p) :]
+    assert len(p) == min(len(prompt), max(1, max_len - max(len(chosen), len(rejected))))  # maximal
+    for cut, whole in ((c, chosen), (r, rejected)):
+        assert cut == whole[: len(cut)] and len(p) + len(cut) <= max_len
+        assert cut == whole or (len(p) == 1 and len(cut) == max_len - 1)  # cut only if needed, and then to fit
+    if len(prompt) + max(len(chosen), len(rejected)) <= max_len:
+        assert (p, c, r) == (prompt, chosen, rejected)  # what fits is left alone
+
+
+def test_truncate_pair_hand_example():
+    """max_len 6, a 5-token prompt, responses of 2 and 4 tokens: the prompt keeps its last 2 tokens for both (6 - 4),
+    nothing else is cut; at max_len 4 the prompt keeps 1 token and the longer response loses its last token."""
+    prompt, chosen, rejected = [1, 2, 3, 4, 5], [10, 11], [20, 21, 22, 23]
+    assert dpo.truncate_pair(prompt, chosen, rejected, 6) == ([4, 5], [10, 11], [20, 21, 22, 23])
+    assert dpo.truncate_pair(prompt, chosen, rejected, 4) == ([5], [10, 11], [20, 21, 22])
+    assert dpo.truncate_pair(prompt, chosen, rejected, 20) == (prompt, chosen, rejected)
+
+
+def letter_tokenizer():
+    return SimpleNamespace(encode=lambda text: [ord(c) - 96 for c in text], eot_id=0)
+
+
+def test_encode_pair_gives_both_rows_the_same_prompt_tokens():
+    """Responses of different lengths (2 and 5 tokens with <|endoftext|>) at max_len 7: both rows carry the same last
+    2 prompt tokens, then their response and <|endoftext|>. (Cut per row, the shorter response's row would keep 5
+    prompt tokens, so the two would be scored on different contexts.)"""
+    chosen, rejected, n_prompt = dpo.encode_pair(letter_tokenizer(), "abcdefgh", "x", "wxyz", 7)
+    assert (chosen, rejected, n_prompt) == ([7, 8, 24, 0], [7, 8, 23, 24, 25, 26, 0], 2)
+    chosen, rejected, n_prompt = dpo.encode_pair(letter_tokenizer(), "abc", "uvwxyz", "x", 4)
+    assert (chosen, rejected, n_prompt) == ([3, 21, 22, 23], [3, 24, 0], 1)  # a response longer than max_len
 
 
 def reward_model_module():
@@ -345,9 +394,16 @@ def test_hh_functions_match_reward_model_py(name):
     else:
         tok = SimpleNamespace(encode=lambda text: [ord(c) % 50 for c in text], eot_id=49)
         for max_len in (2, 5, 12, 100):
-            for prompt, chosen, rejected in dpo.hh_pairs(DIALOGUES)[0]:
-                for response in (chosen, rejected):
-                    assert ours(tok, prompt, response, max_len) == theirs(tok, prompt, response, max_len)
+            for pair in dpo.hh_pairs(DIALOGUES)[0]:
+                assert ours(tok, *pair, max_len) == theirs(tok, *pair, max_len)
+
+
+@FAST
+@given(prompts, ids_lists, ids_lists, max_lens)
+def test_truncate_pair_gives_identical_results_in_dpo_and_reward_model(prompt, chosen, rejected, max_len):
+    """truncate_pair is copied into reward_model.py: both copies cut every pair alike."""
+    rm = reward_model_module()
+    assert dpo.truncate_pair(prompt, chosen, rejected, max_len) == rm.truncate_pair(prompt, chosen, rejected, max_len)
 
 
 @FAST
@@ -492,6 +548,22 @@ def test_grad_accum_and_precomputed_reference_do_not_change_the_run(tmp_path, hh
     close(plain, cached)
 
 
+def test_training_batches_give_chosen_and_rejected_rows_the_same_prompt(tmp_path, hh, monkeypatch):
+    """In a run whose pairs are longer than --max_len, the chosen and rejected rows of every pair in a batch (the
+    rows that go to collate) start with the same prompt tokens, also where the responses differ in length."""
+    batches, collate = [], dpo.collate
+    monkeypatch.setattr(dpo, "collate", lambda rows, pad_id=0: batches.append(rows) or collate(rows, pad_id))
+    args = [*base_args(hh), "--max_len", "30", "--batch_size", "4", "--max_steps", "1", "--eval_pairs", "4"]
+    train_in_process(tmp_path / "run", *args, "--num_samples", "0")
+    cut_and_unequal = False
+    for rows in batches:
+        half = len(rows) // 2
+        for (c, n_c), (r, n_r) in zip(rows[:half], rows[half:]):
+            assert n_c == n_r and c[:n_c] == r[:n_r] and max(len(c), len(r)) <= 30
+            cut_and_unequal |= max(len(c), len(r)) == 30 and len(c) != len(r)
+    assert batches and cut_and_unequal  # the case that matters did occur
+
+
 def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_path, hh):
     """Stopped by SIGTERM after 3 of 6 steps and resumed: the same metrics as the uninterrupted run, including the
     state a resume must carry (BCO's running mean, cached reference log-probs, the optimizer, micro-batches)."""
@@ -515,6 +587,20 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_pat
         and results["heldout_pairs"] == 4
         and "policy (greedy)" in (full / "samples.txt").read_text()
     )
+
+
+def test_resume_restores_the_float16_loss_scale(tmp_path, hh):
+    """--dtype float16 trains with a GradScaler: its state is saved in ckpt.pt and a resumed run continues from it
+    (here a scale of 1024, as after overflows), not from the initial 65536."""
+    out = tmp_path / "run"
+    args = [*base_args(hh), "--dtype", "float16", "--batch_size", "4", "--eval_pairs", "4", "--num_samples", "0"]
+    train_in_process(out, *args, "--max_steps", "2")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["scaler"]["scale"] > 1024.0  # 65536, halved at each step whose gradients overflowed
+    ckpt["scaler"]["scale"] = 1024.0
+    torch.save(ckpt, out / "ckpt.pt")
+    train_in_process(out, "--resume", "--max_steps", "3")
+    assert torch.load(out / "ckpt.pt", weights_only=True)["scaler"]["scale"] == 1024.0
 
 
 @pytest.mark.distributed

@@ -151,12 +151,19 @@ def test_hh_pairs_skips_and_counts_each_bad_record():
     assert skipped == {"missing field": 2, "no Assistant response": 2, "chosen == rejected": 1, "prompts differ": 1}
 
 
-def test_encode_pair_truncates_the_prompt_from_the_left():
-    """Too long: the prompt loses its start, the response stays whole; at least one prompt token always stays."""
+def test_encode_pair_cuts_one_prompt_from_the_left_for_both_responses():
+    """Too long: the prompt loses its start, by as much as the longer response needs, the same tokens for both rows;
+    the responses stay whole; at least one prompt token always stays, and only then does a response lose its end."""
     tok = rm.CharTokenizer("abcdefxyz")
-    assert rm.encode_pair(tok, "abcdef", "xyz", 20) == (tok.encode("abcdefxyz"), 6)
-    assert rm.encode_pair(tok, "abcdef", "xyz", 5) == (tok.encode("efxyz"), 2)
-    assert rm.encode_pair(tok, "abcdef", "xyz", 3) == (tok.encode("fxy"), 1)
+    enc = lambda *texts: [tok.encode(t) for t in texts]
+    assert rm.encode_pair(tok, "abcdef", "xyz", "x", 20) == (*enc("abcdefxyz", "abcdefx"), 6)
+    assert rm.encode_pair(tok, "abcdef", "xyz", "x", 5) == (*enc("efxyz", "efx"), 2)  # per row: "bcdefx"
+    assert rm.encode_pair(tok, "abcdef", "x", "xyz", 3) == (*enc("fx", "fxy"), 1)
+
+
+def test_truncate_pair_hand_example():
+    """The prompt keeps what fits beside the longer response (6 - 4 = 2 tokens), for both responses."""
+    assert rm.truncate_pair([1, 2, 3, 4, 5], [10, 11], [20, 21, 22, 23], 6) == ([4, 5], [10, 11], [20, 21, 22, 23])
 
 
 # ---------------------------------------------------------------------------------------------------- orm and prm
@@ -265,7 +272,8 @@ def test_score_appends_endoftext_with_gpt2_bpe():
     model = tiny_reward_model(vocab_size=tok.vocab_size, block_size=32).eval()
     text = "\n\nHuman: Hi\n\nAssistant: Hello"
     (got,) = rm.score(model, tok, [text], "cpu")
-    ids, n_prompt = rm.encode_pair(tok, *rm.split_hh(text), 32)
+    prompt, response = rm.split_hh(text)
+    ids, _, n_prompt = rm.encode_pair(tok, prompt, response, response, 32)
     assert ids[-1] == tok.eot_id and ids[:-1] == tok.encode(text)
     assert n_prompt == len(tok.encode("\n\nHuman: Hi\n\nAssistant:"))
     assert got == pytest.approx(model(torch.tensor([ids]))[0, -1].item(), abs=1e-6)
@@ -326,13 +334,14 @@ def test_preference_run_writes_the_run_folder_and_a_loadable_checkpoint(pref_run
 
 
 def eval_margin(model, tok, out):
-    """Mean r_c - r_r over the held-out pairs of the run, recomputed with score()."""
+    """Mean r_c - r_r over the held-out pairs of the run, recomputed with score() on the texts of training's rows (a
+    pair too long for --max_len loses the same prompt characters in both)."""
     cfg = rm.Config(**json.loads((out / "config.json").read_text()))
     _, val, _, _ = rm.load_preference_data(cfg)
-    val = val[: cfg.eval_size]
-    r_c = rm.score(model, tok, [p + c for p, c, _ in val], "cpu", cfg.max_len)
-    r_r = rm.score(model, tok, [p + r for p, _, r in val], "cpu", cfg.max_len)
-    return sum(c - r for c, r in zip(r_c, r_r)) / len(val)
+    rows = [rm.encode_pair(tok, *pair, cfg.max_len) for pair in val[: cfg.eval_size]]
+    r_c = rm.score(model, tok, [tok.decode(c) for c, _, _ in rows], "cpu", cfg.max_len)
+    r_r = rm.score(model, tok, [tok.decode(r) for _, r, _ in rows], "cpu", cfg.max_len)
+    return sum(c - r for c, r in zip(r_c, r_r)) / len(rows)
 
 
 def test_init_from_a_policy_checkpoint_keeps_its_body_and_tokenizer(tmp_path, clean_file, pref_run, monkeypatch):
@@ -392,6 +401,44 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tmp_path, pai
     a, b = (torch.load(run / "ckpt.pt", weights_only=True) for run in (full, part))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(a["reward_head"][k], b["reward_head"][k]) for k in a["reward_head"])
+
+
+def test_preference_rows_of_a_pair_share_their_prompt_tokens(tmp_path, clean_file, monkeypatch):
+    """At --max_len 40 most dialogues lose prompt tokens: the chosen and rejected rows of every training and held-out
+    pair (the rows that go to pad_right) still carry the same prompt, also where the responses differ in length.
+    The prompt is what runs through the last ':' (of "Assistant:"; the responses have none)."""
+    toks, batches = [], []
+    make_tokenizer, pad_right = rm.make_tokenizer, rm.pad_right
+    monkeypatch.setattr(rm, "make_tokenizer", lambda *a: toks.append(make_tokenizer(*a)) or toks[-1])
+    monkeypatch.setattr(rm, "pad_right", lambda seqs, value=0: batches.append(seqs) or pad_right(seqs, value))
+    args = ["--max_len", 40, "--max_steps", 1, "--out_dir", tmp_path / "run", "--device", "cpu"]
+    code, _, err = run_main(monkeypatch, "--data_path", clean_file, *PREF, *args)
+    assert code == 0, err[-5:]
+    colon = toks[0].encode(":")[0]
+    prompt_end = lambda row: max(i for i, t in enumerate(row) if t == colon) + 1
+    cut_and_unequal = False
+    for seqs in batches:
+        half = len(seqs) // 2
+        for c, r in zip(seqs[:half], seqs[half:]):
+            assert c[: prompt_end(c)] == r[: prompt_end(r)] and max(len(c), len(r)) <= 40
+            cut_and_unequal |= max(len(c), len(r)) == 40 and len(c) != len(r)
+    assert cut_and_unequal  # the case that matters did occur
+
+
+def test_resume_restores_the_float16_loss_scale(tmp_path, clean_file, monkeypatch):
+    """--dtype float16 trains with a GradScaler: its state is saved in ckpt.pt and a resumed run continues from it
+    (here a scale of 1024, as after overflows), not from the initial 65536."""
+    out = tmp_path / "run"
+    args = ["--dtype", "float16", "--max_steps", 2, "--out_dir", out, "--device", "cpu"]
+    code, _, err = run_main(monkeypatch, "--data_path", clean_file, *PREF, *args)
+    assert code == 0, err[-5:]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["scaler"]["scale"] > 1024.0  # 65536, halved at each step whose gradients overflowed
+    ckpt["scaler"]["scale"] = 1024.0
+    torch.save(ckpt, out / "ckpt.pt")
+    code, _, err = run_main(monkeypatch, "--resume", "--out_dir", out, "--max_steps", 3)
+    assert code == 0, err[-5:]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["scaler"]["scale"] == 1024.0
 
 
 def assert_same_metrics(a, b):
