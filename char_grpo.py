@@ -1356,6 +1356,11 @@ def resolve_clip(cfg):
     return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
+
+
 def validate(cfg):
     for name in ("context_len", "horizon", "batch_size", "max_steps", "ppo_epochs", "grad_accum", "eval_every"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
@@ -1400,8 +1405,7 @@ def train(cfg, out_dir, rt):
 
     # data, tokenizer and policy: a resumed run, a checkpoint with a char vocabulary, or a new model
     if cfg.data == "shakespeare":
-        url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-        path = cfg.data_path or download(url, os.path.join("data", "tinyshakespeare.txt"))
+        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
     else:
         path = cfg.data
     text = read_text(path)

@@ -1173,6 +1173,8 @@ def plot_curves(metrics_path, png_path):
 # Data: every dataset becomes one token stream per split, with a mask of the tokens that are targets.
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
 
 
 ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of --data arithmetic --tokenizer char
@@ -1237,7 +1239,7 @@ def load_splits(cfg, tok):
             splits.append((torch.tensor(ids), torch.tensor(mask)))
         return splits
     if cfg.data in ("shakespeare_char", "shakespeare"):
-        path = cfg.data_path or download(SHAKESPEARE_URL, os.path.join("data", "tinyshakespeare.txt"))
+        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
     else:
         path = cfg.data
     text = read_text(path)
@@ -1273,7 +1275,7 @@ def make_tokenizer(cfg, model_spec):
         return CharTokenizer(ARITHMETIC_CHARS)
     check(cfg.data != "hh_sft", "--data hh_sft needs --tokenizer gpt2 (its <|endoftext|> ends each dialogue)")
     if cfg.data in ("shakespeare_char", "shakespeare"):
-        path = cfg.data_path or download(SHAKESPEARE_URL, os.path.join("data", "tinyshakespeare.txt"))
+        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
     else:
         path = cfg.data
     return CharTokenizer(sorted(set(read_text(path))))

@@ -1361,6 +1361,8 @@ def rloo_advantages(rewards, group_size):
 # Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
 ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
 
 
@@ -1901,8 +1903,7 @@ def main():
     # policy and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
     text = path = None
     if cfg.task == "next_token":
-        url_path = os.path.join("data", "tinyshakespeare.txt")
-        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, url_path)
+        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
     spec = None
     if ckpt is not None:

@@ -2,7 +2,10 @@
 bad input answered with one line and exit code 2."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,6 +75,34 @@ def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run
     assert scaler["_growth_tracker"] == 6  # six finite steps in a row: the scaler is in use on this device
     assert torch.load(part / "ckpt.pt", weights_only=True)["scaler"] == scaler
     assert metrics(part) == metrics(full)
+
+
+def test_the_default_data_ships_with_the_repository_and_runs_offline(tmp_path):
+    """gpt.py's default data (char-level tiny Shakespeare) is data/tinyshakespeare.txt beside the script: a copy of
+    gpt.py and data/ alone (no ../shared, started from another folder, every download failing through a dead proxy)
+    trains a few steps with its default data and writes the run folder."""
+    clone = tmp_path / "clone"
+    (clone / "data").mkdir(parents=True)
+    (clone / "gpt.py").write_text((ROOT / "gpt.py").read_text())
+    (clone / "data" / "tinyshakespeare.txt").write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dead = "http://127.0.0.1:9"  # nothing listens: any download fails at once
+    env = {"HTTP_PROXY": dead, "HTTPS_PROXY": dead, "http_proxy": dead, "https_proxy": dead, "NO_PROXY": ""}
+    proc = subprocess.run(
+        [sys.executable, str(clone / "gpt.py"), *TINY, "--max_steps", "3", "--eval_every", "3", "--eval_iters", "1"]
+        + ["--num_samples", "1", "--sample_tokens", "8", "--out_dir", "run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=elsewhere,
+        env={**os.environ, **env},
+    )
+    assert_ok(proc)
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "ckpt.pt", "samples.txt"):
+        assert (elsewhere / "run" / name).is_file(), name
+    assert json.loads((elsewhere / "run" / "config.json").read_text())["data"] == "shakespeare_char"
+    assert not (elsewhere / "data").exists()  # nothing was downloaded next to the working folder
 
 
 def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file):
