@@ -9,7 +9,14 @@ al. 2024, DeepSeekMath), with an exact KL to the frozen starting policy:
     J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * KL_t + c_H * H(pi)
     r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
     KL_t = sum_v pi(v) (log pi(v) - log pi_ref(v)) over the whole vocabulary at every completion position
-           (--kl_type forward; reverse swaps pi and pi_ref; symmetric is the mean of the two)
+           (--kl_type forward, KL(pi || pi_ref); reverse swaps pi and pi_ref, KL(pi_ref || pi); symmetric is the mean
+           of the two)
+Rollouts sample from softmax(logits / --temperature) restricted to the --top_k most likely tokens, and every
+completion log-prob used for training or logging (pi and pi_old in r, pi in KL_t, the entropy H) is of that sampling
+distribution; pi_ref is the reference's softmax(logits / --temperature) over the whole vocabulary (as TRL does), so the
+forward KL stays finite. --kl_type reverse or symmetric with --top_k is refused: KL(pi_ref || pi) is infinite where
+top_k leaves pi no mass, and computing it on the untruncated policy would anchor a distribution that is not the one
+sampled.
 Advantages: --baseline group: A_i = (R_i - mean_K R) / (std_K R + 1e-4) (group_advantages of grpo.py); --baseline ema:
 A_i = R_i - b_task with b_task a running mean reward of the prompt's task (P: or A:); --value_head: a scalar head on
 the policy's last hidden states, token advantages by GAE (gae of ppo.py) on the reward at the last token, whitened.
@@ -61,7 +68,8 @@ Where we depart from the originals, on purpose:
   - fivefold repetition needs the game's moves: env_step sees it when history holds every move from the initial
     position (as --make_data gives it), never from the 10 moves of an A: line;
   - A: lines of a data file are kept as written, and the ones python-chess disagrees with are counted on stderr;
-  - the reference policy is reloaded from --init_from on --resume instead of being stored in every checkpoint;
+  - the reference policy is reloaded from --init_from on --resume instead of being stored in every checkpoint (the
+    checkpoint holds a checksum of its weights, and a resume whose --init_from changed is refused);
   - the exact KL needs the reference's logits over the vocabulary at every completion token: memory grows with
     rows x tokens x 50,257 (--grad_accum splits the rows); the log-prob passes run over the batch's longest
     completion, not the whole --horizon.
@@ -79,8 +87,9 @@ Metrics (metrics.jsonl):
     rl/reward_p, rl/reward_a         the same per task; rl/valid_p, rl/valid_a: completions that parse
     rl/zero_std_frac                 groups whose rewards are all equal (no signal for group advantages)
     rl/kl, rl/beta                   exact KL to the reference per completion token (--kl_type), and beta in use
+                                     (last iteration)
     rl/clip_frac, rl/ratio_mean      clipped tokens and mean ratio (last iteration)
-    rl/entropy                       mean policy entropy over completion tokens (nats)
+    rl/entropy                       mean entropy of the sampling distribution over completion tokens (nats)
     rl/value_loss                    --value_head: the clipped value loss
     rl/baseline_p, rl/baseline_a     --baseline ema: the running mean rewards
     rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end; tokens so far
@@ -147,7 +156,7 @@ class Config:
     top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
     baseline: str = "group"  # group (GRPO group advantages) | ema (running mean reward per task)
     ema_decay: float = 0.9  # baseline ema: weight of the old mean
-    scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO)
+    scale_rewards: str = "group"  # group advantages: group | batch (std of every rank's rewards) | none (Dr. GRPO)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = 0.2  # PPO clip range (lower, and upper unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper clip range of dapo, gspo and cispo (0: clip_eps)
@@ -1252,7 +1261,8 @@ def plot_curves(metrics_path, png_path):
 # ----------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). group_advantages and policy_loss (and
 # left_pad, join, peak_memory_mb below) are copies of grpo.py's; masked_mean, gae, whiten, value_loss and
-# AdaptiveKLController of ppo.py's (tests/test_shared_blocks.py checks that the copies are identical).
+# AdaptiveKLController of ppo.py's; weights_checksum (below) of dpo.py's (tests/test_shared_blocks.py checks that the
+# copies are identical).
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
@@ -1291,7 +1301,8 @@ def policy_loss(
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
-    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats)."""
+    this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
+    batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
     num_seqs = N if num_seqs is None else num_seqs
@@ -1332,98 +1343,74 @@ def policy_loss(
     return loss, stats
 
 
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) per position: (..., V) -> (...), computed in float32 over row chunks (see
-    row_chunks; about 5x faster on CPU than whole-tensor passes). With z = x - max(x), e = exp(z), s = sum(e),
-    the entropy is log s - sum(e z) / s: one exponential per logit, and two terms >= 0 (no cancellation)."""
+def entropy_from_logits(logits, temperature=1.0, top_k=None):
+    """Entropy of the sampling distribution softmax(sampling_logits(logits, temperature, top_k)) per position:
+    (..., V) -> (...), computed in float32 over row chunks (see row_chunks; about 5x faster on CPU than
+    whole-tensor passes). With z = x - max(x), e = exp(z), s = sum(e), the entropy is log s - sum(e z) / s: one
+    exponential per logit, and two terms >= 0 (no cancellation)."""
     flat = logits.flatten(0, -2)
     out = []
     for x in flat.split(row_chunks(flat)):
-        x = x.float()
+        x = sampling_logits(x, temperature, top_k)
         z = x - x.amax(-1, keepdim=True)
+        if top_k:  # -inf outside the top_k: e = 0 there, and e z must be 0, not 0 * -inf (exp(-1e4) is 0 as well)
+            z = z.clamp(min=-1e4)
         e = torch.exp(z)
         s = e.sum(-1)
         out.append(s.log() - torch.linalg.vecdot(e, z) / s)
     return torch.cat(out).view(logits.shape[:-1])
 
 
-def vocab_kl(logits, ref_logits, kind="forward"):
-    """Exact KL between the policy and the reference at every position, summed over the whole vocabulary:
-    forward  sum_v pi(v) (log pi(v) - log ref(v))  = KL(pi || ref)
-    reverse  sum_v ref(v) (log ref(v) - log pi(v)) = KL(ref || pi)
-    symmetric their mean. (..., V) logits of each -> (...) in float32, >= 0."""
-    logp = F.log_softmax(logits.float(), dim=-1)  # (..., V)
-    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)  # (..., V)
-    forward = lambda: (logp.exp() * (logp - ref_logp)).sum(-1)
-    reverse = lambda: (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-    if kind == "forward":
-        return forward()
-    if kind == "reverse":
-        return reverse()
-    if kind == "symmetric":
-        return 0.5 * (forward() + reverse())
-    raise ValueError(f"unknown KL type {kind!r}")
-
-
-class LogprobsKL(torch.autograd.Function):
-    """log p(targets) at every position and sum_i w_i vocab_kl_i, from one pass over the policy's logits. The KL's
-    gradient is computed in the forward pass, chunk by chunk (the weights are known there), and written over the
-    reference logits, row by row after reading them; backward scales it and adds the log-probs' gradient into it.
-    For backward autograd keeps the logits, that one gradient and a number per row: token_logprobs and a separate
-    KL kept a third (positions, V) tensor at the step's peak (and a whole-tensor vocab_kl, four float32 ones more:
-    8 x 8 rollouts of 80 tokens, 4 x 5120 x 50257 x 4 bytes = 4.1 GB). A float32 chunk stays under 32 MB."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, ref_logits, weights, kind, rows, with_grad):  # (N, V), (N,), (N, V), (N,)
-        ctx.set_materialize_grads(False)  # an output that is not used gets None in backward, not zeros
-        logp, lse, _ = chunked_logprobs(logits, targets)
-        grad = None
-        if with_grad and ctx.needs_input_grad[0]:
-            grad = ref_logits if ref_logits.dtype == logits.dtype else torch.empty_like(logits)
-        total = torch.zeros((), device=logits.device)
-        for i in range(0, logits.size(0), rows):
-            x = logits[i : i + rows].detach().requires_grad_(grad is not None)
-            with torch.enable_grad():
-                part = (vocab_kl(x, ref_logits[i : i + rows], kind) * weights[i : i + rows]).sum()
-            if grad is not None:
-                grad[i : i + rows] = torch.autograd.grad(part, x)[0]  # over reference rows already read
-            total += part.detach()
-        ctx.save_for_backward(logits, targets, lse, grad)
-        ctx.rows = rows
-        return logp, total
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp, grad_total):  # (N,) and a scalar, or None where that output was not used
-        logits, targets, lse, grad = ctx.saved_tensors
-        if grad_total is None:  # only the log-probs are used
-            grad.zero_()
-        else:
-            grad.mul_(grad_total)  # in place: no second (N, V) tensor
-        if grad_logp is not None:  # plus grad_logp * (onehot - softmax), a chunk at a time
-            n = max(ctx.rows, row_chunks(logits))
-            part = torch.empty_like(logits[:n])
-            for i in range(0, logits.size(0), n):
-                z, y, g = logits[i : i + n], targets[i : i + n], grad_logp[i : i + n]
-                grad[i : i + n] += logprobs_grad_(part[: z.size(0)], z, lse[i : i + n], y, g)
-        return grad, None, None, None, None, None, None
-
-
-def logprobs_and_kl(logits, targets, ref_logits, weights, kind="forward", rows=None):
-    """(log p(targets), sum over positions of weights * vocab_kl(logits, ref_logits, kind)), fused (LogprobsKL):
-    (..., V), (...), (..., V), (...) -> ((...) float32, scalar float32). A weight 0 (padding) drops a position
-    from the KL. When the logits need a gradient and ref_logits has their dtype, the KL's gradient is written over
-    ref_logits: the caller gives them up (and autograd's gradient of the logits is that memory)."""
+def vocab_kl(logp, ref_logp, kind="forward"):
+    """Exact KL between the policy and the reference at every position, summed over the whole vocabulary, from
+    their log-probabilities (..., V) -> (...), >= 0:
+    forward  sum_v pi(v) (log pi(v) - log ref(v))  = KL(pi || ref); a token pi never samples (-inf, outside
+             top_k) adds 0, value and gradient
+    reverse  sum_v ref(v) (log ref(v) - log pi(v)) = KL(ref || pi); infinite when pi has such tokens
+    symmetric their mean."""
     if kind not in ("forward", "reverse", "symmetric"):
         raise ValueError(f"unknown KL type {kind!r}")
-    if ref_logits.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
-        raise ValueError("logprobs_and_kl: ref_logits must not share memory with logits (it is overwritten)")
-    rows = rows or max(1, 2**23 // logits.size(-1))
-    flat_logits, flat_ref = logits.flatten(0, -2), ref_logits.detach().flatten(0, -2)
-    logp, total = LogprobsKL.apply(
-        flat_logits, targets.flatten(), flat_ref, weights.detach().flatten(), kind, rows, torch.is_grad_enabled()
+    kl = 0.0
+    if kind != "reverse":
+        kl = kl + (logp.exp() * (logp - ref_logp).masked_fill(logp.isinf(), 0)).sum(-1)  # 0 * -inf would be NaN
+    if kind != "forward":
+        kl = kl + (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    return kl / 2 if kind == "symmetric" else kl
+
+
+def logprobs_and_kl(
+    logits, targets, ref_logits, weights, kind="forward", temperature=1.0, top_k=None, ref_weight=None, rows=256
+):
+    """(log p(targets), sum over positions of weights * vocab_kl): (..., V), (...), (..., V), (...) -> ((...)
+    float32, scalar float32). p is the sampling distribution softmax(sampling_logits(logits, temperature, top_k))
+    (the target kept, as token_logprobs does), the reference softmax(ref_logits / temperature) over the whole
+    vocabulary. A weight 0 (padding) drops a position from the KL. With ref_weight (V, C), ref_logits holds the
+    reference's final hidden states (..., C) and each chunk's reference logits are made here, one tensor per chunk.
+    One chunk of rows at a time; with a gradient each chunk is recomputed in backward (torch.utils.checkpoint), so
+    no (positions, V) float32 tensor is made beyond one chunk's: autograd keeps the logits and the reference logits
+    (per chunk, each freed once backward is done with it) and makes the logits' gradient. 256 rows: a float32 chunk
+    of GPT-2's vocabulary is 51 MB, which CPU malloc maps and unmaps; chunks under its 32 MB threshold came from the
+    heap, where the checkpoints' small allocations between them kept freed chunks from reuse (2-3 GB more resident
+    memory at 6144 positions)."""
+    flat, ref = logits.flatten(0, -2), ref_logits.detach().flatten(0, -2)
+    chunks = zip(
+        flat.split(rows), ref.split(rows), targets.flatten().split(rows), weights.detach().flatten().split(rows)
     )
-    return logp.view(targets.shape), total
+
+    def chunk(x, r, y, w):  # (n, V), (n, V), (n,), (n,) -> (n,), scalar
+        logp = torch.log_softmax(sampling_logits(x, temperature, top_k, keep=y), -1)  # (n, V)
+        ref_logp = torch.log_softmax(sampling_logits(r, temperature), -1)  # (n, V)
+        return logp.gather(1, y[:, None])[:, 0], (vocab_kl(logp, ref_logp, kind) * w).sum()
+
+    grad = torch.is_grad_enabled() and flat.requires_grad
+    parts = []
+    for x, r, y, w in chunks:
+        r = r if ref_weight is None else r @ ref_weight.detach().T  # (n, V)
+        parts.append(
+            torch.utils.checkpoint.checkpoint(chunk, x, r, y, w, use_reentrant=False) if grad else chunk(x, r, y, w)
+        )
+    logp = torch.cat([p[0] for p in parts])
+    return logp.view(targets.shape), torch.stack([p[1] for p in parts]).sum()
 
 
 def ema_advantages(rewards, tasks, baselines):
@@ -1942,11 +1929,12 @@ def join(prompts, completion):
     return seq, None if attn.all() else attn
 
 
-def completion_logprobs(model, seq, attn, H):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them (N, H), and the value head's values
-    (N, H) of the states before each token (None for a plain GPT, whose forward returns no values)."""
+def completion_logprobs(model, seq, attn, H, temperature=1.0, top_k=None):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them (N, H), under the sampling distribution
+    (temperature, top_k), and the value head's values (N, H) of the states before each token (None for a plain GPT,
+    whose forward returns no values)."""
     logits, values = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)
-    return token_logprobs(logits, seq[:, -H:]), values
+    return token_logprobs(logits, seq[:, -H:], temperature, top_k), values
 
 
 class ValueHeadGPT(nn.Module):
@@ -2020,7 +2008,7 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     with torch.no_grad(), rt.autocast():
         for i in range(0, len(rows), n_micro):
             a = None if attn is None else attn[i : i + n_micro]
-            logp, values = completion_logprobs(actor, seq[i : i + n_micro], a, H)  # (n, H)
+            logp, values = completion_logprobs(actor, seq[i : i + n_micro], a, H, cfg.temperature, cfg.top_k or None)
             old_logp.append(logp)
             old_values.append(values)
     return {
@@ -2108,6 +2096,11 @@ def peak_memory_mb(rt):
     return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
 
 
+def weights_checksum(model):
+    """A fingerprint of a model's weights: a resumed run checks that --ref_from / --init_from still hold them."""
+    return float(sum(v.double().sum() for v in model.state_dict().values()))
+
+
 def validate(cfg):
     for name in ("batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
@@ -2134,6 +2127,10 @@ def validate(cfg):
     check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
     check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
     check(cfg.top_k >= 0 and cfg.vf_clip > 0, "--top_k must be >= 0 and --vf_clip > 0")
+    check(
+        not (cfg.top_k and cfg.kl_type != "forward" and (cfg.beta > 0 or cfg.adaptive_kl)),
+        f"--kl_type {cfg.kl_type} with --top_k: KL(ref || pi) is infinite where top_k leaves pi no mass; use forward",
+    )
     check(0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "--gamma and --lam must be in [0, 1]")
     choices = {
         "best_move": ("stockfish", "rookworld"),
@@ -2195,25 +2192,33 @@ def main():
         longest <= model.config.block_size,
         f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
     )
+
+    # frozen reference: the starting policy (reloaded from --init_from on --resume, and checked against the checksum
+    # the run stored at its start), never wrapped, never trained
+    ref, ref_checksum = None, None
+    if cfg.beta > 0 or cfg.adaptive_kl:
+        ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
+        ref_checksum = weights_checksum(ref)
+        check(
+            ckpt is None or ckpt.get("ref_checksum") in (None, ref_checksum),  # None: no reference, or an older run
+            f"--resume: the reference {cfg.init_from} changed since the run started",
+        )
+        ref.to(rt.device).eval().requires_grad_(False)
     actor = ValueHeadGPT(model) if cfg.value_head else model
     if ckpt is not None and cfg.value_head:
         actor.v_head.load_state_dict(ckpt["value_head"])
     actor.to(rt.device)
 
-    # frozen reference: the starting policy (reloaded from --init_from on --resume), never wrapped, never trained
-    ref = None
-    if cfg.beta > 0 or cfg.adaptive_kl:
-        ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
-        ref.to(rt.device).eval().requires_grad_(False)
-
     policy = wrap_model(actor, rt, cfg.compile)
     optimizer = make_optimizer(actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(enabled=rt.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else None
     baselines = torch.full((2,), float("nan"), device=rt.device)  # --baseline ema: running mean reward of P:, A:
     start_step, tokens, first_eval = 0, 0, None
     if ckpt is not None:
         load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)
+        if ckpt.get("scaler"):  # float16: the loss scale and its growth tracker (empty otherwise, absent in older runs)
+            scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
         start_step, tokens, first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
         baselines = torch.tensor(ckpt["baselines"], device=rt.device)
@@ -2234,6 +2239,7 @@ def main():
         if rt.master:
             extras = {"tokens": tokens, "first_eval": first_eval, "baselines": baselines.tolist()}
             extras["kl_coef"] = kl_ctl.value if kl_ctl is not None else cfg.beta
+            extras.update(scaler=scaler.state_dict(), ref_checksum=ref_checksum)
             if cfg.value_head:  # the actor's keys are gpt.* and v_head.*
                 extras["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
                 model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
@@ -2257,6 +2263,7 @@ def main():
     samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
     t_start, last_eval = time.time(), {}
     n_p = round(cfg.task_mix * cfg.batch_size)  # P: prompts per step; the rest are A:
+    top_k = cfg.top_k or None  # the sampler's top_k: every completion log-prob is under the sampling distribution
     for step in range(start_step, cfg.max_steps + 1):
         if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             model.eval()
@@ -2285,6 +2292,9 @@ def main():
         t_rollout = time.time() - t0
         seq, attn, mask, rewards, tasks = batch["seq"], batch["attn"], batch["mask"], batch["rewards"], batch["tasks"]
         N, T = mask.shape  # T: the batch's longest completion
+        everyone = torch.zeros(rt.world_size, N, device=rt.device)
+        everyone[rt.rank] = rewards
+        all_rewards = all_reduce(everyone, rt).flatten()  # (world * N,): every rank's rewards, rank by rank
 
         # 4. advantages: group-relative, a running mean per task, or GAE on a value head
         is_task = torch.stack([tasks == 0, tasks == 1]).float()  # (2, N): P:, A:
@@ -2299,7 +2309,9 @@ def main():
             baselines = ema_update(baselines, task_sums[:, 0] / task_sums[:, 1].clamp(min=1), present, cfg.ema_decay)
             adv = ema_advantages(rewards, tasks, baselines)  # (N,)
         else:
-            adv = group_advantages(rewards, K, cfg.scale_rewards)  # (N,)
+            # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
+            # ranks and every rank has N rows, so this rank's advantages are its rows)
+            adv = group_advantages(all_rewards, K, cfg.scale_rewards)[rt.rank * N : (rt.rank + 1) * N]  # (N,)
         beta = kl_ctl.value if kl_ctl is not None else cfg.beta
         n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
         n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
@@ -2317,13 +2329,15 @@ def main():
                 with rt.autocast():
                     logits, values = policy(inputs, attention_mask=a, keep_last=T)  # (n, T, V), (n, T) or None
                 kl_sum = torch.zeros((), device=rt.device)
-                if ref is not None:  # log-probs and the exact KL over the vocabulary, fused (LogprobsKL)
+                if ref is not None:  # log-probs and the exact KL over the vocabulary, one pass over row chunks
                     with torch.no_grad(), rt.autocast():
-                        ref_logits = ref(inputs, attention_mask=a, keep_last=T)[0]  # (n, T, V)
-                    logp, kl_sum = logprobs_and_kl(logits, targets, ref_logits, m, cfg.kl_type)
-                    del ref_logits  # overwritten by the KL's gradient, which autograd keeps
+                        ref_h = ref(inputs, attention_mask=a, keep_last=T, return_hidden=True)[0]  # (n, T, C)
+                    w_ref = ref.lm_head.weight  # the reference logits are made chunk by chunk
+                    logp, kl_sum = logprobs_and_kl(
+                        logits, targets, ref_h, m, cfg.kl_type, cfg.temperature, top_k, w_ref
+                    )
                 else:
-                    logp = token_logprobs(logits, targets)  # (n, T)
+                    logp = token_logprobs(logits, targets, cfg.temperature, top_k)  # (n, T)
                 pg_loss, stats = policy_loss(
                     logp,
                     batch["old_logp"][rows],
@@ -2340,7 +2354,8 @@ def main():
                 if ref is not None:  # the KL at every position, padding weighted 0
                     loss = loss + beta * kl_sum / n_tokens
                 with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                    entropy = (entropy_from_logits(logits) * m).sum() / n_tokens
+                    entropy = (entropy_from_logits(logits, cfg.temperature, top_k) * m).sum() / n_tokens
+                del logits  # autograd keeps them for backward, which frees them as soon as it is done with them
                 loss = loss - cfg.entropy_coef * entropy
                 v_loss = torch.zeros((), device=rt.device)
                 if values is not None:
@@ -2378,14 +2393,15 @@ def main():
         ]
         per_task = all_reduce(is_task @ torch.tensor(valid, device=rt.device).float(), rt)  # (2,) parsing completions
         counts = task_sums[:, 1].clamp(min=1)
+        groups = all_rewards.view(-1, K)  # (world * N / K, K)
         metrics = {
-            "rl/reward_mean": rewards.mean().item(),
-            "rl/reward_std": rewards.std().item() if N > 1 else 0.0,
+            "rl/reward_mean": all_rewards.mean().item(),
+            "rl/reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
             "rl/reward_p": (task_sums[0, 0] / counts[0]).item() if task_sums[0, 1] > 0 else None,
             "rl/reward_a": (task_sums[1, 0] / counts[1]).item() if task_sums[1, 1] > 0 else None,
             "rl/valid_p": (per_task[0] / counts[0]).item() if task_sums[0, 1] > 0 else None,
             "rl/valid_a": (per_task[1] / counts[1]).item() if task_sums[1, 1] > 0 else None,
-            "rl/zero_std_frac": (rewards.view(-1, K) == rewards.view(-1, K)[:, :1]).all(1).float().mean().item(),
+            "rl/zero_std_frac": (groups == groups[:, :1]).all(1).float().mean().item(),
             "rl/kl": (sums[1] / n_tokens).item() if ref is not None else None,
             "rl/beta": beta,
             "rl/entropy": sums[2].item(),
@@ -2395,8 +2411,8 @@ def main():
             "rl/value_loss": sums[6].item() if cfg.value_head else None,
             "rl/baseline_p": baselines[0].item() if cfg.baseline == "ema" and not cfg.value_head else None,
             "rl/baseline_a": baselines[1].item() if cfg.baseline == "ema" and not cfg.value_head else None,
-            "rl/completion_len": mask.sum(1).mean().item(),
-            "rl/truncated_frac": batch["truncated"].float().mean().item(),
+            "rl/completion_len": (n_tokens / n_seqs).item(),
+            "rl/truncated_frac": (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item(),
             "rl/tokens": tokens,
             "train/loss": train_loss,
             "train/lr": lr,
