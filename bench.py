@@ -705,13 +705,16 @@ def step_args(name, cfg, folder):
     rl += ["--horizon", cfg.new_tokens, "--eval_size", 8]
     pairs = ["--data_path", f"{folder}/pairs.jsonl", "--batch_size", cfg.pairs, "--max_len", cfg.pair_len]
     return {
-        "grpo_step": ("grpo.py", rl + ["--batch_size", cfg.rl_prompts, "--group_size", cfg.group_size, "--beta", 0.04]),
+        "grpo_step": (
+            "grpo.py",
+            rl + ["--batch_size", cfg.rl_prompts, "--group_size", cfg.group_size, "--beta_kl", 0.04],
+        ),
         "ppo_step": ("ppo.py", rl + ["--batch_size", cfg.rl_prompts * cfg.group_size]),
-        "dpo_step": ("dpo.py", pairs + ["--eval_pairs", 8, "--num_samples", 1, "--sample_tokens", 8]),
+        "dpo_step": ("dpo.py", pairs + ["--eval_size", 8, "--num_samples", 1, "--sample_tokens", 8]),
         "rm_step": ("reward_model.py", pairs + ["--task", "preference", "--eval_size", 8]),
         "rookworld_step": (
             "rookworld_grpo.py",
-            ["--batch_size", cfg.rw_prompts, "--k_samples", cfg.rw_samples, "--eval_size", 0],
+            ["--batch_size", cfg.rw_prompts, "--group_size", cfg.rw_samples, "--eval_size", 0],
         ),
     }[name]
 

@@ -39,7 +39,7 @@ Metrics (metrics.jsonl; rl/ over every rank's rollouts):
     rl/char_match                   fraction of rollout characters equal to the true continuation
     rl/zero_std_frac                fraction of groups whose rewards are all equal (no learning signal)
     rl/kl, rl/beta                  mean --kl_estimator value (estimates KL(pi || pi_ref)), and its coefficient
-    rl/clip_frac, rl/ratio_mean     fraction of clipped tokens and mean policy ratio (last epoch)
+    rl/clip_frac, rl/ratio_mean     fraction of clipped tokens and mean policy ratio (last iteration)
     rl/entropy                      mean entropy of the sampling distribution over rollout positions (nats)
     rl/tokens                       characters generated (GRPO) or trained on (supervised) so far, all ranks
     train/loss, train/lr, train/grad_norm
@@ -99,7 +99,7 @@ class Config:
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
     clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (0: clip_eps; DAPO: 0.28); unset: 0, gspo 4e-4
-    ppo_epochs: int = 1  # optimizer steps per batch of rollouts (>1 reuses them through the ratio)
+    num_iterations: int = 1  # optimizer steps per batch of rollouts (>1 reuses them through the ratio)
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     max_steps: int = 300  # rollout batches
     lr: float = 1e-3  # peak learning rate
@@ -110,7 +110,7 @@ class Config:
     supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and token budget
     compare: bool = False  # run GRPO, then the supervised baseline; final_results.json holds both
     eval_every: int = 25  # steps between evaluations
-    eval_contexts: int = 256  # val windows per evaluation
+    eval_size: int = 256  # val windows per evaluation
     log_every: int = 10  # steps between log lines
     save_every: int = 100  # steps between checkpoints (one is always written at the end)
     device: str = "auto"  # auto | cpu | cuda | mps
@@ -1362,9 +1362,9 @@ SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dat
 
 
 def validate(cfg):
-    for name in ("context_len", "horizon", "batch_size", "max_steps", "ppo_epochs", "grad_accum", "eval_every"):
+    for name in ("context_len", "horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("log_every", "save_every", "eval_contexts", "n_layer", "n_head", "n_embd", "block_size"):
+    for name in ("log_every", "save_every", "eval_size", "n_layer", "n_head", "n_embd", "block_size"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     check(
         cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts within a group (got {cfg.group_size})"
@@ -1466,7 +1466,7 @@ def train(cfg, out_dir, rt):
 
     with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
         torch.manual_seed(0)
-        eval_ctx, eval_truth = sample_windows(val_ids, cfg.eval_contexts, C, H)
+        eval_ctx, eval_truth = sample_windows(val_ids, cfg.eval_size, C, H)
 
     @torch.no_grad()
     def evaluate(step):
@@ -1581,8 +1581,8 @@ def train(cfg, out_dir, rt):
             beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
             n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
             n_tokens = all_reduce(mask.sum(), rt)
-            # 4. policy update: --ppo_epochs optimizer steps over the same rollouts, old_logp fixed
-            for epoch in range(cfg.ppo_epochs):
+            # 4. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
+            for iteration in range(cfg.num_iterations):
                 sums = torch.zeros(5, device=rt.device)  # this rank's share of loss, kl, entropy, clip_frac, ratio
                 for i in range(0, N, n_micro):
                     rows = slice(i, i + n_micro)
@@ -1618,7 +1618,7 @@ def train(cfg, out_dir, rt):
                                 stats["ratio_mean"] * share,
                             ]
                         )
-                if epoch < cfg.ppo_epochs - 1:
+                if iteration < cfg.num_iterations - 1:
                     scaler.unscale_(optimizer)
                     clip_grad_norm(policy, cfg.grad_clip)
                     scaler.step(optimizer)

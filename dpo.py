@@ -40,7 +40,7 @@ the number of pairs of the whole step (all micro-batches and ranks), so it does 
 The model and the losses are hand-written on purpose: reading them is the point.
 
 Data: HH-RLHF dialogues {"chosen": ..., "rejected": ...} split into (prompt, chosen response, rejected response) at
-the last "\\n\\nAssistant:", from the hub (`--dataset`, its train and test splits) or a local `--data_path`
+the last "\\n\\nAssistant:", from the hub (`--data`, its train and test splits) or a local `--data_path`
 .jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's, so an SFT checkpoint never saw them.
 
 Commands:
@@ -95,10 +95,10 @@ import torch.nn.functional as F
 @dataclass
 class Config:
     out_dir: str = ""  # run folder; default out/dpo-<YYYYmmdd-HHMMSS>
-    dataset: str = "Anthropic/hh-rlhf"  # hub dataset of chosen/rejected dialogues (train and test splits)
-    data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --dataset (1 in 20 held out)
+    data: str = "Anthropic/hh-rlhf"  # hub dataset of chosen/rejected dialogues (train and test splits)
+    data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --data (1 in 20 held out)
     init_from: str = "gpt2"  # policy: ckpt.pt of gpt.py (SFT) or any script, Hugging Face GPT-2 folder, or hub id
-    ref_from: str = ""  # reference model (same forms); default: a frozen copy of the starting policy
+    reference: str = ""  # reference model (same forms); default: a frozen copy of the starting policy
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
     loss_type: str = "sigmoid"  # a loss of the table above: sigmoid, ipo, simpo, kto, ... (LOSS_TYPES)
     beta: float = 0.1  # inverse temperature of the implicit reward (SimPO: about 2)
@@ -121,7 +121,7 @@ class Config:
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     dropout: float = 0.0  # dropout of the policy (DPO usually trains without)
     eval_every: int = 25  # steps between evaluations on the held-out pairs
-    eval_pairs: int = 256  # held-out pairs per evaluation (0: all)
+    eval_size: int = 256  # held-out pairs per evaluation (0: all)
     judge: str = ""  # ckpt.pt of reward_model.py: score greedy responses of policy and reference at the end
     judge_prompts: int = 64  # held-out prompts the judge scores
     num_samples: int = 4  # greedy held-out responses written to samples.txt
@@ -1408,17 +1408,17 @@ def load_pairs(cfg):
         n_val = max(1, len(records) // 20)
         parts = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]]
     else:
-        source = cfg.dataset
+        source = cfg.data
         try:
             import datasets
 
-            hub = datasets.load_dataset(cfg.dataset)
+            hub = datasets.load_dataset(cfg.data)
             parts = [
                 [{"chosen": c, "rejected": r} for c, r in zip(hub[s]["chosen"], hub[s]["rejected"])]
                 for s in ("train", "test")
             ]
         except Exception as e:
-            die(f"cannot load {cfg.dataset} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+            die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     (train, skip_train), (val, skip_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
     skipped = {k: skip_train.get(k, 0) + skip_val.get(k, 0) for k in {**skip_train, **skip_val}}
     summary = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
@@ -1460,7 +1460,7 @@ def load_reward_model(path):
 def validate(cfg):
     for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("eval_pairs", "judge_prompts", "num_samples", "warmup_steps", "sft_weight"):
+    for name in ("eval_size", "judge_prompts", "num_samples", "warmup_steps", "sft_weight"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     check(cfg.beta > 0 and math.isfinite(cfg.beta), f"--beta must be positive (got {cfg.beta})")
@@ -1486,7 +1486,7 @@ def validate(cfg):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --ref_from / --init_from still hold them."""
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
     return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
@@ -1504,15 +1504,17 @@ def train(cfg, out_dir, rt):
         spec = ckpt["tokenizer"]
     else:
         model, spec, _ = load_model(cfg.init_from, cfg.dropout)
-    if cfg.ref_from or ckpt is not None:
-        ref, ref_spec, _ = load_model(cfg.ref_from or cfg.init_from)
-        check(ref_spec == spec, f"the reference {cfg.ref_from or cfg.init_from} uses another tokenizer than the policy")
+    if cfg.reference or ckpt is not None:
+        ref, ref_spec, _ = load_model(cfg.reference or cfg.init_from)
+        check(
+            ref_spec == spec, f"the reference {cfg.reference or cfg.init_from} uses another tokenizer than the policy"
+        )
     else:
         ref = copy.deepcopy(model)
     ref_checksum = weights_checksum(ref)
     check(
         ckpt is None or ckpt["ref_checksum"] == ref_checksum,
-        f"--resume: the reference {cfg.ref_from or cfg.init_from} changed since the run started",
+        f"--resume: the reference {cfg.reference or cfg.init_from} changed since the run started",
     )
     tok = get_tokenizer(spec)
     block = min(model.config.block_size, ref.config.block_size)
@@ -1538,7 +1540,7 @@ def train(cfg, out_dir, rt):
     if isinstance(tok, CharTokenizer):
         unknown = set().union(*(set("".join(t)) for t in train_pairs + val_pairs)) - set(tok.chars)
         check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the model's vocabulary")
-    eval_pairs = val_pairs[: cfg.eval_pairs or None]
+    eval_pairs = val_pairs[: cfg.eval_size or None]
     micro = cfg.batch_size // cfg.grad_accum  # pairs per forward pass
     model.to(rt.device)
     ref.to(rt.device).eval().requires_grad_(False)

@@ -141,9 +141,9 @@ class Config:
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
     clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (0: clip_eps; DAPO: 0.28); unset: 0, gspo 4e-4
-    beta: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
+    beta_kl: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
     kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
-    kl_warmup_tokens: int = 0  # beta rises linearly from 0 over this many generated tokens (0: no warm-up)
+    kl_warmup_tokens: int = 0  # beta rises linearly from 0 to beta_kl over this many generated tokens (0: no warm-up)
     reference: str = (
         "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
     )
@@ -1857,8 +1857,8 @@ def validate(cfg):
     check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
     check(
-        cfg.beta >= 0 and cfg.kl_warmup_tokens >= 0 and cfg.entropy_coef >= 0,
-        "negative --beta/--kl_warmup_tokens/--entropy_coef",
+        cfg.beta_kl >= 0 and cfg.kl_warmup_tokens >= 0 and cfg.entropy_coef >= 0,
+        "negative --beta_kl/--kl_warmup_tokens/--entropy_coef",
     )
     check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
     check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
@@ -2047,7 +2047,7 @@ def main():
         # 4. advantages
         adv = compute_advantages(rewards, batch["mask"], adv_kind, G, cfg.scale_rewards, rt)  # (N,) or (N, H)
         warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
-        beta = cfg.beta * warm if ref is not None else 0.0
+        beta = cfg.beta_kl * warm if ref is not None else 0.0
         N = len(batch["prompts"])
         n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
         n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser

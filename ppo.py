@@ -24,9 +24,10 @@ passes over the batch in --num_minibatches minibatches, each one optimizer step 
     L_V    = 0.5 mean_t max((V_t - G_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - G_t)^2)
     H      = mean_t entropy of pi(. | s_t)
 where mean_t is over every real completion token of the minibatch (all micro-batches and ranks together, so the loss
-does not depend on how it is split), eps = --clip_eps, eps_v = --clip_eps_value. With --adaptive_kl the coefficient
-follows Ziegler et al. 2019: kl_coef *= 1 + clip(KL / --target_kl - 1, -0.2, 0.2) * n / --kl_horizon after each step,
-KL the mean per-sequence sum of k1 and n the number of completions of the step (all ranks).
+does not depend on how it is split), eps = --clip_eps, eps_v = --clip_eps_value, kl_coef = --beta_kl. With
+--adaptive_kl the coefficient starts at --beta_kl and follows Ziegler et al. 2019:
+kl_coef *= 1 + clip(KL / --target_kl - 1, -0.2, 0.2) * n / --kl_horizon after each step, KL the mean per-sequence sum
+of k1 and n the number of completions of the step (all ranks).
 
 The value model (--value_model): `separate` (default) is a GPT body with a scalar head on every position's hidden
 state (reward_model.py's RewardModel class), initialised from the policy (the head at zero, so the first values are 0)
@@ -139,7 +140,7 @@ class Config:
     reference: str = (
         "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
     )
-    kl_coef: float = 0.05  # coefficient of the per-token KL penalty in the reward (the start with --adaptive_kl)
+    beta_kl: float = 0.05  # kl_coef, the per-token KL penalty's coefficient in the reward (start of --adaptive_kl)
     adaptive_kl: bool = False  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
     target_kl: float = 6.0  # adaptive_kl: target KL per sequence (nats, k1 summed over its tokens)
     kl_horizon: int = 10000  # adaptive_kl: completions over which the coefficient moves by at most a fifth
@@ -1826,7 +1827,7 @@ def validate(cfg):
     )
     check(cfg.clip_eps > 0, f"--clip_eps must be > 0 (got {cfg.clip_eps})")
     check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
-    for name in ("clip_eps_value", "vf_coef", "entropy_coef", "kl_coef", "missing_eos_penalty", "target_kl_stop"):
+    for name in ("clip_eps_value", "vf_coef", "entropy_coef", "beta_kl", "missing_eos_penalty", "target_kl_stop"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.target_kl > 0, f"--target_kl must be > 0 (got {cfg.target_kl})")
     check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
@@ -1958,7 +1959,7 @@ def main():
     if critic is not None:
         value_optimizer = make_optimizer(critic, cfg.value_lr or cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
-    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+    kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
     start_step, tokens, first_eval = 0, 0, None
     if ckpt is not None:
         load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)

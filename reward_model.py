@@ -28,7 +28,7 @@ Where we depart from the papers, on purpose:
     so a resumed run sees the same examples. Reward models overfit soon after one epoch: watch eval/loss.
 The model and the losses are hand-written on purpose: reading them is the point.
 
-Data: `--task preference` reads HH-RLHF (`--dataset Anthropic/hh-rlhf` through `datasets`: its train and test
+Data: `--task preference` reads HH-RLHF (`--data Anthropic/hh-rlhf` through `datasets`: its train and test
 splits) or `--data_path` to a local .jsonl/.jsonl.gz with `chosen` and `rejected` dialogues; then 1 record in 20
 is held out, by gpt.py's hh_sft rule, so an SFT model made by gpt.py from the same file never saw them. Each
 dialogue is split at its last "\\n\\nAssistant:" into prompt and response; a pair longer than --max_len loses the
@@ -91,7 +91,7 @@ import torch.nn.functional as F
 class Config:
     out_dir: str = ""  # run folder; default out/reward_model-<YYYYmmdd-HHMMSS>
     task: str = "preference"  # preference (HH-RLHF pairs) | orm (outcome RM) | prm (process RM) on arithmetic
-    dataset: str = "Anthropic/hh-rlhf"  # preference: hub dataset of chosen/rejected dialogues (train/test splits)
+    data: str = "Anthropic/hh-rlhf"  # preference: hub dataset of chosen/rejected dialogues (train/test splits)
     data_path: str = ""  # preference: local .jsonl/.jsonl.gz with chosen/rejected dialogues instead of the hub
     tokenizer: str = "auto"  # auto | char | gpt2 (auto: the model's; a new model: gpt2 for preference, else char)
     max_len: int = 0  # longest training sequence in tokens (0: the model's block_size); longer ones lose prompt tokens
@@ -1336,14 +1336,14 @@ def load_preference_data(cfg):
         try:
             import datasets
 
-            hub = datasets.load_dataset(cfg.dataset)
+            hub = datasets.load_dataset(cfg.data)
             parts = [
                 [{"chosen": c, "rejected": r} for c, r in zip(hub[s]["chosen"], hub[s]["rejected"])]
                 for s in ("train", "test")
             ]
         except Exception as e:
-            die(f"cannot load {cfg.dataset} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        source = cfg.dataset
+            die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        source = cfg.data
     (train, skipped), (val, skipped_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
     for reason, n in skipped_val.items():
         skipped[reason] = skipped.get(reason, 0) + n

@@ -17,11 +17,11 @@ distribution; pi_ref is the reference's softmax(logits / --temperature) over the
 forward KL stays finite. --kl_type reverse or symmetric with --top_k is refused: KL(pi_ref || pi) is infinite where
 top_k leaves pi no mass, and computing it on the untruncated policy would anchor a distribution that is not the one
 sampled.
-Advantages: --baseline group: A_i = (R_i - mean_K R) / (std_K R + 1e-4) (group_advantages of grpo.py); --baseline ema:
+Advantages: --adv group: A_i = (R_i - mean_K R) / (std_K R + 1e-4) (group_advantages of grpo.py); --adv ema:
 A_i = R_i - b_task with b_task a running mean reward of the prompt's task (P: or A:); --value_head: a scalar head on
 the policy's last hidden states, token advantages by GAE (gae of ppo.py) on the reward at the last token, whitened.
---loss_type grpo | dapo | dr_grpo | gspo | cispo | reinforce as in grpo.py; --adaptive_kl moves beta towards
---kl_target (KL per completion) as Ziegler et al. 2019 do (AdaptiveKLController of ppo.py).
+--loss_type grpo | dapo | dr_grpo | gspo | cispo | reinforce as in grpo.py; --adaptive_kl moves beta (from --beta_kl)
+towards --target_kl (KL per completion) as Ziegler et al. 2019 do (AdaptiveKLController of ppo.py).
 
 The two tasks, one training line each (GPT-2 BPE):
     P:  "P: " + fen.ljust(90) + "M: " + moves.ljust(30) + "E: " + evals.ljust(40) + "B: " + best
@@ -39,7 +39,7 @@ The two tasks, one training line each (GPT-2 BPE):
     by gpt.py on a file of lines); the end is stripped before scoring.
 
 Rewards (score_p, score_a): -0.3 when the completion does not parse; otherwise a raw score in [0, 1], mapped by
---reward_shape ladder to 0.2 (raw < 0.4), 0.4 (< 0.6), 0.6 (< 0.8), 0.8 (< 0.95) or 1.0; continuous keeps raw.
+--reward_mode ladder to 0.2 (raw < 0.4), 0.4 (< 0.6), 0.6 (< 0.8), 0.8 (< 0.95) or 1.0; continuous keeps raw.
     P:  raw = (4 best + 2 format + 1.5 candidates + 1 evals) / 8.5
         best        1 if B is the target's best move
         format      share of four checks: as many evals as moves, as many moves as the target, B among the moves,
@@ -91,7 +91,7 @@ Metrics (metrics.jsonl):
     rl/clip_frac, rl/ratio_mean      clipped tokens and mean ratio (last iteration)
     rl/entropy                       mean entropy of the sampling distribution over completion tokens (nats)
     rl/value_loss                    --value_head: the clipped value loss
-    rl/baseline_p, rl/baseline_a     --baseline ema: the running mean rewards
+    rl/baseline_p, rl/baseline_a     --adv ema: the running mean rewards
     rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end; tokens so far
     rl/pg_loss, train/loss, train/lr, train/grad_norm
     eval/p_format, eval/p_legal_best, eval/p_best_acc, eval/p_top5_acc, eval/p_reward   greedy P: completions: parse
@@ -148,27 +148,27 @@ class Config:
     random_move_frac: float = 0.25  # make_data: share of moves played at random instead of the engine's best
     illegal_frac: float = 0.05  # make_data: share of A: lines whose move is illegal or malformed
     task_mix: float = 0.5  # share of P: prompts in a batch (the rest are A:)
-    reward_shape: str = "ladder"  # ladder (0.2/0.4/0.6/0.8/1.0) | continuous (the raw score)
+    reward_mode: str = "ladder"  # ladder (0.2/0.4/0.6/0.8/1.0) | continuous (the raw score)
     batch_size: int = 8  # prompts per step per rank
-    k_samples: int = 8  # completions per prompt (the group)
+    group_size: int = 8  # completions per prompt (the group)
     horizon: int = 96  # most tokens per completion (P: and A: completions take up to ~80)
     temperature: float = 1.0  # sampling temperature of rollouts
     top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
-    baseline: str = "group"  # group (GRPO group advantages) | ema (running mean reward per task)
-    ema_decay: float = 0.9  # baseline ema: weight of the old mean
+    adv: str = "group"  # group (GRPO group advantages) | ema (running mean reward per task as baseline)
+    ema_decay: float = 0.9  # adv ema: weight of the old mean
     scale_rewards: str = "group"  # group advantages: group | batch (std of every rank's rewards) | none (Dr. GRPO)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = 0.2  # PPO clip range (lower, and upper unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper clip range of dapo, gspo and cispo (0: clip_eps)
-    beta: float = 0.02  # KL coefficient (the start value with --adaptive_kl; 0 without it: no reference model)
+    beta_kl: float = 0.02  # KL coefficient (the start value with --adaptive_kl; 0 without it: no reference model)
     kl_type: str = "forward"  # forward KL(pi || ref) | reverse KL(ref || pi) | symmetric (their mean), exact
-    adaptive_kl: bool = False  # adapt beta towards --kl_target (Ziegler et al. 2019)
-    kl_target: float = 1.0  # adaptive_kl: target KL per completion (nats, summed over its tokens)
+    adaptive_kl: bool = False  # adapt beta towards --target_kl (Ziegler et al. 2019)
+    target_kl: float = 1.0  # adaptive_kl: target KL per completion (nats, summed over its tokens)
     kl_horizon: int = 10000  # adaptive_kl: horizon in completions
     entropy_coef: float = 0.0  # entropy bonus coefficient
-    value_head: bool = False  # a value head on the policy and GAE advantages instead of a baseline
+    value_head: bool = False  # a value head on the policy and GAE advantages instead of --adv
     vf_coef: float = 0.1  # value_head: weight of the value loss
-    vf_clip: float = 0.2  # value_head: clip range of the value loss
+    clip_eps_value: float = 0.2  # value_head: clip range of the value loss
     gamma: float = 1.0  # value_head: discount of GAE
     lam: float = 0.95  # value_head: lambda of GAE
     num_iterations: int = 1  # policy updates per batch of rollouts
@@ -1414,7 +1414,7 @@ def logprobs_and_kl(
 
 
 def ema_advantages(rewards, tasks, baselines):
-    """--baseline ema: each (N,) reward minus the running mean reward of its task (tasks: (N,) indices into the
+    """--adv ema: each (N,) reward minus the running mean reward of its task (tasks: (N,) indices into the
     (n_tasks,) baselines). Unscaled, as REINFORCE with a baseline."""
     return rewards - baselines[tasks]
 
@@ -1990,7 +1990,7 @@ def completion_texts(tok, completion, mask):
 def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     """ALGO LOGIC 1-3: K completions per prompt (groups contiguous), the rewards, then one no-grad pass for the
     sampling policy's log-probs (and values). Returns a dict of per-row tensors."""
-    rows = [r for r in prompts for _ in range(cfg.k_samples)]
+    rows = [r for r in prompts for _ in range(cfg.group_size)]
     ids = [r["ids"] for r in rows]
     model.eval()
     with rt.autocast():
@@ -1999,7 +1999,7 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
     completion, mask = completion[:, :H], mask[:, :H]  # (N, H)
     texts = completion_texts(tok, completion, mask)
-    rewards = [score_record(r, t, cfg.reward_shape) for r, t in zip(rows, texts)]
+    rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
     rewards = torch.tensor(rewards, device=rt.device)  # (N,)
     truncated = ~(torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)).any(1)  # (N,)
     seq, attn = join(ids, completion)
@@ -2061,7 +2061,7 @@ def a_metrics(record, text):
 def evaluate(model, records, cfg, rt, tok, stop_ids):
     """Greedy completions of the held-out prompts (every rank the same, FSDP's forwards are collective), scored per
     task. Returns (metrics, samples text)."""
-    texts, chunk = [], cfg.batch_size * cfg.k_samples
+    texts, chunk = [], cfg.batch_size * cfg.group_size
     for i in range(0, len(records), chunk):
         part = [r["ids"] for r in records[i : i + chunk]]
         with rt.autocast():
@@ -2071,7 +2071,7 @@ def evaluate(model, records, cfg, rt, tok, stop_ids):
     for record, text in zip(records, texts):
         task = record["task"]
         found = (p_metrics if task == "P" else a_metrics)(record, text)
-        found[f"{task.lower()}_reward"] = score_record(record, text, cfg.reward_shape)
+        found[f"{task.lower()}_reward"] = score_record(record, text, cfg.reward_mode)
         counts[task] += 1
         for k, v in found.items():
             sums[k] = sums.get(k, 0.0) + v
@@ -2080,7 +2080,7 @@ def evaluate(model, records, cfg, rt, tok, stop_ids):
     for task in ("P", "A"):
         pairs = [(r, t) for r, t in zip(records, texts) if r["task"] == task][:3]
         for r, t in pairs:
-            reward = score_record(r, t, cfg.reward_shape)
+            reward = score_record(r, t, cfg.reward_mode)
             shown.append(f"{r['prompt']}|{t}\n    target:{r['target']}\n    reward {reward:.2f}")
     return metrics, "\n".join(shown)
 
@@ -2097,7 +2097,7 @@ def peak_memory_mb(rt):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --ref_from / --init_from still hold them."""
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
     return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
@@ -2106,10 +2106,10 @@ def validate(cfg):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     check(cfg.save_every > 0 and cfg.eval_size >= 0, "--save_every must be positive and --eval_size >= 0")
     check(cfg.make_data >= 0, f"--make_data must be >= 0 (got {cfg.make_data})")
-    check(cfg.k_samples >= 1, f"--k_samples must be >= 1 (got {cfg.k_samples})")
+    check(cfg.group_size >= 1, f"--group_size must be >= 1 (got {cfg.group_size})")
     check(
-        cfg.k_samples >= 2 or cfg.baseline == "ema" or cfg.value_head,
-        f"--k_samples must be >= 2 for group advantages, which compare a group's completions (got {cfg.k_samples})",
+        cfg.group_size >= 2 or cfg.adv == "ema" or cfg.value_head,
+        f"--group_size must be >= 2 for group advantages, which compare a group's completions (got {cfg.group_size})",
     )
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(0 <= cfg.task_mix <= 1, f"--task_mix must be in [0, 1] (got {cfg.task_mix})")
@@ -2121,21 +2121,23 @@ def validate(cfg):
     check(cfg.sf_depth > 0 or cfg.sf_nodes > 0, "Stockfish needs a limit: --sf_depth or --sf_nodes > 0")
     check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
-    check(cfg.beta >= 0 and cfg.entropy_coef >= 0 and cfg.vf_coef >= 0, "negative --beta/--entropy_coef/--vf_coef")
-    check(cfg.kl_target > 0 and cfg.kl_horizon > 0, "--kl_target and --kl_horizon must be positive")
+    check(
+        cfg.beta_kl >= 0 and cfg.entropy_coef >= 0 and cfg.vf_coef >= 0, "negative --beta_kl/--entropy_coef/--vf_coef"
+    )
+    check(cfg.target_kl > 0 and cfg.kl_horizon > 0, "--target_kl and --kl_horizon must be positive")
     check(0 < cfg.ema_decay < 1, f"--ema_decay must be in (0, 1) (got {cfg.ema_decay})")
     check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
     check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
-    check(cfg.top_k >= 0 and cfg.vf_clip > 0, "--top_k must be >= 0 and --vf_clip > 0")
+    check(cfg.top_k >= 0 and cfg.clip_eps_value > 0, "--top_k must be >= 0 and --clip_eps_value > 0")
     check(
-        not (cfg.top_k and cfg.kl_type != "forward" and (cfg.beta > 0 or cfg.adaptive_kl)),
+        not (cfg.top_k and cfg.kl_type != "forward" and (cfg.beta_kl > 0 or cfg.adaptive_kl)),
         f"--kl_type {cfg.kl_type} with --top_k: KL(ref || pi) is infinite where top_k leaves pi no mass; use forward",
     )
     check(0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "--gamma and --lam must be in [0, 1]")
     choices = {
         "best_move": ("stockfish", "rookworld"),
-        "reward_shape": ("ladder", "continuous"),
-        "baseline": ("group", "ema"),
+        "reward_mode": ("ladder", "continuous"),
+        "adv": ("group", "ema"),
         "scale_rewards": ("group", "batch", "none"),
         "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
         "kl_type": ("forward", "reverse", "symmetric"),
@@ -2156,7 +2158,7 @@ def main():
     stop = GracefulExit()
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    K = cfg.k_samples
+    K = cfg.group_size
 
     # data: P: and A: records with their prompts' token ids; a fixed held-out set
     stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
@@ -2196,7 +2198,7 @@ def main():
     # frozen reference: the starting policy (reloaded from --init_from on --resume, and checked against the checksum
     # the run stored at its start), never wrapped, never trained
     ref, ref_checksum = None, None
-    if cfg.beta > 0 or cfg.adaptive_kl:
+    if cfg.beta_kl > 0 or cfg.adaptive_kl:
         ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
         ref_checksum = weights_checksum(ref)
         check(
@@ -2212,8 +2214,8 @@ def main():
     policy = wrap_model(actor, rt, cfg.compile)
     optimizer = make_optimizer(actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else None
-    baselines = torch.full((2,), float("nan"), device=rt.device)  # --baseline ema: running mean reward of P:, A:
+    kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon) if cfg.adaptive_kl else None
+    baselines = torch.full((2,), float("nan"), device=rt.device)  # --adv ema: running mean reward of P:, A:
     start_step, tokens, first_eval = 0, 0, None
     if ckpt is not None:
         load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)
@@ -2229,7 +2231,7 @@ def main():
         print(
             f"{model.num_params() / 1e6:.2f}M parameters; {len(train_p)} P: and {len(train_a)} A: training prompts, "
             f"{len(held)} held out; targets from {'Stockfish' if stockfish else 'the data'}; loss {cfg.loss_type}, "
-            f"{'value head + GAE' if cfg.value_head else cfg.baseline + ' baseline'}, device {rt.device}, "
+            f"{'value head + GAE' if cfg.value_head else cfg.adv + ' advantages'}, device {rt.device}, "
             f"{rt.world_size} process(es), out_dir {out_dir}"
         )
 
@@ -2238,7 +2240,7 @@ def main():
         rngs = all_rng_states(rt)
         if rt.master:
             extras = {"tokens": tokens, "first_eval": first_eval, "baselines": baselines.tolist()}
-            extras["kl_coef"] = kl_ctl.value if kl_ctl is not None else cfg.beta
+            extras["kl_coef"] = kl_ctl.value if kl_ctl is not None else cfg.beta_kl
             extras.update(scaler=scaler.state_dict(), ref_checksum=ref_checksum)
             if cfg.value_head:  # the actor's keys are gpt.* and v_head.*
                 extras["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
@@ -2304,7 +2306,7 @@ def main():
             token_rewards = torch.zeros_like(mask).scatter(1, last[:, None], rewards[:, None])  # (N, T)
             adv, returns = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
             adv = whiten(adv, mask)
-        elif cfg.baseline == "ema":
+        elif cfg.adv == "ema":
             present = task_sums[:, 1] > 0
             baselines = ema_update(baselines, task_sums[:, 0] / task_sums[:, 1].clamp(min=1), present, cfg.ema_decay)
             adv = ema_advantages(rewards, tasks, baselines)  # (N,)
@@ -2312,7 +2314,7 @@ def main():
             # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
             # ranks and every rank has N rows, so this rank's advantages are its rows)
             adv = group_advantages(all_rewards, K, cfg.scale_rewards)[rt.rank * N : (rt.rank + 1) * N]  # (N,)
-        beta = kl_ctl.value if kl_ctl is not None else cfg.beta
+        beta = kl_ctl.value if kl_ctl is not None else cfg.beta_kl
         n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
         n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
         n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
@@ -2359,7 +2361,9 @@ def main():
                 loss = loss - cfg.entropy_coef * entropy
                 v_loss = torch.zeros((), device=rt.device)
                 if values is not None:
-                    v_loss = value_loss(values, batch["old_values"][rows], returns[rows], m, cfg.vf_clip, n_tokens)
+                    v_loss = value_loss(
+                        values, batch["old_values"][rows], returns[rows], m, cfg.clip_eps_value, n_tokens
+                    )
                     loss = loss + cfg.vf_coef * v_loss
                 scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                 with torch.no_grad():
@@ -2409,8 +2413,8 @@ def main():
             "rl/ratio_mean": sums[4].item(),
             "rl/pg_loss": sums[5].item(),
             "rl/value_loss": sums[6].item() if cfg.value_head else None,
-            "rl/baseline_p": baselines[0].item() if cfg.baseline == "ema" and not cfg.value_head else None,
-            "rl/baseline_a": baselines[1].item() if cfg.baseline == "ema" and not cfg.value_head else None,
+            "rl/baseline_p": baselines[0].item() if cfg.adv == "ema" and not cfg.value_head else None,
+            "rl/baseline_a": baselines[1].item() if cfg.adv == "ema" and not cfg.value_head else None,
             "rl/completion_len": (n_tokens / n_seqs).item(),
             "rl/truncated_frac": (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item(),
             "rl/tokens": tokens,
@@ -2439,7 +2443,7 @@ def main():
     if rt.master:
         results = {
             "loss_type": cfg.loss_type,
-            "baseline": "value_head" if cfg.value_head else cfg.baseline,
+            "adv": "value_head" if cfg.value_head else cfg.adv,
             "steps": cfg.max_steps,
             "tokens": tokens,
             "wall_time_s": time.time() - t_start,

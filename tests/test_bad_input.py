@@ -97,7 +97,7 @@ CASES = {
     "group_size_1": {
         "char_grpo": (["--group_size", "1"], "--group_size"),
         "grpo": (["--group_size", "1"], "--group_size"),
-        "rookworld_grpo": (["--k_samples", "1"], "--k_samples"),
+        "rookworld_grpo": (["--group_size", "1"], "--group_size"),
     },
     "horizon_beyond_block_size": {
         "gpt": (lambda f: ["--init_from", f.text_ckpt, "--block_size", "64"], "--block_size"),
@@ -152,7 +152,7 @@ CASES = {
             )
             for s in ("grpo", "ppo")
         },
-        "dpo": (lambda f: ["--ref_from", f.bpe_ckpt], "bpe_ckpt.pt"),
+        "dpo": (lambda f: ["--reference", f.bpe_ckpt], "bpe_ckpt.pt"),
         "reward_model": (lambda f: ["--init_from", f.bpe_ckpt, "--tokenizer", "char"], "--tokenizer"),
         "rookworld_grpo": (lambda f: ["--init_from", f.hh_ckpt], "hh_ckpt.pt"),
     },

@@ -12,7 +12,7 @@ from conftest import ROOT, run_script, torchrun
 import char_grpo as cg
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--context_len", "8"]
-SMALL_RUN = [*TINY, "--horizon", "4", "--batch_size", "4", "--group_size", "4", "--eval_contexts", "16"]
+SMALL_RUN = [*TINY, "--horizon", "4", "--batch_size", "4", "--group_size", "4", "--eval_size", "16"]
 
 
 def metrics(out_dir):
@@ -53,7 +53,7 @@ def test_bigram_reference_is_the_normalised_add_one_counts():
 def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tmp_path, text_file, monkeypatch):
     """At --temperature 0.5 the log-probs in the loss, rl/entropy and the bigram reference's log-probs are those of
     softmax(logits / 0.5) (the bigram's: of its log-probs / 0.5), against float64 oracles from the same weights and
-    rollouts; the first of two --ppo_epochs updates has ratio exactly 1 (old and new log-probs agree)."""
+    rollouts; the first of two --num_iterations updates has ratio exactly 1 (old and new log-probs agree)."""
     T, C = 0.5, 8
     passes, losses, kls = [], [], []
     completion_logprobs, policy_loss, kl_penalty = cg.completion_logprobs, cg.policy_loss, cg.kl_penalty
@@ -75,7 +75,7 @@ def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tm
     monkeypatch.setattr(cg, "policy_loss", loss_spy)
     monkeypatch.setattr(cg, "kl_penalty", kl_spy)
     out = tmp_path / "run"
-    args = ["--data", text_file, *SMALL_RUN, "--temperature", T, "--ppo_epochs", 2, "--max_steps", 1]
+    args = ["--data", text_file, *SMALL_RUN, "--temperature", T, "--num_iterations", 2, "--max_steps", 1]
     assert run_in_process([*args, "--out_dir", out], monkeypatch) == 0
     assert len(passes) == len(losses) == 2
 
@@ -133,7 +133,7 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_
     """A few GRPO steps write SPEC section 4's folder; stopping at 4 of 6 steps and resuming gives the same metrics."""
     common = ["--data", text_file, *SMALL_RUN, "--eval_every", "2", "--save_every", "2", "--log_every", "1"]
     full, part = tmp_path / "full", tmp_path / "part"
-    args = ["--reference", "init", "--partial_logprob", "0.1", "--ppo_epochs", "2", "--grad_accum", "2"]
+    args = ["--reference", "init", "--partial_logprob", "0.1", "--num_iterations", "2", "--grad_accum", "2"]
     assert run_script("char_grpo.py", *common, *args, "--out_dir", full, "--max_steps", "6").returncode == 0
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (full / name).is_file(), name

@@ -442,7 +442,7 @@ def test_held_out_split_is_gpt_py_hh_sft_split(tmp_path):
     """dpo's held-out pairs are exactly the dialogues gpt.py --data hh_sft holds out from the same file."""
     gpt = importlib.import_module("gpt")
     path = write_jsonl(tmp_path / "hh.jsonl", synthetic_hh(45))
-    train, val, _ = dpo.load_pairs(SimpleNamespace(data_path=str(path), dataset=""))
+    train, val, _ = dpo.load_pairs(SimpleNamespace(data_path=str(path), data=""))
     assert len(val) == 2 and len(train) == 43
     tok = gpt.BPETokenizer()
     (_, _), (val_ids, _) = gpt.load_splits(SimpleNamespace(data="hh_sft", data_path=str(path)), tok)
@@ -519,7 +519,7 @@ def test_every_loss_type_runs_a_step(tmp_path, hh, loss_type):
     extra = ["--sft_weight", "0.5"] if loss_type == "hinge" else []  # RPO's NLL term on top of a loss
     results, rows = train_in_process(
         tmp_path / "run", *base_args(hh), "--loss_type", loss_type, "--batch_size", "4", "--max_steps", "1",
-        "--eval_pairs", "8", "--num_samples", "2", "--lr", "1e-3", *extra,
+        "--eval_size", "8", "--num_samples", "2", "--lr", "1e-3", *extra,
     )  # fmt: skip
     for name in ("config.json", "metrics.jsonl", "final_results.json", "ckpt.pt", "samples.txt"):
         assert (tmp_path / "run" / name).is_file(), name
@@ -553,7 +553,7 @@ def test_training_batches_give_chosen_and_rejected_rows_the_same_prompt(tmp_path
     rows that go to collate) start with the same prompt tokens, also where the responses differ in length."""
     batches, collate = [], dpo.collate
     monkeypatch.setattr(dpo, "collate", lambda rows, pad_id=0: batches.append(rows) or collate(rows, pad_id))
-    args = [*base_args(hh), "--max_len", "30", "--batch_size", "4", "--max_steps", "1", "--eval_pairs", "4"]
+    args = [*base_args(hh), "--max_len", "30", "--batch_size", "4", "--max_steps", "1", "--eval_size", "4"]
     train_in_process(tmp_path / "run", *args, "--num_samples", "0")
     cut_and_unequal = False
     for rows in batches:
@@ -593,7 +593,7 @@ def test_resume_restores_the_float16_loss_scale(tmp_path, hh):
     """--dtype float16 trains with a GradScaler: its state is saved in ckpt.pt and a resumed run continues from it
     (here a scale of 1024, as after overflows), not from the initial 65536."""
     out = tmp_path / "run"
-    args = [*base_args(hh), "--dtype", "float16", "--batch_size", "4", "--eval_pairs", "4", "--num_samples", "0"]
+    args = [*base_args(hh), "--dtype", "float16", "--batch_size", "4", "--eval_size", "4", "--num_samples", "0"]
     train_in_process(out, *args, "--max_steps", "2")
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["scaler"]["scale"] > 1024.0  # 65536, halved at each step whose gradients overflowed
@@ -701,7 +701,7 @@ def other_tokenizer_checkpoint(hh):
         (["--batch_size", "6", "--grad_accum", "4"], "--grad_accum"),
         (["--max_len", "65"], "block_size"),
         (["--judge", "INIT"], "no reward head"),
-        (["--ref_from", "BPE"], "another tokenizer"),
+        (["--reference", "BPE"], "another tokenizer"),
     ],
 )
 def test_impossible_settings_are_refused_before_training(tmp_path, hh, capsys, args, needle):

@@ -61,14 +61,14 @@ def data(tmp_path_factory):
     dpo_init = char_checkpoint(folder / "dpo_init.pt", chars, block_size=64)
     flags = {
         "gpt.py": ["--data", text, *TINY, "--dropout", "0.1", "--eval_iters", 2, "--num_samples", 1],
-        "char_grpo.py": ["--data", text, *TINY, *RL, "--group_size", 4, "--eval_contexts", 16],
+        "char_grpo.py": ["--data", text, *TINY, *RL, "--group_size", 4, "--eval_size", 16],
         "grpo.py": ["--data", text, *TINY, *RL, "--tokenizer", "char", "--group_size", 4, "--eval_size", 16],
         "ppo.py": ["--data", text, *TINY, *RL, "--tokenizer", "char", "--num_minibatches", 2, "--eval_size", 8],
         "dpo.py": ["--data_path", hh, "--init_from", dpo_init, "--max_len", 64, "--batch_size", 4],
         "reward_model.py": ["--data_path", hh, *TINY, "--max_len", 32, "--tokenizer", "char", "--eval_size", 4],
     }
     flags["gpt.py"] += ["--sample_tokens", 8]
-    flags["dpo.py"] += ["--eval_pairs", 8, "--num_samples", 1, "--sample_tokens", 8, "--lr", "1e-3"]
+    flags["dpo.py"] += ["--eval_size", 8, "--num_samples", 1, "--sample_tokens", 8, "--lr", "1e-3"]
     if BPE_AVAILABLE:  # RookWorld lines from random play, and a random GPT-2-vocabulary model to start from
         lines = rookworld_grpo.make_lines(40, random.Random(0), illegal_frac=0.2)
         (folder / "rookworld.txt").write_text("\n".join(lines) + "\n")
@@ -77,7 +77,7 @@ def data(tmp_path_factory):
         ckpt = {"model": gpt.GPT(config).state_dict(), "model_config": vars(config), "tokenizer": "gpt2", "step": 0}
         torch.save(ckpt, folder / "rookworld_init.pt")
         flags["rookworld_grpo.py"] = ["--data_path", folder / "rookworld.txt", "--init_from"]
-        flags["rookworld_grpo.py"] += [folder / "rookworld_init.pt", "--batch_size", 2, "--k_samples", 2]
+        flags["rookworld_grpo.py"] += [folder / "rookworld_init.pt", "--batch_size", 2, "--group_size", 2]
         flags["rookworld_grpo.py"] += ["--horizon", 8, "--eval_size", 2]
     return {script: [*args, *COMMON] for script, args in flags.items()}
 

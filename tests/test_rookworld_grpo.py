@@ -383,7 +383,7 @@ def test_read_records_counts_and_skips_lines_in_neither_format(tmp_path, capsys)
 
 # ---------------------------------------------------------------------------------------------- end-to-end runs
 
-GRPO = ["--batch_size", "2", "--k_samples", "2", "--horizon", "40", "--eval_size", "2", "--lr", "1e-3"]
+GRPO = ["--batch_size", "2", "--group_size", "2", "--horizon", "40", "--eval_size", "2", "--lr", "1e-3"]
 
 
 @pytest.fixture(scope="module")
@@ -554,7 +554,7 @@ def test_scale_rewards_batch_divides_by_the_std_of_every_ranks_rewards(tmp_path,
     of its own rewards alone; the logged reward mean, std and zero-spread share are those of both ranks' rewards."""
     data, init = sft
     args = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "1"]
-    args += ["--beta", "0", "--scale_rewards", "batch"]
+    args += ["--beta_kl", "0", "--scale_rewards", "batch"]
     train, spied = spy_run(tmp_path, args, nproc=2, env={"SPY_RANDOM_REWARDS": "1"})
     rewards = [first(calls, "batch")["rewards"] for calls in spied]
     everyone = torch.cat(rewards)
@@ -573,7 +573,7 @@ def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
     stopped after step 1 and resumed ends with the uninterrupted run's loss scale, growth tracker and metrics."""
     data, init = sft
     common = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "2"]
-    common += ["--save_every", "1", "--beta", "0", "--dtype", "float16", "--device", "cpu"]
+    common += ["--save_every", "1", "--beta_kl", "0", "--dtype", "float16", "--device", "cpu"]
     full, part = tmp_path / "full", tmp_path / "part"
     proc = run_script("rookworld_grpo.py", *common, "--out_dir", full)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -627,7 +627,7 @@ def test_two_process_torchrun_with_a_value_head_and_adaptive_kl(tmp_path, sft):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--k_samples", "1"], "--k_samples"),
+        (["--group_size", "1"], "--group_size"),
         (["--task_mix", "1.5"], "--task_mix"),
         (["--kl_type", "k3"], "--kl_type"),
         (["--value_head", "--parallel", "fsdp"], "--value_head"),
