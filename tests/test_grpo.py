@@ -459,14 +459,38 @@ def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp
 
 @needs_bpe
 def test_next_token_on_gpt2_bpe_with_the_sparse_bigram_reference(tmp_path, text_file):
-    """The default tokenizer: GPT-2 BPE, a bigram reference over 50,257 ids kept sparse."""
+    """--tokenizer gpt2: GPT-2 BPE, a bigram reference over 50,257 ids kept sparse."""
     out = tmp_path / "run"
-    args = [*TINY, "--context_len", "8", "--horizon", "4", "--batch_size", "2", "--group_size", "2"]
+    args = [
+        *TINY,
+        "--tokenizer",
+        "gpt2",
+        "--context_len",
+        "8",
+        "--horizon",
+        "4",
+        "--batch_size",
+        "2",
+        "--group_size",
+        "2",
+    ]
     proc = run_script("grpo.py", "--data", text_file, *args, "--max_steps", "1", "--eval_size", "4", "--out_dir", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["tokenizer"] == "gpt2" and ckpt["model_config"]["vocab_size"] == 50257
     assert "rl/kl" in [r for r in metrics(out) if "train/loss" in r][0]
+
+
+def test_the_default_configuration_has_reward_signal_from_its_first_step(tmp_path):
+    """The headline command (defaults: next_token on the shipped tiny Shakespeare, a model from scratch, --horizon
+    70) at a tiny width: most groups' rewards differ at step 0, so the gradient is not zero. Over GPT-2 BPE (the old
+    default) a random policy never matches a token and every group scored all zeros (zero_std_frac 1)."""
+    out = tmp_path / "run"
+    small = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--batch_size", "4", "--eval_size", "4"]
+    proc = run_script("grpo.py", "--horizon", "70", *small, "--max_steps", "1", "--out_dir", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = [r for r in metrics(out) if "rl/zero_std_frac" in r][0]
+    assert first["step"] == 0 and first["rl/zero_std_frac"] < 0.5 and first["rl/reward_mean"] > 0
 
 
 @pytest.mark.distributed
