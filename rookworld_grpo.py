@@ -20,8 +20,9 @@ sampled.
 Advantages: --adv group: A_i = (R_i - mean_K R) / (std_K R + 1e-4) (group_advantages of grpo.py); --adv ema:
 A_i = R_i - b_task with b_task a running mean reward of the prompt's task (P: or A:); --value_head: a scalar head on
 the policy's last hidden states, token advantages by GAE (gae of ppo.py) on the reward at the last token, whitened.
---loss_type grpo | dapo | dr_grpo | gspo | cispo | reinforce as in grpo.py; --adaptive_kl moves beta (from --beta_kl)
-towards --target_kl (KL per completion) as Ziegler et al. 2019 do (AdaptiveKLController of ppo.py).
+--loss_type grpo | dapo | dr_grpo | gspo | cispo | reinforce as in grpo.py (gspo clips at the GSPO paper's 3e-4 / 4e-4
+unless --clip_eps is given: its length-normalised sequence ratio stays within 1 +- 0.2); --adaptive_kl moves beta
+(from --beta_kl) towards --target_kl (KL per completion) as Ziegler et al. 2019 do (AdaptiveKLController of ppo.py).
 
 The two tasks, one training line each (GPT-2 BPE):
     P:  "P: " + fen.ljust(90) + "M: " + moves.ljust(30) + "E: " + evals.ljust(40) + "B: " + best
@@ -158,8 +159,8 @@ class Config:
     ema_decay: float = 0.9  # adv ema: weight of the old mean
     scale_rewards: str = "group"  # group advantages: group | batch (std of every rank's rewards) | none (Dr. GRPO)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
-    clip_eps: float = 0.2  # PPO clip range (lower, and upper unless clip_eps_high is set)
-    clip_eps_high: float = 0.0  # upper clip range of dapo, gspo and cispo (0: clip_eps)
+    clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
+    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (0: clip_eps; DAPO: 0.28); unset: 0, gspo 4e-4
     beta_kl: float = 0.02  # KL coefficient (the start value with --adaptive_kl; 0 without it: no reference model)
     kl_type: str = "forward"  # forward KL(pi || ref) | reverse KL(ref || pi) | symmetric (their mean), exact
     adaptive_kl: bool = False  # adapt beta towards --target_kl (Ziegler et al. 2019)
@@ -2101,6 +2102,16 @@ def weights_checksum(model):
     return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
+def resolve_clip(cfg):
+    """The clip ranges left unset (None): 0.2 and 0 (= clip_eps), or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
+    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. A given --clip_eps
+    is gspo's upper range too unless --clip_eps_high is given. config.json records the values used."""
+    gspo = cfg.loss_type == "gspo"
+    clip_eps = cfg.clip_eps if cfg.clip_eps is not None else 3e-4 if gspo else 0.2
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else 4e-4 if gspo and cfg.clip_eps is None else 0.0
+    return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
+
+
 def validate(cfg):
     for name in ("batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
@@ -2148,7 +2159,7 @@ def validate(cfg):
 
 
 def main():
-    cfg = parse_config(Config)
+    cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     if cfg.make_data:
         run_make_data(cfg)
@@ -2367,7 +2378,8 @@ def main():
                     loss = loss + cfg.vf_coef * v_loss
                 scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                 with torch.no_grad():
-                    share = m.sum() / n_tokens
+                    # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+                    share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
                     sums += torch.stack(
                         [
                             loss.detach(),

@@ -638,7 +638,7 @@ def test_two_process_torchrun_with_a_value_head_and_adaptive_kl(tmp_path, sft):
 )
 def test_impossible_settings_exit_2_with_one_line(args, needle, capsys):
     with pytest.raises(SystemExit) as e:
-        rw.validate(rw.parse_config(rw.Config, args))
+        rw.validate(rw.resolve_clip(rw.parse_config(rw.Config, args)))
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(lines) == 1 and needle in lines[0]
 
