@@ -451,7 +451,8 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
         logp = logq.gather(1, y[:, None])[:, 0]
         if not entropy:
             return logp
-        return torch.stack([logp, -(logq.exp() * logq.masked_fill(logq.isinf(), 0)).sum(-1)])  # p = 0: no 0 * inf
+        finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
+        return torch.stack([logp, -(logq.exp() * finite).sum(-1)])
 
     parts = []
     for x, y in zip(h.split(rows), targets.split(rows)):
