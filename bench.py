@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
@@ -102,54 +103,43 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right, and which
+    positions hold real tokens (False on left padding)."""
 
     def __init__(self, config, batch_size, max_len, device):
         self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
         self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
-        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
-        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
+        self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.padded = False  # whether any key is padding (then attention needs an explicit mask)
         self.pos = 0  # positions filled
 
     def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
         if self.k is None:
             self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
+            self.v = torch.empty_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos : end] = k
-        self.v[layer, :, :, self.pos : end] = v
+        self.k[layer, :, :, self.pos : end], self.v[layer, :, :, self.pos : end] = k, v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, attn_mask, layer, cache):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        past = 0 if cache is None else cache.pos
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
-        # attn_mask None means plain causal attention with nothing cached before (or a single query).
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None and past == 0 and T > 1,
-        )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        # attn_mask None: plain causal attention over this chunk (a single query after a cache sees every key)
+        causal = attn_mask is None and k.size(2) == T and T > 1
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -199,105 +189,67 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding=True):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(
-        self,
-        idx,
-        targets=None,
-        attention_mask=None,
-        cache=None,
-        return_hidden=False,
-        keep_last=0,
-        return_logits=True,
-        logprobs=False,
-        entropy=True,
-        temperature=1.0,
-        top_k=None,
-    ):
-        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
-        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
-        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
-        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
-        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads).
-        With targets and return_logits=False the loss is the fused linear_cross_entropy and logits is None
-        (training: the (B, T, V) logits are never held). With targets (token ids here, no -1) and logprobs=True
-        it returns (log p(targets), entropy or None), each (B, T) in float32, from linear_logprobs (RL: the logits
-        are made one chunk at a time), under the sampling distribution of temperature and top_k."""
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **dist):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
+        positions count from each row's first real token. With a KVCache, idx continues the cached sequence and only
+        the last position's logits are computed (all that sampling needs); keep_last=n computes only the last n
+        positions' (the completion's, in RL: the vocabulary projection is the largest matrix). Returns, by output:
+          "logits"    (logits (B, T, V), mean cross-entropy over targets != -1, or None without targets)
+          "hidden"    (final hidden states (B, T, C), None): for reward and value heads
+          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (never all held)
+          "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
+                      temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
         past = 0 if cache is None else cache.pos
         if past + T > self.config.block_size:
             raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
-        if cache is not None and attention_mask is not None:
-            cache.padded = cache.padded or not bool(attention_mask.all())
-        if attention_mask is None and (cache is None or not cache.padded):
-            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
-            if cache is not None:
-                cache.n_real += T
-            mask = None  # plain causal attention
-            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
-        else:
-            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-            keys_real = real  # (B, past+T): which keys are real tokens
-            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
-            if cache is not None:
-                cache.key_real[:, past : past + T] = real
-                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
-                cache.n_real += real.sum(1)
-            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
+        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        padded = attention_mask is not None  # every key is real without a mask: plain causal attention
+        if cache is not None:
+            cache.real[:, past : past + T] = real
+            real = cache.real[:, : past + T]  # (B, past+T)
+            cache.padded = padded = cache.padded or padded
+        pos = (real.long().cumsum(1) - 1).clamp(min=0)[:, past:]  # (B, T), counted from each row's first real token
+        mask = None
+        if padded or (past > 0 and T > 1):  # causal and real keys; a pad query sees itself, so no row is empty
             q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
             k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
-            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
-            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
+            mask = (((k_at <= q_at) & real[:, None, :]) | (k_at == q_at))[:, None]  # (B, 1, T, past+T)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, mask, layer, cache)
         x = self.transformer.ln_f(x)  # (B, T, C)
         if cache is not None:
             cache.pos += T
-            x = x[:, -1:]  # (B, 1, C)
-        elif keep_last:
-            # contiguous: on a strided slice the projection below ran (CPU, training) as a batched product with the
-            # weight expanded per row: 1.4 s per GRPO step in a profile, against about 0.5 s as one matrix product
-            x = x[:, -keep_last:].contiguous()  # (B, keep_last, C)
-        if return_hidden:
+        if cache is not None or keep_last:
+            x = x[:, -(keep_last or 1) :].contiguous()  # contiguous: one matrix product below, not one per row
+        if output == "hidden":
             return x, None
-        if targets is not None and logprobs:
-            flat, w, y = x.flatten(0, 1), self.lm_head.weight, targets.flatten()
-            logp, ent = linear_logprobs(flat, w, y, entropy, temperature, top_k)
+        if output == "logprobs":
+            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **dist)
             return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
-        if targets is not None and not return_logits:
-            loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-            return None, loss / (targets != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if targets is not None:  # mean over targets != -1, summed over row chunks (row_chunks: faster on CPU)
-            flat, tgt = logits.flatten(0, 1), targets.flatten()
-            n = row_chunks(flat)
-            chunks = zip(flat.split(n), tgt.split(n))
-            loss = sum(F.cross_entropy(x.float(), y, ignore_index=-1, reduction="sum") for x, y in chunks)
-            loss = loss / (tgt != -1).sum().clamp(min=1)
-        return logits, loss
-
-    def flops_per_token(self, seq_len):
-        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+        logits = None if output == "loss" else self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        y = targets.flatten()
+        h, w = (x.flatten(0, 1), self.lm_head.weight) if logits is None else (logits.flatten(0, 1), None)
+        logp, _ = linear_logprobs(h, w, y.clamp(min=0), entropy=False)
+        return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
         """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
+        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
         path = name_or_dir
         if not os.path.isdir(path):
             from huggingface_hub import snapshot_download
@@ -305,120 +257,33 @@ class GPT(nn.Module):
             path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        config = GPTConfig(
-            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
-            vocab_size=hf["vocab_size"],
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            n_embd=hf["n_embd"],
-            dropout=dropout,
-            bias=True,
-        )
-        if os.path.exists(os.path.join(path, "model.safetensors")):
-            from safetensors.torch import load_file
-
-            hf_sd = load_file(os.path.join(path, "model.safetensors"))
-        else:
-            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-        model = cls(config)
-        sd = model.state_dict()
+        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
+        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
+        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
+        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        loaded = set()
-        with torch.no_grad():
-            for key, w in hf_sd.items():
-                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                    continue  # causal-mask buffers, and the head tied to wte
-                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
-                if ours not in sd:
-                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
-                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-                if w.shape != sd[ours].shape:
-                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
-                sd[ours].copy_(w)
-                loaded.add(ours)
-        missing = set(sd) - loaded - {"lm_head.weight"}
-        if missing:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
+        for key, w in hf_sd.items():
+            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                continue  # causal-mask buffers, and the tied head
+            ours = key if key.startswith("transformer.") else "transformer." + key
+            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+            if ours not in sd or w.shape != sd[ours].shape:
+                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
+            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
+            loaded.add(ours)
+        if set(sd) - loaded:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
         return model
-
-
-def row_chunks(x):
-    """Rows per chunk for work over (rows, V) logits. On CPU a few rows at a time keep the slice in the cache,
-    which makes softmax-like passes over a 50k vocabulary several times faster than one pass over the whole
-    tensor; on a GPU large chunks only bound the float32 copy of bf16 logits."""
-    return 8 if x.device.type == "cpu" else 4096
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of the logits h @ weight.T against targets (-1: no loss), one chunk of rows at a time,
-    so the (N, V) logits are never held (the fused linear cross-entropy of Liger-Kernel). When gradients are
-    wanted, each chunk's logit gradient (softmax - onehot) becomes its share of dh and dweight at once, in the
-    forward pass, and backward only scales them: the same three matrix products as unfused, without the
-    2 x N x V floats of logits and their gradient. On CPU a chunk stays under 32 MB, the largest block glibc's
-    malloc reuses from one call to the next instead of mapping (and page-faulting) it afresh."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, with_grad, rows):  # (N, C), (V, C), (N,) -> scalar (float32)
-        want_h, want_w = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if want_h else None  # every row is written below
-        grad_w = torch.zeros_like(weight) if want_w else None
-        loss = torch.zeros((), device=h.device)
-        lowp = torch.is_autocast_enabled(h.device.type)  # the products run in the autocast dtype (bf16)
-        direct = not lowp and h.dtype == weight.dtype == torch.float32  # the product can go straight into z_buf
-        # Every chunk's logits and probabilities go into these two: on CPU fresh (rows, V) tensors for each chunk
-        # cost page faults (about 90,000 per step of bench.py's train), about 10% of a step.
-        z_buf, p_buf = (torch.empty(min(rows, h.size(0)), weight.size(0), device=h.device) for _ in range(2))
-        for i in range(0, h.size(0), rows):
-            hc, tc = h[i : i + rows], targets[i : i + rows]
-            keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
-            z, p = z_buf[: hc.size(0)], p_buf[: hc.size(0)]  # (rows, V) float32 logits and probabilities
-            if direct:
-                torch.mm(hc, weight.T, out=z)
-            else:
-                z.copy_(hc @ weight.T)
-            top, zy = z.amax(1, keepdim=True), z.gather(1, y)
-            torch.softmax(z, -1, out=p)  # one exp per logit (log_softmax then exp_ is two, and exp_ is slower)
-            lse = top - p.amax(1, keepdim=True).log()  # the largest probability is exp(top - lse), at least 1/V
-            loss -= ((zy - lse) * keep).sum()
-            if want_h or want_w:
-                g = p.scatter_add_(1, y, -keep.float()).to(weight.dtype)  # softmax - onehot, in place
-                hc = hc * keep  # a row whose target is -1 adds nothing: zeroed here and in dh, (rows, C), not in g
-                if want_h:
-                    grad_h[i : i + rows] = (g @ weight) * keep
-                if want_w and lowp:
-                    grad_w += g.T @ hc  # the product in the autocast dtype (in-place addmm_ would run in float32)
-                elif want_w:
-                    grad_w.addmm_(g.T, hc)  # in place: no (V, C) temporary per chunk (about 8% of the CPU loss)
-        ctx.save_for_backward(grad_h, grad_w)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return (
-            None if grad_h is None else grad_h * grad_loss,
-            None if grad_w is None else grad_w * grad_loss,
-            None,
-            None,
-            None,
-        )
-
-
-def linear_cross_entropy(h, weight, targets, rows=None):
-    """sum of cross_entropy(h @ weight.T, targets) over targets != -1, fused: (N, C), (V, C), (N,) -> scalar.
-    rows per chunk: 4096 on a GPU; on CPU as many as keep a float32 chunk under 32 MB (166 for GPT-2's vocab)."""
-    rows = rows or (4096 if h.device.type == "cuda" else max(1, 2**23 // weight.size(0)))
-    return LinearCrossEntropy.apply(h, weight, targets, torch.is_grad_enabled(), rows)
 
 
 def sampling_logits(logits, temperature=1.0, top_k=None, keep=None):
     """The float32 logits of the distribution the sampler draws from: logits / temperature, and -inf below the
     top_k-th largest (ties kept). keep (...,) token ids stay in the set even if below it: a token that the policy
     sampled before an update is scored, not excluded (at the sampling policy itself it is always inside)."""
-    z = logits.float() if temperature == 1 else logits.float() / temperature  # (..., V)
+    z = logits.float() / temperature  # (..., V)
     if top_k:
-        kth = torch.topk(z, min(top_k, z.size(-1)), dim=-1).values[..., -1:]  # (..., 1)
-        drop = z < kth
+        drop = z < torch.topk(z, min(top_k, z.size(-1)), dim=-1).values[..., -1:]
         if keep is not None:
             drop = drop.scatter(-1, keep[..., None], False)
         z = z.masked_fill(drop, float("-inf"))
@@ -432,27 +297,24 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
     (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V."""
 
     def chunk(x, y):  # (n, C) or (n, V), (n,) -> (n,) or (2, n)
-        z = sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, keep=y)
-        logq = torch.log_softmax(z, -1)  # (n, V)
+        logq = torch.log_softmax(sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, y), -1)
         logp = logq.gather(1, y[:, None])[:, 0]
         if not entropy:
             return logp
         finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
         return torch.stack([logp, -(logq.exp() * finite).sum(-1)])
 
-    parts = []
-    for x, y in zip(h.split(rows), targets.split(rows)):
-        grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
-        parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) if grad else chunk(x, y))
-    out = torch.cat(parts, -1)
+    split = zip(h.split(rows), targets.split(rows))
+    out = torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in split], -1)
     return (out[0], out[1]) if entropy else (out, None)
 
 
 def token_logprobs(logits, targets, temperature=1.0, top_k=None):
     """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
     (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
-    flat = logits.flatten(0, -2)
-    return linear_logprobs(flat, None, targets.flatten(), False, temperature, top_k)[0].view(targets.shape)
+    return linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)[0].view(
+        targets.shape
+    )
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
@@ -468,42 +330,40 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
 
 
+def left_pad(prompts, device):
+    """A list of token-id lists as (idx, attention_mask), each (B, T) and left-padded to the longest (pad id 0)."""
+    width = max(len(p) for p in prompts)
+    idx = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    return idx, torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+
+
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
     """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
     LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
     completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
-    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    produced eos. eos_id may be a list of ids that each end a row (the first is the filler after the end).
+    use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
     device = next(model.parameters()).device
-    if isinstance(prompts, torch.Tensor):
-        idx, attn = prompts.to(device), None
-    else:
-        width = max(len(p) for p in prompts)
-        idx = torch.zeros(len(prompts), width, dtype=torch.long)
-        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            if len(p):
-                idx[i, width - len(p) :] = torch.as_tensor(p)
-            attn[i, width - len(p) :] = True
-        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
+    idx, attn = (prompts.to(device), None) if isinstance(prompts, torch.Tensor) else left_pad(prompts, device)
+    attn = None if attn is None or attn.all() else attn
     B, T = idx.shape
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
     cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     for step in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
         masks.append(~done)
-        if eos_id is not None:
-            nxt = nxt.masked_fill(done, eos_id)
-            done = done | (nxt == eos_id)
+        if stop is not None:
+            nxt = nxt.masked_fill(done, stop[0])
+            done = done | torch.isin(nxt, stop)
         tokens.append(nxt)
         # checking every 8th token keeps the host from waiting on the device at every step
-        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
+        if step == max_new_tokens - 1 or (stop is not None and step % 8 == 7 and bool(done.all())):
             break
         if use_cache:
             logits, _ = model(nxt[:, None], cache=cache)
@@ -581,6 +441,12 @@ def parse_config(argv=None):
 # Measurements: each takes (model, cfg, env) and returns (value, unit, details).
 
 
+def flops_per_token(model, seq_len):
+    """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+    c = model.config
+    return 6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -624,7 +490,7 @@ def train_setup(model, cfg, env):
 
     def step():
         with env["autocast"]():
-            _, loss = model(x, targets=y, return_logits=False)  # as gpt.py trains: fused cross-entropy
+            _, loss = model(x, targets=y, output="loss")  # as gpt.py trains: fused cross-entropy
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -639,7 +505,7 @@ def bench_train(model, cfg, env):
     tokens = cfg.train_batch * cfg.train_seq
     mfu = None
     if env["peak_flops"]:
-        mfu = env["raw_model"].flops_per_token(cfg.train_seq) * tokens / seconds / env["peak_flops"]
+        mfu = flops_per_token(env["raw_model"], cfg.train_seq) * tokens / seconds / env["peak_flops"]
     details = dict(train_batch=cfg.train_batch, train_seq=cfg.train_seq, step_ms=1000 * seconds, mfu=mfu)
     return tokens / seconds, "tokens/s", details
 

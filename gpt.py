@@ -44,14 +44,18 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
+import tiktoken
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
 # Config: every field is a command-line flag (`--key value`, `--flag` / `--no-flag`); the comment is its help.
@@ -103,1071 +107,44 @@ class Config:
     wandb_project: str = "rlhf-gpt"  # wandb project
 
 
-# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
-@dataclass
-class GPTConfig:
-    block_size: int = 1024  # longest sequence (learned positions)
-    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
-
-
-class KVCache:
-    """Keys and values of every layer, preallocated for the whole generation and filled left to right."""
-
-    def __init__(self, config, batch_size, max_len, device):
-        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
-        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
-        self.key_real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False on padding
-        self.n_real = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens so far per row
-        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
-        self.pos = 0  # positions filled
-
-    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
-        if self.k is None:
-            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(self.shape, dtype=v.dtype, device=v.device)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos : end] = k
-        self.v[layer, :, :, self.pos : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.n_head, self.n_embd, self.dropout = (config.n_head, config.n_embd, config.dropout)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x, attn_mask, layer, cache):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        past = 0 if cache is None else cache.pos
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
-        # attn_mask None means plain causal attention with nothing cached before (or a single query).
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None and past == 0 and T > 1,
-        )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
-
-class Block(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
-
-    def forward(self, x, attn_mask, layer, cache):
-        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
-
-    def forward(
-        self,
-        idx,
-        targets=None,
-        attention_mask=None,
-        cache=None,
-        return_hidden=False,
-        keep_last=0,
-        return_logits=True,
-        logprobs=False,
-        entropy=True,
-        temperature=1.0,
-        top_k=None,
-    ):
-        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left)
-        padding. With a KVCache, idx continues the cached sequence and only the last position's logits are
-        computed (all that sampling needs); keep_last=n computes only the last n positions' (the completion's,
-        in RL: the vocabulary projection is the largest matrix). Returns (logits (B, T, V), mean cross-entropy or
-        None), or with return_hidden the final hidden states (B, T, C) instead of logits (reward, value heads).
-        With targets and return_logits=False the loss is the fused linear_cross_entropy and logits is None
-        (training: the (B, T, V) logits are never held). With targets (token ids here, no -1) and logprobs=True
-        it returns (log p(targets), entropy or None), each (B, T) in float32, from linear_logprobs (RL: the logits
-        are made one chunk at a time), under the sampling distribution of temperature and top_k."""
-        B, T = idx.size()
-        past = 0 if cache is None else cache.pos
-        if past + T > self.config.block_size:
-            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
-        if cache is not None and attention_mask is not None:
-            cache.padded = cache.padded or not bool(attention_mask.all())
-        if attention_mask is None and (cache is None or not cache.padded):
-            pos = torch.arange(past, past + T, device=idx.device)  # (T,)
-            if cache is not None:
-                cache.n_real += T
-            mask = None  # plain causal attention
-            if past > 0 and T > 1:  # a chunk after cached keys: causal mask shifted by `past`
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
-        else:
-            real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-            keys_real = real  # (B, past+T): which keys are real tokens
-            prior = torch.zeros(B, dtype=torch.long, device=idx.device)  # real tokens before this chunk
-            if cache is not None:
-                cache.key_real[:, past : past + T] = real
-                keys_real, prior = cache.key_real[:, : past + T], cache.n_real.clone()
-                cache.n_real += real.sum(1)
-            pos = (prior[:, None] + real.long().cumsum(1) - 1).clamp(min=0)  # (B, T): counted from first real
-            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
-            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
-            mask = (k_at <= q_at) & keys_real[:, None, :]  # (B, T, past+T): causal and real
-            mask = (mask | (k_at == q_at))[:, None]  # (B, 1, T, past+T); a pad query sees itself: no empty row
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for layer, block in enumerate(self.transformer.h):
-            x = block(x, mask, layer, cache)
-        x = self.transformer.ln_f(x)  # (B, T, C)
-        if cache is not None:
-            cache.pos += T
-            x = x[:, -1:]  # (B, 1, C)
-        elif keep_last:
-            # contiguous: on a strided slice the projection below ran (CPU, training) as a batched product with the
-            # weight expanded per row: 1.4 s per GRPO step in a profile, against about 0.5 s as one matrix product
-            x = x[:, -keep_last:].contiguous()  # (B, keep_last, C)
-        if return_hidden:
-            return x, None
-        if targets is not None and logprobs:
-            flat, w, y = x.flatten(0, 1), self.lm_head.weight, targets.flatten()
-            logp, ent = linear_logprobs(flat, w, y, entropy, temperature, top_k)
-            return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
-        if targets is not None and not return_logits:
-            loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-            return None, loss / (targets != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if targets is not None:  # mean over targets != -1, summed over row chunks (row_chunks: faster on CPU)
-            flat, tgt = logits.flatten(0, 1), targets.flatten()
-            n = row_chunks(flat)
-            chunks = zip(flat.split(n), tgt.split(n))
-            loss = sum(F.cross_entropy(x.float(), y, ignore_index=-1, reduction="sum") for x, y in chunks)
-            loss = loss / (tgt != -1).sum().clamp(min=1)
-        return logits, loss
-
-    def flops_per_token(self, seq_len):
-        """Forward+backward FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * seq_len
-
-    @classmethod
-    def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M)."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        config = GPTConfig(
-            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
-            vocab_size=hf["vocab_size"],
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            n_embd=hf["n_embd"],
-            dropout=dropout,
-            bias=True,
-        )
-        if os.path.exists(os.path.join(path, "model.safetensors")):
-            from safetensors.torch import load_file
-
-            hf_sd = load_file(os.path.join(path, "model.safetensors"))
-        else:
-            hf_sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-        model = cls(config)
-        sd = model.state_dict()
-        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        loaded = set()
-        with torch.no_grad():
-            for key, w in hf_sd.items():
-                if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                    continue  # causal-mask buffers, and the head tied to wte
-                ours = key if key.startswith("transformer.") else "transformer." + key  # both hub layouts
-                if ours not in sd:
-                    raise ValueError(f"{path}: unexpected GPT-2 weight {key}")
-                w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-                if w.shape != sd[ours].shape:
-                    raise ValueError(f"{path}: {key} has shape {tuple(w.shape)}, expected {tuple(sd[ours].shape)}")
-                sd[ours].copy_(w)
-                loaded.add(ours)
-        missing = set(sd) - loaded - {"lm_head.weight"}
-        if missing:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(missing)[:3]}")
-        return model
-
-
-def row_chunks(x):
-    """Rows per chunk for work over (rows, V) logits. On CPU a few rows at a time keep the slice in the cache,
-    which makes softmax-like passes over a 50k vocabulary several times faster than one pass over the whole
-    tensor; on a GPU large chunks only bound the float32 copy of bf16 logits."""
-    return 8 if x.device.type == "cpu" else 4096
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of the logits h @ weight.T against targets (-1: no loss), one chunk of rows at a time,
-    so the (N, V) logits are never held (the fused linear cross-entropy of Liger-Kernel). When gradients are
-    wanted, each chunk's logit gradient (softmax - onehot) becomes its share of dh and dweight at once, in the
-    forward pass, and backward only scales them: the same three matrix products as unfused, without the
-    2 x N x V floats of logits and their gradient. On CPU a chunk stays under 32 MB, the largest block glibc's
-    malloc reuses from one call to the next instead of mapping (and page-faulting) it afresh."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, with_grad, rows):  # (N, C), (V, C), (N,) -> scalar (float32)
-        want_h, want_w = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if want_h else None  # every row is written below
-        grad_w = torch.zeros_like(weight) if want_w else None
-        loss = torch.zeros((), device=h.device)
-        lowp = torch.is_autocast_enabled(h.device.type)  # the products run in the autocast dtype (bf16)
-        direct = not lowp and h.dtype == weight.dtype == torch.float32  # the product can go straight into z_buf
-        # Every chunk's logits and probabilities go into these two: on CPU fresh (rows, V) tensors for each chunk
-        # cost page faults (about 90,000 per step of bench.py's train), about 10% of a step.
-        z_buf, p_buf = (torch.empty(min(rows, h.size(0)), weight.size(0), device=h.device) for _ in range(2))
-        for i in range(0, h.size(0), rows):
-            hc, tc = h[i : i + rows], targets[i : i + rows]
-            keep, y = (tc != -1)[:, None], tc.clamp(min=0)[:, None]
-            z, p = z_buf[: hc.size(0)], p_buf[: hc.size(0)]  # (rows, V) float32 logits and probabilities
-            if direct:
-                torch.mm(hc, weight.T, out=z)
-            else:
-                z.copy_(hc @ weight.T)
-            top, zy = z.amax(1, keepdim=True), z.gather(1, y)
-            torch.softmax(z, -1, out=p)  # one exp per logit (log_softmax then exp_ is two, and exp_ is slower)
-            lse = top - p.amax(1, keepdim=True).log()  # the largest probability is exp(top - lse), at least 1/V
-            loss -= ((zy - lse) * keep).sum()
-            if want_h or want_w:
-                g = p.scatter_add_(1, y, -keep.float()).to(weight.dtype)  # softmax - onehot, in place
-                hc = hc * keep  # a row whose target is -1 adds nothing: zeroed here and in dh, (rows, C), not in g
-                if want_h:
-                    grad_h[i : i + rows] = (g @ weight) * keep
-                if want_w and lowp:
-                    grad_w += g.T @ hc  # the product in the autocast dtype (in-place addmm_ would run in float32)
-                elif want_w:
-                    grad_w.addmm_(g.T, hc)  # in place: no (V, C) temporary per chunk (about 8% of the CPU loss)
-        ctx.save_for_backward(grad_h, grad_w)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return (
-            None if grad_h is None else grad_h * grad_loss,
-            None if grad_w is None else grad_w * grad_loss,
-            None,
-            None,
-            None,
-        )
-
-
-def linear_cross_entropy(h, weight, targets, rows=None):
-    """sum of cross_entropy(h @ weight.T, targets) over targets != -1, fused: (N, C), (V, C), (N,) -> scalar.
-    rows per chunk: 4096 on a GPU; on CPU as many as keep a float32 chunk under 32 MB (166 for GPT-2's vocab)."""
-    rows = rows or (4096 if h.device.type == "cuda" else max(1, 2**23 // weight.size(0)))
-    return LinearCrossEntropy.apply(h, weight, targets, torch.is_grad_enabled(), rows)
-
-
-def sampling_logits(logits, temperature=1.0, top_k=None, keep=None):
-    """The float32 logits of the distribution the sampler draws from: logits / temperature, and -inf below the
-    top_k-th largest (ties kept). keep (...,) token ids stay in the set even if below it: a token that the policy
-    sampled before an update is scored, not excluded (at the sampling policy itself it is always inside)."""
-    z = logits.float() if temperature == 1 else logits.float() / temperature  # (..., V)
-    if top_k:
-        kth = torch.topk(z, min(top_k, z.size(-1)), dim=-1).values[..., -1:]  # (..., 1)
-        drop = z < kth
-        if keep is not None:
-            drop = drop.scatter(-1, keep[..., None], False)
-        z = z.masked_fill(drop, float("-inf"))
-    return z
-
-
-def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=None, rows=1024):
-    """(log p(targets), entropy or None) per row, each (N,) float32, under the sampling distribution
-    softmax(sampling_logits(h @ weight.T, temperature, top_k)); with weight None, h already holds the logits
-    (N, V). One chunk of rows at a time; with a gradient each chunk is recomputed in backward
-    (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V."""
-
-    def chunk(x, y):  # (n, C) or (n, V), (n,) -> (n,) or (2, n)
-        z = sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, keep=y)
-        logq = torch.log_softmax(z, -1)  # (n, V)
-        logp = logq.gather(1, y[:, None])[:, 0]
-        if not entropy:
-            return logp
-        finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
-        return torch.stack([logp, -(logq.exp() * finite).sum(-1)])
-
-    parts = []
-    for x, y in zip(h.split(rows), targets.split(rows)):
-        grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
-        parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) if grad else chunk(x, y))
-    out = torch.cat(parts, -1)
-    return (out[0], out[1]) if entropy else (out, None)
-
-
-def token_logprobs(logits, targets, temperature=1.0, top_k=None):
-    """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
-    (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
-    flat = logits.flatten(0, -2)
-    return linear_logprobs(flat, None, targets.flatten(), False, temperature, top_k)[0].view(targets.shape)
-
-
-def sample_next(logits, temperature=1.0, top_k=None, generator=None):
-    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits
-    (sampling_logits). Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is
-    exact, and much cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
-    if temperature == 0:
-        return logits.argmax(-1)  # (B,)
-    cdf = torch.softmax(sampling_logits(logits, temperature, top_k), dim=-1).cumsum_(-1)  # (B, V)
-    device = generator.device if generator is not None else logits.device
-    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
-    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
-
-
-@torch.no_grad()
-def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
-    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
-    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
-    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
-    produced eos. use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
-    device = next(model.parameters()).device
-    if isinstance(prompts, torch.Tensor):
-        idx, attn = prompts.to(device), None
-    else:
-        width = max(len(p) for p in prompts)
-        idx = torch.zeros(len(prompts), width, dtype=torch.long)
-        attn = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            if len(p):
-                idx[i, width - len(p) :] = torch.as_tensor(p)
-            attn[i, width - len(p) :] = True
-        idx, attn = idx.to(device), (None if attn.all() else attn.to(device))
-    B, T = idx.shape
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-    if T + max_new_tokens > model.config.block_size:
-        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
-    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens, masks = [], []
-    logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
-        masks.append(~done)
-        if eos_id is not None:
-            nxt = nxt.masked_fill(done, eos_id)
-            done = done | (nxt == eos_id)
-        tokens.append(nxt)
-        # checking every 8th token keeps the host from waiting on the device at every step
-        if step == max_new_tokens - 1 or (eos_id is not None and step % 8 == 7 and bool(done.all())):
-            break
-        if use_cache:
-            logits, _ = model(nxt[:, None], cache=cache)
-        else:
-            idx = torch.cat([idx, nxt[:, None]], dim=1)
-            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-            logits, _ = model(idx, attention_mask=attn, keep_last=1)
-    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
-
-
-# ----- END SHARED BLOCK: model -----
-
-
-# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
-class _ArgParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def parse_config(cls, argv=None):
-    """Build the command line from a Config dataclass: each field is a flag and its comment is the help."""
-    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
-    parser = _ArgParser(
-        description=(sys.modules["__main__"].__doc__ or "").strip().split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    for f in dataclasses.fields(cls):
-        kw = dict(default=f.default, help=helps.get(f.name, " "))
-        if f.type is bool:
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
-        else:
-            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = cls(**vars(parser.parse_args(argv)))
-    if getattr(cfg, "resume", False):  # the run's own settings, overridden by the flags given now
-        check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
-        saved_path = os.path.join(cfg.out_dir, "config.json")
-        check(os.path.isfile(saved_path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
-        try:
-            with open(saved_path) as f:
-                saved = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            die(f"--resume: cannot read {saved_path} ({type(e).__name__}); restore it or start a new run")
-        check(isinstance(saved, dict), f"--resume: {saved_path} does not hold the settings of a run")
-        given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
-        names = {f.name for f in dataclasses.fields(cls)}
-        foreign = sorted(set(saved) - names)
-        check(
-            not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})"
-        )
-        cfg = dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given})
-    return cfg
-
-
-def die(message):
-    """Bad input: one clear line on stderr, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check(condition, message):
-    if not condition:
-        die(message)
-
-
-@dataclass
-class Runtime:
-    device: torch.device
-    dtype: torch.dtype
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    parallel: str = "ddp"
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    @property
-    def distributed(self):
-        return self.world_size > 1
-
-    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
-        if self.dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
-
-
-def setup_runtime(cfg):
-    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
-    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
-    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
-    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check(device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
-    check(device != "mps" or torch.backends.mps.is_available(), "--device mps: MPS is not available")
-    rank, local_rank, world_size = 0, 0, 1
-    if int(os.environ.get("RANK", -1)) != -1:  # launched by torchrun
-        import torch.distributed as dist
-
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        world_size = int(os.environ["WORLD_SIZE"])
-        if device == "cuda":
-            device = f"cuda:{local_rank}"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    device = torch.device(device)
-    dtype = cfg.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-        dtype = "float16" if device.type == "cuda" and dtype == "float32" else dtype
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    seed_everything(cfg.seed + rank)
-    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def all_reduce(tensor, rt, op="sum"):
-    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
-    if rt.distributed:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return tensor
-
-
-def broadcast_object(obj, rt):
-    """Rank 0's value of a picklable object on every rank."""
-    if rt.distributed:
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        obj = box[0]
-    return obj
-
-
-def cleanup(rt):
-    """Leave the process group once every rank is done: a rank that tears down its connections while another still
-    has a collective in flight can abort that rank (gloo ends it with std::terminate)."""
-    if rt.distributed:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def broadcast_weights(model, rt):
-    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
-    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
-    if rt.distributed:
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t, src=0)
-
-
-def wrap_model(model, rt, compile=False):
-    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
-    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
-    broadcast_weights(model, rt)
-    if rt.distributed and rt.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
-        return torch.compile(model) if compile else model
-    if compile:
-        model = torch.compile(model)
-    if rt.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
-    return model
-
-
-def grad_sync(model, enabled):
-    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
-    locally, which saves one communication per micro-batch."""
-    if hasattr(model, "require_backward_grad_sync"):  # DDP
-        model.require_backward_grad_sync = enabled
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-
-
-def make_optimizer(model, lr, weight_decay, betas, device):
-    """AdamW; matrices decay, biases, LayerNorm gains and nothing else do not. The fused kernel (CUDA and CPU)
-    updates each parameter in one pass, without temporaries the size of the 50k-token embedding: on CPU it
-    is about 4x faster than the default, which matters for small models."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
-
-
-def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
-    if step < warmup_steps:
-        return lr * (step + 1) / (warmup_steps + 1)
-    if step >= decay_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-def clip_grad_norm(model, max_norm):
-    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
-
-
-def mfu(flops_per_step, seconds, rt):
-    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU)."""
-    if rt.device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(rt.device)
-    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
-    peak = next((v for k, v in peaks.items() if k in name), None)
-    return None if peak is None else flops_per_step / (seconds * peak * rt.world_size)
-
-
-class GracefulExit:
-    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
-    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
-    Test hooks: FAULT_SIGTERM_AT_STEP=N acts as a SIGTERM after N completed steps; FAULT_RAISE_AT_STEP=N raises an
-    error on rank FAULT_RAISE_RANK (default 0) after N completed steps, as a crashing rank would."""
-
-    def __init__(self):
-        self.signum = 0
-        self.fault_step = int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1))
-        self.raise_step = int(os.environ.get("FAULT_RAISE_AT_STEP", -1))
-        self.raise_rank = int(os.environ.get("FAULT_RAISE_RANK", 0))
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self._handler)
-
-    def _handler(self, signum, frame):
-        self.signum = signum
-
-    def requested(self, completed_steps, rt):
-        if completed_steps == self.fault_step:
-            self.signum = signal.SIGTERM
-        if completed_steps == self.raise_step and rt.rank == self.raise_rank:
-            raise RuntimeError(f"FAULT_RAISE_AT_STEP: injected error on rank {rt.rank} after step {completed_steps}")
-        # the signal any rank got (self.signum itself is left to the handler: writing it here could erase a signal
-        # that arrives during the all_reduce)
-        self.agreed = int(all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item())
-        return self.agreed > 0
-
-    def exit(self, step, out_dir, rt):
-        """Once the checkpoint of step is saved: one line saying how to continue, then exit 143 or 130."""
-        if rt.master:
-            name = signal.Signals(self.agreed).name
-            note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
-        cleanup(rt)
-        sys.exit(128 + self.agreed)
-
-
-def note(message):
-    """One line on stderr, above tqdm's progress bar when one is showing rather than glued to its end."""
-    from tqdm import tqdm
-
-    tqdm.write(message, file=sys.stderr)
-
-
-def stop_if_not_finite(loss, step, ckpt_path, rt):
-    """A NaN or infinite loss ends the run with exit code 1 before this step can be saved, so ckpt.pt stays the last
-    good checkpoint. The loss is all-reduced, so every rank stops here together. FAULT_NAN_AT_STEP=N (for tests)
-    makes step N's loss NaN."""
-    if step == int(os.environ.get("FAULT_NAN_AT_STEP", -1)):
-        loss = float("nan")
-    if math.isfinite(loss):
-        return
-    if rt.master:
-        kept = f"{ckpt_path} is kept (resume from it with --resume and a lower --lr)"
-        if not os.path.exists(ckpt_path):
-            kept = "no checkpoint had been saved yet"
-        note(f"error: loss is {loss} at step {step}; stopping. {kept}")
-    cleanup(rt)
-    sys.exit(1)
-
-
-def rng_state():
-    state = {
-        "python": random.getstate(),
-        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def training_state(model, optimizer, rt):
-    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
-    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    fsdp = rt.distributed and rt.parallel == "fsdp"
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
-    model_sd = get_model_state_dict(model, options=opts) if fsdp else model.state_dict()
-    model_sd = {k: v.detach().cpu() for k, v in model_sd.items()}
-    return model_sd, get_optimizer_state_dict(model, optimizer, options=opts)
-
-
-def load_optimizer_state(model, optimizer, state, rt):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    fsdp = rt.distributed and rt.parallel == "fsdp"
-    opts = StateDictOptions(full_state_dict=True) if fsdp else None
-    set_optimizer_state_dict(model, optimizer, state, options=opts)
-
-
-def all_rng_states(rt):
-    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
-    if not rt.distributed:
-        return [rng_state()]
-    import torch.distributed as dist
-
-    states = [None] * rt.world_size
-    dist.all_gather_object(states, rng_state())
-    return states
-
-
-def restore_rng(ckpt, rt):
-    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
-    if len(states) == rt.world_size:
-        set_rng_state(states[rt.rank])
-    else:  # another world size: rank 0's stream, then a distinct seed per rank
-        set_rng_state(ckpt["rng"])
-        if rt.rank:
-            seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
-
-
-def save_checkpoint(path, ckpt):
-    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
-    any moment leaves either the previous or the new complete checkpoint. A failed write (disk full) ends the run
-    with exit code 1 and keeps the previous checkpoint. FAULT_SLOW_SAVE_AT_STEP=N (for tests) pauses step N's save
-    between the write and the rename, so a test can kill the process in the middle of a save."""
-    tmp = f"{path}.tmp"
-    try:
-        torch.save(ckpt, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        why = e.strerror if isinstance(e, OSError) else f"{str(e).splitlines()[0]}: is the disk full?"
-        note(f"error: cannot write the checkpoint {tmp} ({why}); {path} is left as it was")
-        sys.exit(1)
-    if ckpt["step"] == int(os.environ.get("FAULT_SLOW_SAVE_AT_STEP", -1)):
-        time.sleep(60)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path):
-    check(os.path.isfile(path), f"no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"cannot read checkpoint {path} ({type(e).__name__}): truncated or not a checkpoint; pass an intact one")
-    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
-    return ckpt
-
-
-def load_model(init_from, dropout=0.0):
-    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
-    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
-    if os.path.isfile(init_from):
-        ckpt = load_checkpoint(init_from)
-        config = GPTConfig(**{**ckpt["model_config"], "dropout": dropout})
-        model = GPT(config)
-        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
-        return model, ckpt["tokenizer"], ckpt
-    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
-        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
-    check(
-        not init_from.endswith(".pt") and not init_from.startswith(("/", ".", "~")),
-        f"--init_from {init_from}: no such file",
-    )
-    try:
-        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
-    except ValueError as e:
-        die(f"--init_from {init_from}: {e}")
-    except Exception as e:  # hub errors: offline, unknown id, no weights
-        die(
-            f"--init_from {init_from}: cannot load it from the Hugging Face hub ({type(e).__name__}); "
-            "pass a ckpt.pt or a local folder with config.json and model.safetensors"
-        )
-
-
-class CharTokenizer:
-    """One token per character of a fixed alphabet."""
-
-    def __init__(self, chars):
-        self.chars = "".join(chars)
-        self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.vocab_size = len(self.chars)
-        self.eot_id = None
-        self.spec = {"type": "char", "chars": self.chars}
-
-    def encode(self, text):
-        return [self.stoi[c] for c in text]
-
-    def decode(self, ids):
-        return "".join(self.chars[i] for i in ids)
-
-
-class BPETokenizer:
-    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
-
-    def __init__(self):
-        import tiktoken
-
-        try:
-            self.enc = tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            die(
-                f"cannot load the GPT-2 BPE files ({type(e).__name__}); online they download once, "
-                "offline set TIKTOKEN_CACHE_DIR to a folder holding them"
-            )
-        self.vocab_size, self.eot_id, self.spec = (self.enc.n_vocab, self.enc.eot_token, "gpt2")
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def decode(self, ids):
-        return self.enc.decode(list(ids))
-
-
-def get_tokenizer(spec):
-    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
-    if spec == "gpt2":
-        return BPETokenizer()
-    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
-    return CharTokenizer(spec["chars"])
-
-
-def download(url, path):
-    """Fetch url to path once (temporary file + rename), for data the scripts use by default."""
-    if os.path.exists(path):
-        return path
-    import requests
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    print(f"downloading {url} -> {path}")
-    try:
-        with requests.get(url, stream=True, timeout=30) as r:
-            r.raise_for_status()
-            with open(f"{path}.tmp", "wb") as f:
-                for chunk in r.iter_content(1 << 20):
-                    f.write(chunk)
-    except Exception as e:
-        die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    os.replace(f"{path}.tmp", path)
-    return path
-
-
-def read_text(path):
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError:
-        die(f"{path} is not UTF-8 text")
-    check(text, f"data file {path} is empty")
-    return text
-
-
 def read_jsonl(path, required):
     """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
     skipped with a summary line; a file with no usable record is an error."""
     check(os.path.isfile(path), f"data file {path} does not exist")
-    records, bad = [], 0
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    bad += 1
-                    continue
-                if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in required):
-                    records.append(rec)
-                else:
-                    bad += 1
+            lines = [line for line in f if line.strip()]
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(records or bad, f"data file {path} is empty")
+    check(lines, f"data file {path} is empty")
+    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
     check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
     if bad:
         print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
     return records
 
 
-def prepare_out_dir(cfg, script, rt):
-    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
-    before anything is loaded. It writes no file of the run: save_config does, once every input has been checked,
-    so that bad input leaves a run folder as it was."""
-    out_dir = cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir = broadcast_object(out_dir, rt)
-    ckpt = os.path.join(out_dir, "ckpt.pt")
-    if cfg.resume:
-        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt} yet; start the run again without --resume")
-    else:
-        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
-    if rt.master:
-        new_dirs, d = [], os.path.abspath(out_dir)  # folders the probe creates: removed again, deepest first, so
-        while not os.path.exists(d) and d != os.path.dirname(d):  # a run that stops on bad input leaves no trace
-            new_dirs.append(d)
-            d = os.path.dirname(d)
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         try:
-            os.makedirs(out_dir, exist_ok=True)
-            probe = os.path.join(out_dir, ".write_probe")
-            with open(probe, "wb") as f:
-                f.write(b"0" * 4096)
-                os.fsync(f.fileno())
-            os.remove(probe)
-        except OSError as e:
-            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
-        finally:
-            for d in new_dirs:
-                if os.path.isdir(d) and not os.listdir(d):
-                    os.rmdir(d)
-    return out_dir
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
 
 
-def save_config(cfg, out_dir, rt):
-    """config.json of the run (atomically: --resume reads it back), written after every input has been checked."""
-    if rt.master:
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, "config.json")
-        with open(f"{path}.tmp", "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        os.replace(f"{path}.tmp", path)
-
-
-class Logger:
-    """Rank 0 writes metrics.jsonl (flushed at every line), shows a tqdm bar and a line every log step, and
-    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
-
-    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
-        from tqdm import tqdm
-
-        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-        if self.master and os.path.exists(self.path):  # lines past the checkpoint (all, in a new run) are dropped
-            with open(self.path) as f:
-                lines = [ln for ln in f if _step_of(ln) < start_step]
-            with open(self.path, "w") as f:
-                f.writelines(lines)
-        self.file = open(self.path, "a") if self.master else None
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
-        if self.master and cfg.wandb:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
-            )
-
-    def log(self, step, metrics, echo=True):
-        if not self.master:
-            return
-        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-        if echo:
-            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-            sys.stdout.flush()  # a log file of stdout keeps every line if the run is killed
-
-    def close(self):
-        if not self.master:
-            return
-        self.bar.close()
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
-
-
-def _step_of(line):
-    """The step of a metrics.jsonl line; infinite for a line cut short by a killed process."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-def plot_curves(metrics_path, png_path):
-    """One panel per logged metric (perf/ excluded), against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
-    if not keys:
-        return
-    cols = min(3, len(keys))
-    n_rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(n_rows, cols, figsize=(4.5 * cols, 3 * n_rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    for ax in list(axes.flat)[len(keys) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
-# ----- END SHARED BLOCK: train -----
+def mfu(model, seq_len, tokens, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU). FLOPs per
+    token: 6N for the weights plus the attention scores, forward and backward (PaLM appendix B)."""
+    c = model.config
+    flops = (6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len) * tokens
+    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else ""
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops / (seconds * peak * rt.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1378,7 +355,7 @@ def main():
             for x, y in batches:
                 x, y = x.to(rt.device), y.to(rt.device)
                 with rt.autocast():
-                    _, loss = model(x, y, return_logits=False)  # mean over this batch's targets
+                    _, loss = model(x, y, output="loss")  # mean over this batch's targets
                 count = (y != -1).sum()
                 total += torch.stack([loss * count, count])
             out[f"eval/{split}_loss"] = (total[0] / total[1].clamp(min=1)).item()
@@ -1425,7 +402,7 @@ def main():
         for micro, (x, y) in enumerate(batches):
             grad_sync(model, micro == cfg.grad_accum - 1)
             with rt.autocast():
-                _, loss = model(x, y, return_logits=False)  # fused: the (B, T, V) logits are never held
+                _, loss = model(x, y, output="loss")  # fused: the (B, T, V) logits are never held
             loss = loss * (y != -1).sum()  # this micro-batch's sum of token losses
             # ranks' gradients are averaged, so each rank's share is scaled by world_size
             scaler.scale(loss * rt.world_size / n_targets).backward()
@@ -1448,7 +425,7 @@ def main():
             "train/grad_norm": grad_norm.item(),
             "perf/tokens_per_s": n_tokens / dt,
             "perf/step_ms": 1000 * dt,
-            "perf/mfu": mfu(raw_model.flops_per_token(cfg.block_size) * n_tokens, dt, rt),
+            "perf/mfu": mfu(raw_model, cfg.block_size, n_tokens, dt, rt),
         }
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
@@ -1492,6 +469,784 @@ def main():
         print(f"val loss {results['final_val_loss']:.4f}; samples in {out_dir}/samples.txt\n")
         print(texts[0])
     cleanup(rt)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Everything below is copied verbatim from gpt.py, where it is read: the GPT-2 model, sampling and log-probs
+# (model), then the command line, runtime, checkpoints, tokenizers and logging (train). tests/test_shared_blocks.py
+# checks that every copy equals gpt.py's; `python tests/test_shared_blocks.py --fix` copies gpt.py's into each script.
+
+
+# ----- BEGIN SHARED BLOCK: model (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (learned positions)
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled left to right, and which
+    positions hold real tokens (False on left padding)."""
+
+    def __init__(self, config, batch_size, max_len, device):
+        self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
+        self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
+        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
+        self.pos = 0  # positions filled
+
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+        if self.k is None:
+            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty_like(self.k)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end], self.v[layer, :, :, self.pos : end] = k, v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
+        # attn_mask None: plain causal attention over this chunk (a single query after a cache sees every key)
+        causal = attn_mask is None and k.size(2) == T and T > 1
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, attn_mask, layer, cache):
+        x = x + self.attn(self.ln_1(x), attn_mask, layer, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **dist):
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
+        positions count from each row's first real token. With a KVCache, idx continues the cached sequence and only
+        the last position's logits are computed (all that sampling needs); keep_last=n computes only the last n
+        positions' (the completion's, in RL: the vocabulary projection is the largest matrix). Returns, by output:
+          "logits"    (logits (B, T, V), mean cross-entropy over targets != -1, or None without targets)
+          "hidden"    (final hidden states (B, T, C), None): for reward and value heads
+          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (never all held)
+          "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
+                      temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
+        B, T = idx.size()
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
+        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        padded = attention_mask is not None  # every key is real without a mask: plain causal attention
+        if cache is not None:
+            cache.real[:, past : past + T] = real
+            real = cache.real[:, : past + T]  # (B, past+T)
+            cache.padded = padded = cache.padded or padded
+        pos = (real.long().cumsum(1) - 1).clamp(min=0)[:, past:]  # (B, T), counted from each row's first real token
+        mask = None
+        if padded or (past > 0 and T > 1):  # causal and real keys; a pad query sees itself, so no row is empty
+            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
+            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
+            mask = (((k_at <= q_at) & real[:, None, :]) | (k_at == q_at))[:, None]  # (B, 1, T, past+T)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, mask, layer, cache)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
+        if cache is not None or keep_last:
+            x = x[:, -(keep_last or 1) :].contiguous()  # contiguous: one matrix product below, not one per row
+        if output == "hidden":
+            return x, None
+        if output == "logprobs":
+            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **dist)
+            return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
+        logits = None if output == "loss" else self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        y = targets.flatten()
+        h, w = (x.flatten(0, 1), self.lm_head.weight) if logits is None else (logits.flatten(0, 1), None)
+        logp, _ = linear_logprobs(h, w, y.clamp(min=0), entropy=False)
+        return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
+        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
+        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
+        path = name_or_dir
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
+        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
+        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
+        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        for key, w in hf_sd.items():
+            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                continue  # causal-mask buffers, and the tied head
+            ours = key if key.startswith("transformer.") else "transformer." + key
+            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
+            if ours not in sd or w.shape != sd[ours].shape:
+                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
+            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
+            loaded.add(ours)
+        if set(sd) - loaded:
+            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        return model
+
+
+def sampling_logits(logits, temperature=1.0, top_k=None, keep=None):
+    """The float32 logits of the distribution the sampler draws from: logits / temperature, and -inf below the
+    top_k-th largest (ties kept). keep (...,) token ids stay in the set even if below it: a token that the policy
+    sampled before an update is scored, not excluded (at the sampling policy itself it is always inside)."""
+    z = logits.float() / temperature  # (..., V)
+    if top_k:
+        drop = z < torch.topk(z, min(top_k, z.size(-1)), dim=-1).values[..., -1:]
+        if keep is not None:
+            drop = drop.scatter(-1, keep[..., None], False)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=None, rows=1024):
+    """(log p(targets), entropy or None) per row, each (N,) float32, under the sampling distribution
+    softmax(sampling_logits(h @ weight.T, temperature, top_k)); with weight None, h already holds the logits
+    (N, V). One chunk of rows at a time; with a gradient each chunk is recomputed in backward
+    (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V."""
+
+    def chunk(x, y):  # (n, C) or (n, V), (n,) -> (n,) or (2, n)
+        logq = torch.log_softmax(sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, y), -1)
+        logp = logq.gather(1, y[:, None])[:, 0]
+        if not entropy:
+            return logp
+        finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
+        return torch.stack([logp, -(logq.exp() * finite).sum(-1)])
+
+    split = zip(h.split(rows), targets.split(rows))
+    out = torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in split], -1)
+    return (out[0], out[1]) if entropy else (out, None)
+
+
+def token_logprobs(logits, targets, temperature=1.0, top_k=None):
+    """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
+    (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
+    return linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)[0].view(
+        targets.shape
+    )
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k logits
+    (sampling_logits). Inverse-CDF sampling: one uniform per row against the cumulative probabilities. It is
+    exact, and much cheaper than torch.multinomial over a 50k vocabulary. Greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)  # (B,)
+    cdf = torch.softmax(sampling_logits(logits, temperature, top_k), dim=-1).cumsum_(-1)  # (B, V)
+    device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.size(0), 1, generator=generator, device=device).to(logits.device)  # (B, 1)
+    # first index whose cdf exceeds u: zero-probability tokens (flat cdf steps) are never chosen
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.size(-1) - 1).squeeze(-1)
+
+
+def left_pad(prompts, device):
+    """A list of token-id lists as (idx, attention_mask), each (B, T) and left-padded to the longest (pad id 0)."""
+    width = max(len(p) for p in prompts)
+    idx = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    return idx, torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+    """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
+    LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
+    completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
+    produced eos. eos_id may be a list of ids that each end a row (the first is the filler after the end).
+    use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    device = next(model.parameters()).device
+    idx, attn = (prompts.to(device), None) if isinstance(prompts, torch.Tensor) else left_pad(prompts, device)
+    attn = None if attn is None or attn.all() else attn
+    B, T = idx.shape
+    if T + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
+    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        masks.append(~done)
+        if stop is not None:
+            nxt = nxt.masked_fill(done, stop[0])
+            done = done | torch.isin(nxt, stop)
+        tokens.append(nxt)
+        # checking every 8th token keeps the host from waiting on the device at every step
+        if step == max_new_tokens - 1 or (stop is not None and step % 8 == 7 and bool(done.all())):
+            break
+        if use_cache:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, _ = model(idx, attention_mask=attn, keep_last=1)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).float()
+
+
+# ----- END SHARED BLOCK: model -----
+
+
+# ----- BEGIN SHARED BLOCK: train (verbatim copy of gpt.py; tests/test_shared_blocks.py) -----
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage dump
+        die(f"{message} (see --help)")
+
+
+def parse_config(cls, argv=None):
+    """Build the command line from a Config dataclass: each field is a flag and its comment is the help. With
+    --resume, the run's saved settings (out_dir/config.json), overridden by the flags given now."""
+    helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
+    parser = _ArgParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    for f in dataclasses.fields(cls):
+        kw = dict(default=f.default, help=helps.get(f.name, " "))
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = cls(**vars(parser.parse_args(argv)))
+    if not getattr(cfg, "resume", False):
+        return cfg
+    check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
+    path = os.path.join(cfg.out_dir, "config.json")
+    check(os.path.isfile(path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        die(f"--resume: cannot read {path} ({type(e).__name__}); restore it or start a new run")
+    check(isinstance(saved, dict), f"--resume: {path} does not hold the settings of a run")
+    names = {f.name for f in dataclasses.fields(cls)}
+    foreign = sorted(set(saved) - names)
+    check(not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})")
+    given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
+    return dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k not in given})
+
+
+def die(message):
+    """Bad input: one clear line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(condition, message):
+    if not condition:
+        die(message)
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"
+
+    def __post_init__(self):
+        self.master, self.distributed = self.rank == 0, self.world_size > 1
+
+    def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
+        return nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg):
+    """Pick device and dtype, join the torchrun process group if there is one, seed every generator."""
+    check(cfg.device in ("auto", "cpu", "cuda", "mps"), f"--device {cfg.device!r}: use auto, cpu, cuda or mps")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {cfg.dtype!r}: unknown dtype")
+    check(cfg.parallel in ("ddp", "fsdp"), f"--parallel {cfg.parallel!r}: use ddp or fsdp")
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    device = next(d for d in available if available[d]) if cfg.device == "auto" else cfg.device
+    check(available[device], f"--device {device}: it is not available")
+    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if "RANK" in os.environ:  # launched by torchrun
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device, dtype = torch.device(device), cfg.dtype
+    if dtype == "auto":  # bfloat16 on a GPU that has it, float16 on an older one, float32 elsewhere
+        dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed_everything(cfg.seed + rank)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, max(world_size, 1), cfg.parallel)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce(tensor, rt, op="sum"):
+    """Sum (or max) a tensor over ranks in place; a no-op in a single process."""
+    if rt.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, rt):
+    """Rank 0's value of a picklable object on every rank."""
+    box = [obj]
+    if rt.distributed:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def cleanup(rt):
+    """Leave the process group once every rank is done: a rank that tears down its connections while another still
+    has a collective in flight can abort that rank (gloo ends it with std::terminate)."""
+    if rt.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def broadcast_weights(model, rt):
+    """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
+    with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
+    if rt.distributed:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+
+
+def wrap_model(model, rt, compile=False):
+    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    broadcast_weights(model, rt)
+    if rt.distributed and rt.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+    model = torch.compile(model) if compile else model
+    if rt.distributed and rt.parallel == "ddp":
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
+        )
+    return model
+
+
+def grad_sync(model, enabled):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step: the others accumulate
+    locally, which saves one communication per micro-batch."""
+    if hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+def make_optimizer(model, lr, weight_decay, betas, device):
+    """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
+    parameter in one pass, without temporaries the size of the 50k-token embedding."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
+
+
+def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+
+
+class GracefulExit:
+    """SIGTERM and Ctrl-C set a flag instead of killing the process: the training loop notices it at the next
+    step boundary (all ranks agree through all_reduce), writes a checkpoint, and exits 143 or 130.
+    Test hooks: FAULT_SIGTERM_AT_STEP=N acts as a SIGTERM after N completed steps; FAULT_RAISE_AT_STEP=N raises an
+    error on rank FAULT_RAISE_RANK (default 0) after N completed steps, as a crashing rank would."""
+
+    def __init__(self):
+        self.signum = 0
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda signum, frame: setattr(self, "signum", signum))
+
+    def requested(self, completed_steps, rt):
+        if completed_steps == int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1)):
+            self.signum = signal.SIGTERM
+        raise_rank = int(os.environ.get("FAULT_RAISE_RANK", 0))
+        if completed_steps == int(os.environ.get("FAULT_RAISE_AT_STEP", -1)) and rt.rank == raise_rank:
+            raise RuntimeError(f"FAULT_RAISE_AT_STEP: injected error on rank {rt.rank} after step {completed_steps}")
+        # the signal any rank got (self.signum itself is left to the handler: writing it here could erase a signal
+        # that arrives during the all_reduce)
+        self.agreed = int(all_reduce(torch.tensor(float(self.signum), device=rt.device), rt, op="max").item())
+        return self.agreed > 0
+
+    def exit(self, step, out_dir, rt):
+        """Once the checkpoint of step is saved: one line saying how to continue, then exit 143 or 130."""
+        if rt.master:
+            name = signal.Signals(self.agreed).name
+            note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
+        cleanup(rt)
+        sys.exit(128 + self.agreed)
+
+
+def note(message):
+    """One line on stderr, above tqdm's progress bar when one is showing rather than glued to its end."""
+    tqdm.write(message, file=sys.stderr)
+
+
+def stop_if_not_finite(loss, step, ckpt_path, rt):
+    """A NaN or infinite loss ends the run with exit code 1 before this step can be saved, so ckpt.pt stays the last
+    good checkpoint. The loss is all-reduced, so every rank stops here together. FAULT_NAN_AT_STEP=N (for tests)
+    makes step N's loss NaN."""
+    loss = float("nan") if step == int(os.environ.get("FAULT_NAN_AT_STEP", -1)) else loss
+    if math.isfinite(loss):
+        return
+    if rt.master:
+        kept = f"{ckpt_path} is kept (resume from it with --resume and a lower --lr)"
+        kept = kept if os.path.exists(ckpt_path) else "no checkpoint had been saved yet"
+        note(f"error: loss is {loss} at step {step}; stopping. {kept}")
+    cleanup(rt)
+    sys.exit(1)
+
+
+def rng_state():
+    """Python's and torch's generator states (numpy's random is not used)."""
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), **cuda}
+
+
+def all_rng_states(rt):
+    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
+    states = [rng_state()] * rt.world_size
+    if rt.distributed:
+        dist.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(ckpt, rt):
+    """This rank's stream of a checkpoint; under another world size, rank 0's and a distinct seed per rank."""
+    states = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    state = states[rt.rank] if len(states) == rt.world_size else ckpt["rng"]
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if len(states) != rt.world_size and rt.rank:
+        seed_everything(ckpt["config"]["seed"] + rt.rank + ckpt["step"])
+
+
+def training_state(model, optimizer, rt):
+    """Full (unsharded) model and optimizer state dicts on CPU. Under FSDP every rank must call it (it
+    gathers shards); parameters are keyed by name, so a checkpoint resumes under DDP, FSDP or one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    fsdp = rt.distributed and rt.parallel == "fsdp"
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
+    model_sd = get_model_state_dict(model, options=opts) if opts else model.state_dict()
+    return {k: v.detach().cpu() for k, v in model_sd.items()}, get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state, rt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True) if rt.distributed and rt.parallel == "fsdp" else None
+    set_optimizer_state_dict(model, optimizer, state, options=opts)
+
+
+def save_checkpoint(path, ckpt):
+    """Write atomically: a temporary file, flushed to disk, then renamed over the old checkpoint, so a crash at
+    any moment leaves either the previous or the new complete checkpoint. A failed write (disk full) ends the run
+    with exit code 1 and keeps the previous checkpoint. FAULT_SLOW_SAVE_AT_STEP=N (for tests) pauses step N's save
+    between the write and the rename, so a test can kill the process in the middle of a save."""
+    tmp = f"{path}.tmp"
+    try:
+        torch.save(ckpt, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        why = e.strerror if isinstance(e, OSError) else f"{str(e).splitlines()[0]}: is the disk full?"
+        note(f"error: cannot write the checkpoint {tmp} ({why}); {path} is left as it was")
+        sys.exit(1)
+    if ckpt["step"] == int(os.environ.get("FAULT_SLOW_SAVE_AT_STEP", -1)):
+        time.sleep(60)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    check(os.path.isfile(path), f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path} ({type(e).__name__}): truncated or not a checkpoint; pass an intact one")
+    check(isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt, f"{path} is not a checkpoint")
+    return ckpt
+
+
+def load_model(init_from, dropout=0.0):
+    """A model and its tokenizer from --init_from: a ckpt.pt of any script, a Hugging Face GPT-2 folder, or a
+    hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
+    if os.path.isfile(init_from):
+        ckpt = load_checkpoint(init_from)
+        model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": dropout}))
+        try:
+            model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+        except RuntimeError as e:
+            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        return model, ckpt["tokenizer"], ckpt
+    if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
+        die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
+    path_like = init_from.endswith(".pt") or init_from.startswith(("/", ".", "~"))
+    check(not path_like, f"--init_from {init_from}: no such file")
+    try:
+        return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
+    except Exception as e:  # ValueError: weights that do not fit; others: the hub (offline, unknown id, no weights)
+        hub = f"cannot load it from the Hugging Face hub ({type(e).__name__}); pass a ckpt.pt or a GPT-2 folder"
+        die(f"--init_from {init_from}: {e if isinstance(e, ValueError) else hub}")
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size, self.eot_id, self.spec = len(self.chars), None, {"type": "char", "chars": self.chars}
+
+    def encode(self, text):
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding through tiktoken; <|endoftext|> (50256) ends documents."""
+
+    def __init__(self):
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            die(f"cannot load the GPT-2 BPE files ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR to them")
+        self.vocab_size, self.eot_id, self.spec = self.enc.n_vocab, self.enc.eot_token, "gpt2"
+        self.encode = self.enc.encode_ordinary  # text -> ids, <|endoftext|> in text is plain text
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+def get_tokenizer(spec):
+    """The tokenizer a checkpoint names: "gpt2" or {"type": "char", "chars": ...}."""
+    if spec == "gpt2":
+        return BPETokenizer()
+    check(isinstance(spec, dict) and spec.get("type") == "char", f"unknown tokenizer {spec!r}")
+    return CharTokenizer(spec["chars"])
+
+
+def read_text(path):
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        die(f"{path} is not UTF-8 text")
+    check(text, f"data file {path} is empty")
+    return text
+
+
+def prepare_out_dir(cfg, script, rt):
+    """Resolve --out_dir (same on every rank), refuse to overwrite an existing run, and prove it is writable
+    before anything is loaded. It leaves no trace: save_config writes the run's first file once every input has
+    been checked, so bad input leaves a run folder as it was."""
+    out_dir = broadcast_object(cfg.out_dir or os.path.join("out", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}"), rt)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    if cfg.resume:
+        check(os.path.isfile(ckpt), f"--resume: no checkpoint at {ckpt} yet; start the run again without --resume")
+    else:
+        check(not os.path.exists(ckpt), f"{out_dir} already holds a run; pass --resume or another --out_dir")
+    if rt.master:  # a probe file in the deepest folder of out_dir that exists (a file there: not a folder)
+        d = os.path.abspath(out_dir)
+        while not os.path.exists(d):
+            d = os.path.dirname(d)
+        try:
+            with tempfile.TemporaryFile(dir=d) as f:
+                f.write(b"0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            die(f"--out_dir {out_dir} is not writable ({e.strerror})")
+    return out_dir
+
+
+def save_config(cfg, out_dir, rt):
+    """config.json of the run (atomically: --resume reads it back), written after every input has been checked."""
+    if rt.master:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "config.json")
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (closed at every line), shows a tqdm bar and a line every log step, and
+    mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
+
+    def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
+        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if self.master:  # lines past the checkpoint (all, in a new run) are dropped
+            rows = read_metrics(self.path) if os.path.exists(self.path) else []
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start_step)
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        if self.master and cfg.wandb:
+            import wandb
+
+            name, config = os.path.basename(out_dir), dataclasses.asdict(cfg)
+            self.wandb = wandb.init(project=cfg.wandb_project, name=name, config=config)
+
+    def log(self, step, metrics, echo=True):
+        if not self.master:
+            return
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        with open(self.path, "a") as f:  # closed at every line: a killed run keeps all it logged
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            sys.stdout.flush()  # a log file of stdout keeps every line if the run is killed
+
+    def close(self):
+        if not self.master:
+            return
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+
+
+def json_or_none(line):
+    """The JSON object of a line, or {} for a malformed one (a line cut short by a killed process)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [r for r in map(json_or_none, f) if "step" in r]
+
+
+def plot_curves(metrics_path, png_path):
+    """One panel per logged metric (perf/ excluded), against the step."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
+
+    rows = read_metrics(metrics_path)
+    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
+    if not keys:
+        return
+    cols, n_rows = min(3, len(keys)), math.ceil(len(keys) / 3)
+    fig = Figure(figsize=(4.5 * cols, 3 * n_rows), layout="tight")
+    for ax, key in zip(fig.subplots(n_rows, cols, squeeze=False).flat, keys):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".")
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in fig.axes[len(keys) :]:
+        ax.axis("off")
+    fig.savefig(png_path, dpi=100)
+
+
+# ----- END SHARED BLOCK: train -----
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Run under torchrun (tests/test_gpt_train.py): DDP or FSDP gradients on a split global batch must equal one
 process's gradients on the whole batch, for gpt.py's training loss (the fused linear cross-entropy, against the
-plain cross-entropy of the logits) and for an RL objective of forward(..., logprobs=True) (linear_logprobs,
+plain cross-entropy of the logits) and for an RL objective of forward(..., output="logprobs") (linear_logprobs,
 against token_logprobs and the entropy of the logits). Writes "ok" or the mismatches to argv[2]."""
 
 import copy
@@ -31,7 +31,7 @@ rows = slice(2 * rt.rank, 2 * rt.rank + 2)
 for micro in range(2):  # two micro-batches per rank, gradients synchronised on the last one only
     gpt.grad_sync(wrapped, micro == 1)
     xs, ys = x[rows][micro : micro + 1], y[rows][micro : micro + 1]
-    loss = wrapped(xs, ys, return_logits=False)[1] * (ys != -1).sum()  # as in gpt.py's training loop
+    loss = wrapped(xs, ys, output="loss")[1] * (ys != -1).sum()  # as in gpt.py's training loop
     (loss * rt.world_size / n_global).backward()
 
 # RL: log-probs and entropy of the last 6 positions, weighted per token (advantages, an entropy bonus)
@@ -43,7 +43,7 @@ rl_wrapped = gpt.wrap_model(rl_model, rt)
 for micro in range(2):
     gpt.grad_sync(rl_wrapped, micro == 1)
     r = slice(2 * rt.rank + micro, 2 * rt.rank + micro + 1)
-    logp, ent = rl_wrapped(x[r], targets[r], keep_last=6, logprobs=True)
+    logp, ent = rl_wrapped(x[r], targets[r], keep_last=6, output="logprobs")
     (((logp * a[r]).sum() + (ent * b[r]).sum()) * rt.world_size).backward()
 
 errors = []

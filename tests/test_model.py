@@ -294,7 +294,7 @@ def test_keep_last_and_return_hidden_are_slices_of_the_full_forward(padded):
     with torch.no_grad():
         full, _ = model(idx, attention_mask=mask)
         last, _ = model(idx, attention_mask=mask, keep_last=4)
-        hidden, _ = model(idx, attention_mask=mask, return_hidden=True)
+        hidden, _ = model(idx, attention_mask=mask, output="hidden")
     assert last.shape == (3, 4, model.config.vocab_size) and hidden.shape == (3, 12, model.config.n_embd)
     torch.testing.assert_close(last, full[:, -4:], atol=ATOL, rtol=0)
     torch.testing.assert_close(model.lm_head(hidden), full, atol=ATOL, rtol=0)
@@ -852,7 +852,7 @@ def test_linear_cross_entropy_takes_float64_inputs():
 
 
 def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_parameter_gradients():
-    """forward(idx, targets, return_logits=False) gives the mean cross-entropy of forward(idx, targets) and the
+    """forward(idx, targets, output="loss") gives the mean cross-entropy of forward(idx, targets) and the
     same gradient for every parameter (the tied embedding included), with no logits."""
     model = tiny_model(scale=1.0).train()
     fused = copy.deepcopy(model)
@@ -861,14 +861,14 @@ def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_paramet
     targets = torch.randint(0, 61, (3, 17))
     targets[0, :9] = -1
     _, loss = model(idx, targets)
-    logits, fused_loss = fused(idx, targets, return_logits=False)
+    logits, fused_loss = fused(idx, targets, output="loss")
     assert logits is None
     assert fused_loss.item() == pytest.approx(loss.item(), abs=1e-5)
     loss.backward()
     fused_loss.backward()
     for (name, p), q in zip(model.named_parameters(), fused.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
-    _, none = fused(idx, torch.full_like(targets, -1), return_logits=False)
+    _, none = fused(idx, torch.full_like(targets, -1), output="loss")
     assert none.item() == 0.0  # no targets at all: 0, not NaN
 
 
@@ -984,7 +984,7 @@ def test_linear_logprobs_skips_a_frozen_weight_the_entropy_on_request_and_runs_u
 
 
 def test_forward_logprobs_equal_the_logits_path_with_the_same_parameter_gradients():
-    """forward(idx, targets, keep_last, logprobs=True) gives token_logprobs and the entropy of forward's logits,
+    """forward(idx, targets, keep_last, output="logprobs") gives token_logprobs and the entropy of forward's logits,
     and an objective of both gives every parameter (the tied embedding included) the same gradient."""
     model = tiny_model(scale=1.0).train()
     fused = copy.deepcopy(model)
@@ -995,7 +995,7 @@ def test_forward_logprobs_equal_the_logits_path_with_the_same_parameter_gradient
     logits, _ = model(idx, keep_last=5)
     logq = torch.log_softmax(logits.float(), -1)
     entropy = -(logq.exp() * logq).sum(-1)
-    logp, ent = fused(idx, targets, keep_last=5, logprobs=True)
+    logp, ent = fused(idx, targets, keep_last=5, output="logprobs")
     torch.testing.assert_close(logp, token_logprobs(logits, targets), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, entropy, atol=1e-5, rtol=1e-5)
     ((token_logprobs(logits, targets) * a).sum() + (entropy * b).sum()).backward()
