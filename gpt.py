@@ -285,45 +285,93 @@ def validate(cfg):
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
 
 
+def build_model(cfg, ckpt):
+    """(model, tokenizer): a resumed run's, a checkpoint's or GPT-2 weights (--init_from), or a new model."""
+    if ckpt is not None:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        return model, make_tokenizer(cfg, ckpt["tokenizer"])
+    if cfg.init_from != "scratch":
+        model, spec, _ = load_model(cfg.init_from, cfg.dropout)
+        return model, make_tokenizer(cfg, spec)
+    tok = make_tokenizer(cfg, None)
+    sizes = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
+    return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size, **sizes)), tok
+
+
+@torch.no_grad()
+def evaluate(model, eval_batches, rt):
+    """Mean token loss of each split's fixed batches (summed over targets, all ranks, then divided)."""
+    model.eval()
+    out = {}
+    for split, batches in eval_batches.items():
+        total = torch.zeros(2, device=rt.device)  # (loss sum, target count)
+        for x, y in batches:
+            x, y = x.to(rt.device), y.to(rt.device)
+            with rt.autocast():
+                _, loss = model(x, y, output="loss")  # mean over this batch's targets
+            count = (y != -1).sum()
+            total += torch.stack([loss * count, count])
+        out[f"eval/{split}_loss"] = (total[0] / total[1].clamp(min=1)).item()
+    model.train()
+    return out
+
+
+def train_step(model, optimizer, scaler, batches, rt, grad_clip):
+    """ALGO LOGIC: one optimizer step. The loss is the sum of token losses over every micro-batch and rank divided
+    by the global target count, so it does not depend on how the batch is split. Returns (loss, grad norm)."""
+    n_targets = all_reduce(sum((y != -1).sum() for _, y in batches).float(), rt).clamp(min=1)
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro, (x, y) in enumerate(batches):
+        grad_sync(model, micro == len(batches) - 1)
+        with rt.autocast():
+            _, loss = model(x, y, output="loss")  # the (B, T, V) logits are never held whole
+        loss = loss * (y != -1).sum()  # this micro-batch's sum of token losses
+        # ranks' gradients are averaged, so each rank's share is scaled by world_size
+        scaler.scale(loss * rt.world_size / n_targets).backward()
+        loss_sum += loss.detach()
+    scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(model, grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return (all_reduce(loss_sum, rt) / n_targets).item(), grad_norm.item()
+
+
+def write_samples(model, tok, cfg, rt, out_dir):
+    """samples.txt: --num_samples continuations of --sample_prompt (every rank takes part: under FSDP the forward
+    is collective). Returns the texts."""
+    prompt = tok.encode(cfg.sample_prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
+    prompt = prompt[-(model.config.block_size // 2) :]
+    n_new = min(cfg.sample_tokens, model.config.block_size - len(prompt))
+    gen = torch.Generator(rt.device).manual_seed(cfg.seed)
+    model.eval()
+    with rt.autocast():
+        top_k = cfg.top_k or None
+        tokens, mask = generate(model, [prompt] * cfg.num_samples, n_new, cfg.temperature, top_k, tok.eot_id, gen)
+    texts = [tok.decode(prompt + t[m > 0].tolist()) for t, m in zip(tokens.cpu(), mask.cpu())]
+    if rt.master:
+        with open(os.path.join(out_dir, "samples.txt"), "w") as f:
+            f.write("\n\n==========\n\n".join(texts) + "\n")
+    return texts
+
+
 def main():
     cfg = parse_config(Config)
     validate(cfg)
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "gpt", rt)
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
     stop = GracefulExit()
-
-    # model and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
-    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt")) if cfg.resume else None
-    if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        tok = make_tokenizer(cfg, ckpt["tokenizer"])
-    elif cfg.init_from != "scratch":
-        model, spec, _ = load_model(cfg.init_from, cfg.dropout)
-        tok = make_tokenizer(cfg, spec)
-    else:
-        tok = make_tokenizer(cfg, None)
-        config = GPTConfig(
-            block_size=cfg.block_size,
-            vocab_size=tok.vocab_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-            dropout=cfg.dropout,
-            bias=cfg.bias,
-        )
-        model = GPT(config)
-    check(
-        cfg.block_size <= model.config.block_size,
-        f"--block_size {cfg.block_size} is longer than the model's {model.config.block_size}",
-    )
-    check(tok.vocab_size <= model.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    raw_model, tok = build_model(cfg, ckpt)
+    block_size = raw_model.config.block_size
+    check(cfg.block_size <= block_size, f"--block_size {cfg.block_size} is longer than the model's {block_size}")
+    check(tok.vocab_size <= raw_model.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
     train_data, val_data = load_splits(cfg, tok)
     for name, (ids, _) in (("train", train_data), ("val", val_data)):
         check(len(ids) > cfg.block_size + 1, f"the {name} split has {len(ids)} tokens; it needs > --block_size + 1")
-    model.to(rt.device)
-    raw_model = model
-    model = wrap_model(model, rt, cfg.compile)
+    model = wrap_model(raw_model.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw_model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     start_step = 0
@@ -334,7 +382,6 @@ def main():
             scaler.load_state_dict(ckpt["scaler"])
         start_step = ckpt["step"]
         del ckpt
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
     eval_gen = torch.Generator().manual_seed(0)  # the same evaluation batches at every evaluation
     eval_batches = {
         split: [get_batch(data, cfg.batch_size, cfg.block_size, "cpu", eval_gen) for _ in range(cfg.eval_iters)]
@@ -346,115 +393,48 @@ def main():
             f"{rt.world_size} process(es), out_dir {out_dir}"
         )
 
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        out = {}
-        for split, batches in eval_batches.items():
-            total = torch.zeros(2, device=rt.device)  # (loss sum, target count)
-            for x, y in batches:
-                x, y = x.to(rt.device), y.to(rt.device)
-                with rt.autocast():
-                    _, loss = model(x, y, output="loss")  # mean over this batch's targets
-                count = (y != -1).sum()
-                total += torch.stack([loss * count, count])
-            out[f"eval/{split}_loss"] = (total[0] / total[1].clamp(min=1)).item()
-        model.train()
-        return out
-
     def checkpoint(step):
         model_sd, optim_sd = training_state(raw_model, optimizer, rt)
         rngs = all_rng_states(rt)
         if rt.master:
-            save_checkpoint(
-                os.path.join(out_dir, "ckpt.pt"),
-                {
-                    "model": model_sd,
-                    "model_config": dataclasses.asdict(raw_model.config),
-                    "tokenizer": tok.spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "scaler": scaler.state_dict(),
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                },
-            )
+            state = dict(model=model_sd, model_config=dataclasses.asdict(raw_model.config), tokenizer=tok.spec)
+            state.update(step=step, optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
+            save_checkpoint(ckpt_path, {**state, "config": dataclasses.asdict(cfg)})
 
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
     t_start, evals, last_eval = time.time(), [], {}
+    n_tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * rt.world_size
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = evaluate()
+            last_eval = evaluate(model, eval_batches, rt)
             evals.append(last_eval["eval/val_loss"])
             logger.log(step, last_eval)
         if step == cfg.max_steps:
             break
         t0 = time.time()
-        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_steps)
+        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # ALGO LOGIC: the loss is the sum of token losses over the whole step divided by the global target count
         batches = [get_batch(train_data, cfg.batch_size, cfg.block_size, rt.device) for _ in range(cfg.grad_accum)]
-        n_targets = all_reduce(sum((y != -1).sum() for _, y in batches).float(), rt).clamp(min=1)
-        loss_sum = torch.zeros((), device=rt.device)
-        for micro, (x, y) in enumerate(batches):
-            grad_sync(model, micro == cfg.grad_accum - 1)
-            with rt.autocast():
-                _, loss = model(x, y, output="loss")  # fused: the (B, T, V) logits are never held
-            loss = loss * (y != -1).sum()  # this micro-batch's sum of token losses
-            # ranks' gradients are averaged, so each rank's share is scaled by world_size
-            scaler.scale(loss * rt.world_size / n_targets).backward()
-            loss_sum += loss.detach()
-        scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        train_loss = (all_reduce(loss_sum, rt) / n_targets).item()
+        train_loss, grad_norm = train_step(model, optimizer, scaler, batches, rt, cfg.grad_clip)
         stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train_loss, step, os.path.join(out_dir, "ckpt.pt"), rt)
+        stop_if_not_finite(train_loss, step, ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{train_loss:.4f}")
-        n_tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * rt.world_size
-        metrics = {
-            "train/loss": train_loss,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-            "perf/tokens_per_s": n_tokens / dt,
-            "perf/step_ms": 1000 * dt,
-            "perf/mfu": mfu(raw_model, cfg.block_size, n_tokens, dt, rt),
-        }
-        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        metrics = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm}
+        perf = {"perf/tokens_per_s": n_tokens / dt, "perf/step_ms": 1000 * dt}
+        perf["perf/mfu"] = mfu(raw_model, cfg.block_size, n_tokens, dt, rt)
+        logger.log(step, {**metrics, **perf}, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             checkpoint(step + 1)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
     checkpoint(cfg.max_steps)
     logger.close()
-
-    # samples from the trained model (every rank takes part: under FSDP the forward is collective)
-    prompt = tok.encode(cfg.sample_prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
-    prompt = prompt[-(raw_model.config.block_size // 2) :]
-    n_new = min(cfg.sample_tokens, raw_model.config.block_size - len(prompt))
-    gen = torch.Generator(rt.device).manual_seed(cfg.seed)
-    raw_model.eval()
-    with rt.autocast():
-        tokens, mask = generate(
-            raw_model,
-            [prompt] * cfg.num_samples,
-            n_new,
-            cfg.temperature,
-            cfg.top_k or None,
-            eos_id=tok.eot_id,
-            generator=gen,
-        )
+    texts = write_samples(raw_model, tok, cfg, rt, out_dir)
     if rt.master:
-        texts = [tok.decode(prompt + t[m > 0].tolist()) for t, m in zip(tokens.cpu(), mask.cpu())]
-        with open(os.path.join(out_dir, "samples.txt"), "w") as f:
-            f.write("\n\n==========\n\n".join(texts) + "\n")
         results = {
             "final_val_loss": last_eval["eval/val_loss"],
             "final_train_loss": last_eval["eval/train_loss"],
@@ -462,7 +442,7 @@ def main():
             "steps": cfg.max_steps,
             "wall_time_s": time.time() - t_start,
             "params": raw_model.num_params(),
-            "tokens_per_step": cfg.batch_size * cfg.block_size * cfg.grad_accum * rt.world_size,
+            "tokens_per_step": n_tokens,
         }
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)

@@ -19,7 +19,6 @@ from gpt import (
     GPTConfig,
     KVCache,
     generate,
-    linear_cross_entropy,
     linear_logprobs,
     sample_next,
     sampling_logits,
@@ -783,49 +782,34 @@ def plain_cross_entropy_sum(h, weight, targets):
 
 
 @FAST
-@given(
-    st.integers(1, 23),
-    st.integers(2, 50),
-    st.sampled_from([1, 2, 5, 64]),
-    st.floats(0.0, 0.6),
-    st.floats(-3.0, 3.0),
-    st.integers(0, 2**31 - 1),
-)
-def test_linear_cross_entropy_value_and_gradients_equal_the_unfused_oracle(N, V, rows, skip, upstream, seed):
-    """The loss and the gradients of h and of the weight (under an arbitrary upstream scale) equal float64
-    autograd through whole logits, with chunks of 1, 2, 5 or 64 rows (a remainder chunk included) and some
-    targets -1, all of them at times."""
+@given(st.integers(1, 4), st.integers(1, 20), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_forward_loss_and_gradients_equal_float64_cross_entropy_of_the_hidden_states(B, T, skip, seed):
+    """forward(idx, targets, output="loss") is the mean float64 cross-entropy of the final hidden states times the
+    tied embedding over targets != -1 (0 when none is left), and every parameter's gradient is the oracle's (the
+    checkpointed chunks over several rows are tested by the linear_logprobs oracle test below, with rows=8)."""
     torch.manual_seed(seed)
-    h = (torch.randn(N, 8) * 2).requires_grad_(True)
-    weight = torch.randn(V, 8).requires_grad_(True)
-    targets = torch.randint(0, V, (N,)).masked_fill(torch.rand(N) < skip, -1)
-    (linear_cross_entropy(h, weight, targets, rows) * upstream).backward()
-    h64, w64 = h.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
-    expected = plain_cross_entropy_sum(h64, w64, targets)
-    (expected * upstream).backward()
-    with torch.no_grad():
-        assert linear_cross_entropy(h, weight, targets, rows).item() == pytest.approx(expected.item(), abs=1e-4)
-    torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-4, rtol=1e-4)
+    model = tiny_model(scale=1.0).train()
+    idx = torch.randint(0, 61, (B, T))
+    targets = torch.randint(0, 61, (B, T)).masked_fill(torch.rand(B, T) < skip, -1)
+    _, loss = model(idx, targets, output="loss")
+    h, _ = model(idx, output="hidden")
+    count = max(1, int((targets != -1).sum()))
+    expected = plain_cross_entropy_sum(h.flatten(0, 1), model.lm_head.weight, targets.flatten()) / count
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+    params = [p for p in model.parameters()]
+    got = torch.autograd.grad(loss, params, allow_unused=True)
+    want = torch.autograd.grad(expected.float(), params, allow_unused=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
-def test_linear_cross_entropy_skips_the_gradient_of_a_frozen_weight_and_runs_under_no_grad():
-    torch.manual_seed(0)
-    h, weight, targets = torch.randn(9, 4, requires_grad=True), torch.randn(7, 4), torch.randint(0, 7, (9,))
-    linear_cross_entropy(h, weight, targets, rows=4).backward()
-    assert weight.grad is None and h.grad is not None
-    with torch.no_grad():
-        loss = linear_cross_entropy(h, weight.requires_grad_(True), targets, rows=4)
-    assert not loss.requires_grad and loss.item() == pytest.approx(plain_cross_entropy_sum(h, weight, targets).item())
-
-
-def test_linear_cross_entropy_is_exact_where_the_target_probability_underflows_float32():
-    """A target 300 nats below the top logit has probability exp(-300), 0 in float32: the loss is still the
-    float64 value (about 300, not inf) and the gradient still softmax - onehot."""
+def test_cross_entropy_is_exact_where_the_target_probability_underflows_float32():
+    """A target 300 nats below the top logit has probability exp(-300), 0 in float32: log p is still the float64
+    value (about -300, not -inf) and the gradient still onehot - softmax, chunk by chunk (rows=2)."""
     h = torch.tensor([[30.0, 0.0], [0.0, 1.0], [-20.0, 2.0]], requires_grad=True)
     weight = torch.tensor([[5.0, 0.0], [-5.0, 0.0], [0.0, 3.0]], requires_grad=True)  # row 0 logits: 150, -150, 0
     targets = torch.tensor([1, 2, 0])
-    loss = linear_cross_entropy(h, weight, targets, rows=2)
+    loss = -linear_logprobs(h, weight, targets, entropy=False, rows=2)[0].sum()
     loss.backward()
     h64, w64 = h.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
     expected = plain_cross_entropy_sum(h64, w64, targets)
@@ -834,21 +818,6 @@ def test_linear_cross_entropy_is_exact_where_the_target_probability_underflows_f
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
-
-
-def test_linear_cross_entropy_takes_float64_inputs():
-    """Inputs that are not float32 (here float64, no autocast) go through the product and a float32 copy, as before
-    the reused buffers: the value and gradients match the float64 oracle to float32 precision."""
-    torch.manual_seed(0)
-    h, weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True), torch.randn(9, 4, dtype=torch.float64)
-    targets = torch.tensor([0, 3, -1, 8, 2, 2, 5])
-    loss = linear_cross_entropy(h, weight, targets, rows=3)
-    loss.backward()
-    h64 = h.detach().clone().requires_grad_(True)
-    expected = plain_cross_entropy_sum(h64, weight, targets)
-    expected.backward()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    torch.testing.assert_close(h.grad, h64.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_parameter_gradients():
@@ -873,22 +842,19 @@ def test_fused_training_loss_equals_the_loss_of_the_logits_with_the_same_paramet
 
 
 def test_fused_loss_under_bfloat16_autocast_keeps_float32_gradients_close_to_the_float32_run():
-    """Under autocast the products run in bf16 (as on a GPU) but the gradients keep the parameters' float32."""
+    """Under autocast the products run in bf16 (as on a GPU) but the loss and the gradients stay float32."""
     model = tiny_model(scale=1.0).train()
-    h = torch.randn(12, 32, requires_grad=True)
-    targets = torch.randint(0, 61, (12,))
-    weight = model.lm_head.weight
+    torch.manual_seed(1)
+    idx, targets = torch.randint(0, 61, (3, 12)), torch.randint(0, 61, (3, 12))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = linear_cross_entropy(h, weight, targets, rows=5)
-    low.backward()
-    g_h, g_w = h.grad.clone(), weight.grad.clone()
-    assert low.dtype == torch.float32 and g_h.dtype == torch.float32 and g_w.dtype == torch.float32
-    h.grad = weight.grad = None
-    full = linear_cross_entropy(h, weight, targets, rows=5)
-    full.backward()
+        _, low = model(idx, targets, output="loss")
+    low_grads = torch.autograd.grad(low, list(model.parameters()))
+    _, full = model(idx, targets, output="loss")
+    grads = torch.autograd.grad(full, list(model.parameters()))
+    assert low.dtype == torch.float32 and all(g.dtype == torch.float32 for g in low_grads)
     assert low.item() == pytest.approx(full.item(), rel=2e-2)
-    for low_grad, grad in ((g_h, h.grad), (g_w, weight.grad)):
-        assert (low_grad - grad).norm() < 0.03 * grad.norm()  # bf16 rounding of the products, nothing more
+    for low_grad, grad in zip(low_grads, grads):
+        assert (low_grad - grad).norm() <= 0.05 * grad.norm() + 1e-6  # bf16 rounding of the products, nothing more
 
 
 def test_token_logprobs_keep_only_the_logits_and_a_normaliser_per_row_for_backward():
