@@ -285,7 +285,7 @@ def validate(cfg):
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
 
 
-def build_model(cfg, ckpt):
+def model_and_tokenizer(cfg, ckpt):
     """(model, tokenizer): a resumed run's, a checkpoint's or GPT-2 weights (--init_from), or a new model."""
     if ckpt is not None:
         model = GPT(GPTConfig(**ckpt["model_config"]))
@@ -364,7 +364,7 @@ def main():
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     stop = GracefulExit()
     ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    raw_model, tok = build_model(cfg, ckpt)
+    raw_model, tok = model_and_tokenizer(cfg, ckpt)
     block_size = raw_model.config.block_size
     check(cfg.block_size <= block_size, f"--block_size {cfg.block_size} is longer than the model's {block_size}")
     check(tok.vocab_size <= raw_model.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")

@@ -141,9 +141,7 @@ class Config:
     top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
     value_model: str = "separate"  # separate (a GPT body with a value head) | shared (a value head on the policy)
     value_init: str = "policy"  # separate value model: policy (head at zero) | reward_model (--reward_model's weights)
-    reference: str = (
-        "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
-    )
+    reference: str = "auto"  # auto (bigram for next_token from scratch, else init) | bigram | random | init | none
     beta_kl: float = 0.05  # kl_coef, the per-token KL penalty's coefficient in the reward (start of --adaptive_kl)
     adaptive_kl: bool = False  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
     target_kl: float = 6.0  # adaptive_kl: target KL per sequence (nats, k1 summed over its tokens)
@@ -313,20 +311,6 @@ class AdaptiveKLController:
     def update(self, current_kl, n_steps):
         error = min(max(current_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + error * n_steps / self.horizon
-
-
-def kl_penalty(logp, ref_logp, kind="k3"):
-    """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
-    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (>= 0, unbiased where pi_ref's support
-    lies inside pi's: under top-k sampling it reads low by pi_ref's mass outside the kept tokens)."""
-    d = logp - ref_logp
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d**2
-    if kind == "k3":
-        return torch.expm1(-d) + d  # exp(-d) - 1 + d, without cancellation for small d
-    raise ValueError(f"unknown KL estimator {kind!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -690,10 +674,8 @@ def logprobs_and_values(actor, critic, seq, attn, H, entropy=False, temperature=
     actor is a PolicyWithValueHead and one forward gives all three."""
     x, a, y = seq[:, :-1], None if attn is None else attn[:, :-1], seq[:, -H:]
     dist = dict(output="logprobs", entropy=entropy, temperature=temperature, top_k=top_k)
-    if critic is None:
-        return actor(x, attention_mask=a, keep_last=H, targets=y, **dist)  # (N, H) each
-    logp, ent = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
-    return logp, ent, critic(x, attention_mask=a)[:, -H:]
+    out = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
+    return out if critic is None else (*out, critic(x, attention_mask=a)[:, -H:])
 
 
 @torch.no_grad()
@@ -715,7 +697,8 @@ def rollout(task, actor, critic, ref, cfg, rt, n_micro):
     old_logp, old_values, ref_logp, scores = [], [], [], []
     with rt.autocast():
         for i in range(0, len(prompts), n_micro):
-            s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
+            rows = slice(i, i + n_micro)
+            s, a = seq[rows], None if attn is None else attn[rows]
             logp, _, values = logprobs_and_values(actor, critic, s, a, H, temperature=T, top_k=top_k)  # (n, H) each
             logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
             old_logp.append(logp)
@@ -724,23 +707,78 @@ def rollout(task, actor, critic, ref, cfg, rt, n_micro):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
             elif ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=T)[0])
-            part = info[i : i + n_micro] if info is not None else None
-            scores.append(
-                task.rewards(prompts[i : i + n_micro], completion[i : i + n_micro], mask[i : i + n_micro], part, logits)
-            )
-    return {
-        "prompts": prompts,
-        "seq": seq,
-        "attn": attn,
-        "completion": completion,
-        "mask": mask,
-        "truncated": truncated,
-        "old_logp": torch.cat(old_logp),
-        "old_values": torch.cat(old_values).float(),
-        "ref_logp": torch.cat(ref_logp).float() if ref_logp else None,
-        "scores": torch.cat(scores).float(),
-        "info": info,
-    }
+            part = None if info is None else info[rows]
+            scores.append(task.rewards(prompts[rows], completion[rows], mask[rows], part, logits))
+    batch = dict(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
+    batch["old_logp"], batch["old_values"] = torch.cat(old_logp), torch.cat(old_values).float()  # (N, H) each
+    batch["ref_logp"] = torch.cat(ref_logp).float() if ref_logp else None  # (N, H)
+    batch["scores"] = torch.cat(scores).float()  # (N,) or (N, H)
+    return batch
+
+
+def ppo_loss(cfg, rt, batch, rows, adv, returns, actor, critic, n_tokens):
+    """ALGO LOGIC 5: L = L_clip + c_V L_V - entropy_coef H on the batch's rows (a micro-batch), each term a share of
+    the minibatch's token mean (n_tokens: its real tokens on every rank). critic None: the shared value head.
+    Returns the loss and the values of its terms (policy loss, value loss, entropy, approx KL, clip fraction, loss,
+    dual clip fraction)."""
+    # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
+    # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
+    # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
+    vf_coef = cfg.vf_coef if critic is None else 1.0
+    mask, attn = batch["mask"][rows], None if batch["attn"] is None else batch["attn"][rows]
+    with rt.autocast():
+        logp, entropies, values = logprobs_and_values(
+            actor, critic, batch["seq"][rows], attn, cfg.horizon, True, cfg.temperature, cfg.top_k or None
+        )  # (n, H) each, under the sampling distribution, as old_logp
+    pg_loss, stats = ppo_policy_loss(
+        logp, batch["old_logp"][rows], adv[rows], mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens
+    )
+    v_loss = value_loss(values.float(), batch["old_values"][rows], returns[rows], mask, cfg.clip_eps_value, n_tokens)
+    entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
+    entropy = masked_mean(entropies, mask, n_tokens)
+    loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
+    terms = [pg_loss, v_loss, entropy, stats["approx_kl"], stats["clip_frac"], loss, stats["dual_clip_frac"]]
+    return loss, torch.stack([t.detach() for t in terms])
+
+
+TRAIN_TERMS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "loss", "dual_clipfrac")
+
+
+def ppo_update(cfg, rt, batch, adv, returns, actor, critic, optimizers, scaler):
+    """ALGO LOGIC 5: --ppo_epochs passes over the rollout batch, each in --num_minibatches minibatches of rows (one
+    optimizer step each, over --grad_accum micro-batches), until an epoch's mean approx KL exceeds --target_kl_stop.
+    actor and critic are the wrapped models (critic None: the shared value head). Returns the mean of each loss term
+    (TRAIN_TERMS) over the updates, all ranks, the epochs run and the mean gradient norm of each model."""
+    N, mask = cfg.batch_size, batch["mask"]
+    n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
+    n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
+    models = [m for m in (actor, critic) if m is not None]
+    sums, grad_norms, epochs = torch.zeros(len(TRAIN_TERMS), device=rt.device), [], 0
+    while epochs < cfg.ppo_epochs:
+        epochs += 1
+        epoch_sums = torch.zeros_like(sums)
+        perm = torch.randperm(N).to(rt.device)
+        for start in range(0, N, n_minibatch):
+            idx = perm[start : start + n_minibatch]
+            n_tokens = all_reduce(mask[idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
+            for j in range(0, n_minibatch, n_micro):
+                for m in models:
+                    grad_sync(m, j + n_micro >= n_minibatch)
+                loss, terms = ppo_loss(cfg, rt, batch, idx[j : j + n_micro], adv, returns, actor, critic, n_tokens)
+                scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+                epoch_sums += terms
+            for opt in optimizers:
+                scaler.unscale_(opt)
+            grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in models]))
+            for opt in optimizers:
+                scaler.step(opt)
+                opt.zero_grad(set_to_none=True)
+            scaler.update()
+        epoch_sums = all_reduce(epoch_sums, rt)  # shares of global means: their sum over ranks is the mean
+        sums += epoch_sums
+        if cfg.target_kl_stop and epoch_sums[3].item() / cfg.num_minibatches > cfg.target_kl_stop:
+            break
+    return sums / (epochs * cfg.num_minibatches), epochs, torch.stack(grad_norms).mean(0)
 
 
 def global_moments(x, mask, rt):
@@ -753,7 +791,81 @@ def global_moments(x, mask, rt):
     return mean.item(), max(var.item(), 0.0)
 
 
+def ppo_step(step, cfg, rt, task, actor, critic, ref, wrapped, optimizers, scaler, kl_ctl):
+    """One PPO iteration, ALGO LOGIC 1-6: rollout -> rewards -> advantages -> epochs of updates -> the KL coefficient.
+    wrapped are the trained models (DDP / FSDP), the raw actor samples. Returns the step's metrics (every rank's
+    rollouts) and its completion tokens (all ranks)."""
+    t0 = time.time()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    N, n_seqs = cfg.batch_size, cfg.batch_size * rt.world_size
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for opt, scale in zip(optimizers, (1.0, (cfg.value_lr or cfg.lr) / cfg.lr)):  # a value model's scaled alike
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+
+    # 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
+    batch = rollout(task, actor, critic, ref, cfg, rt, N // cfg.num_minibatches // cfg.grad_accum)
+    t_rollout = time.time() - t0
+    mask, old_values = batch["mask"], batch["old_values"]
+
+    # 3. per-token rewards: the task's reward where it is earned, minus kl_coef * k1 at every token
+    kl = (batch["old_logp"] - batch["ref_logp"]) * mask if ref is not None else torch.zeros_like(mask)  # (N, H)
+    scores = batch["scores"]
+    if scores.dim() == 1:
+        scores = scores - cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
+    kl_coef = kl_ctl.value if ref is not None else 0.0
+    rewards = ppo_rewards(scores, kl, mask, kl_coef)  # (N, H)
+
+    # 4. advantages by GAE from the rollout's values; the returns are the value targets
+    adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
+    if cfg.whiten_advantages:
+        adv = whiten(adv, mask)
+
+    # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
+    means, epochs, grad_norms = ppo_update(cfg, rt, batch, adv, returns, *wrapped, optimizers, scaler)
+
+    # 6. the KL coefficient for the next step, from this step's KL per sequence (all ranks)
+    mean_seq_kl = (all_reduce(kl.sum(), rt) / n_seqs).item()
+    if cfg.adaptive_kl:
+        kl_ctl.update(mean_seq_kl, n_seqs)
+
+    # metrics over every rank's rollouts
+    task_rewards = batch["scores"]
+    reward_mask = mask if task_rewards.dim() == 2 else torch.ones_like(task_rewards)
+    reward_mean, reward_var = global_moments(task_rewards, reward_mask, rt)
+    returns_mean, returns_var = global_moments(returns, mask, rt)
+    _, residual_var = global_moments(returns - old_values, mask, rt)
+    correct = task.correct(batch["completion"], batch["info"], batch["scores"])
+    counts = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)  # tokens, truncated
+    metrics = {f"train/{name}": value for name, value in zip(TRAIN_TERMS, means.tolist())}
+    if not cfg.dual_clip:
+        del metrics["train/dual_clipfrac"]
+    metrics |= {
+        "train/explained_variance": 1 - residual_var / returns_var if returns_var > 0 else None,
+        "train/lr": lr,
+        "train/grad_norm": grad_norms[0].item(),
+        "train/value_grad_norm": grad_norms[1].item() if critic is not None else None,
+        "train/epochs": epochs,
+        "rl/reward_mean": reward_mean,
+        "rl/reward_std": math.sqrt(reward_var),
+        "rl/accuracy": None if correct is None else global_moments(correct, torch.ones_like(correct), rt)[0],
+        "rl/kl": mean_seq_kl if ref is not None else None,
+        "rl/kl_coef": kl_coef,
+        "rl/returns_mean": returns_mean,
+        "rl/value_mean": global_moments(old_values, mask, rt)[0],
+        "rl/completion_len": (counts[0] / n_seqs).item(),
+        "rl/truncated_frac": (counts[1] / n_seqs).item() if task.eos_id is not None else None,
+        "perf/rollout_tokens_per_s": N * cfg.horizon * rt.world_size / max(t_rollout, 1e-9),
+        "perf/rollout_ms": 1000 * t_rollout,
+        "perf/step_ms": 1000 * (time.time() - t0),
+        "perf/peak_mem_mb": peak_memory_mb(rt),
+    }
+    return metrics, int(counts[0].item())
+
+
 # ----------------------------------------------------------------------------------------------------------
+# main: the policy, the value model, the reference, then the loop of evaluations, PPO steps and checkpoints
 
 
 def peak_memory_mb(rt):
@@ -765,29 +877,22 @@ def peak_memory_mb(rt):
 
 
 def validate(cfg):
-    for name in ("horizon", "batch_size", "max_steps", "ppo_epochs", "num_minibatches", "grad_accum", "eval_every"):
+    """Impossible settings end the run before anything is read: one line naming the flag, exit code 2.
+    (--temperature 0 is impossible here: PPO's ratio needs the sampling policy's probabilities.)"""
+    positive = ["horizon", "batch_size", "max_steps", "ppo_epochs", "num_minibatches", "grad_accum", "eval_every"]
+    positive += ["eval_size", "log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "kl_horizon"]
+    positive += ["context_len", "max_prompt_len", "digits", "temperature", "lr", "clip_eps", "target_kl"]
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("eval_size", "log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "kl_horizon"):
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    check(cfg.context_len > 0 and cfg.max_prompt_len > 0, "--context_len and --max_prompt_len must be positive")
-    check(
-        cfg.batch_size % (cfg.num_minibatches * cfg.grad_accum) == 0,
-        f"--batch_size {cfg.batch_size} must be a multiple of --num_minibatches * --grad_accum "
-        f"({cfg.num_minibatches} * {cfg.grad_accum})",
-    )
-    check(cfg.temperature > 0, "--temperature must be > 0: PPO's ratio needs the sampling policy's probabilities")
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
-    check(cfg.value_lr >= 0, f"--value_lr must be >= 0 (got {cfg.value_lr})")
-    check(
-        0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, f"--gamma and --lam must be in [0, 1] (got {cfg.gamma}, {cfg.lam})"
-    )
-    check(cfg.clip_eps > 0, f"--clip_eps must be > 0 (got {cfg.clip_eps})")
-    check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
-    for name in ("clip_eps_value", "vf_coef", "entropy_coef", "beta_kl", "missing_eos_penalty", "target_kl_stop"):
+    non_negative = ["value_lr", "min_lr", "clip_eps_value", "vf_coef", "entropy_coef", "beta_kl", "target_kl_stop"]
+    non_negative += ["missing_eos_penalty", "grad_clip", "weight_decay", "warmup_steps", "top_k"]
+    for name in non_negative:
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
-    check(cfg.target_kl > 0, f"--target_kl must be > 0 (got {cfg.target_kl})")
-    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
-    check(cfg.top_k >= 0 and cfg.digits >= 1, "--top_k must be >= 0 and --digits >= 1")
+    for name in ("gamma", "lam"):
+        check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
+    rows = cfg.num_minibatches * cfg.grad_accum
+    check(cfg.batch_size % rows == 0, f"--batch_size must be a multiple of --num_minibatches * --grad_accum ({rows})")
+    check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     choices = {
@@ -800,20 +905,100 @@ def validate(cfg):
     }
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
-    check(
-        cfg.value_init == "policy" or cfg.value_model == "separate",
-        "--value_init reward_model needs --value_model separate (a shared value head sits on the policy's trunk)",
-    )
-    check(
-        cfg.value_init == "policy" or cfg.reward_model,
-        "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)",
-    )
-    check(
-        not (cfg.missing_eos_penalty and cfg.task == "next_token"),
-        "--missing_eos_penalty: next_token rollouts have no end token",
-    )
+    if cfg.task == "next_token":
+        check(not cfg.missing_eos_penalty, "--missing_eos_penalty: next_token rollouts have no end token")
+    else:
+        check(cfg.reference != "bigram", "--reference bigram needs a text stream (next_token)")
+    if cfg.value_init == "reward_model":  # a shared value head sits on the policy's trunk: no body of its own
+        check(cfg.value_model == "separate", "--value_init reward_model needs --value_model separate")
+        check(cfg.reward_model, "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
     check(not (cfg.adaptive_kl and cfg.reference == "none"), "--adaptive_kl needs a reference (--reference none)")
+
+
+def policy_and_task(cfg, rt, ckpt_path):
+    """The policy (a resumed run, --init_from, or a new model on --tokenizer: a char tokenizer of the data's
+    characters, or of arithmetic's), its tokenizer, the task, and the checkpoint of a resumed run (else None)."""
+    text = path = None
+    if cfg.task == "next_token":
+        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
+        text = read_text(path)
+    ckpt = None
+    if cfg.resume or cfg.init_from != "scratch":
+        model, spec, ckpt = load_model(ckpt_path if cfg.resume else cfg.init_from)
+        tok = get_tokenizer(spec)
+    else:
+        tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    if text is not None and isinstance(tok, CharTokenizer):
+        unknown = sorted(set(text) - set(tok.chars))
+        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    if cfg.task == "next_token":
+        task = NextTokenTask(cfg, tok, text, path)
+    elif cfg.task == "arithmetic":
+        task = ArithmeticTask(cfg, tok)
+    else:
+        task = RewardModelTask(cfg, tok, rt)
+    return model, tok, task, ckpt if cfg.resume else None
+
+
+def value_model(cfg, model, tok, ckpt):
+    """(actor, critic): --value_model shared puts a zero-initialised value head on the policy (the actor; no critic);
+    separate keeps the policy as the actor and builds a GPT body with a scalar head, from the policy (the head at
+    zero, so the first values are 0 and the first advantages plain returns) or from --reward_model."""
+    actor, critic = model, None
+    if cfg.value_model == "shared":
+        actor = PolicyWithValueHead(model)
+    elif ckpt is not None:
+        critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
+    elif cfg.value_init == "reward_model":
+        critic, rm_spec, _ = load_reward_model(cfg.reward_model)
+        check(rm_spec == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+        critic.train().requires_grad_(True)
+    else:
+        critic = RewardModel(model.config)
+        critic.body.load_state_dict(model.state_dict())
+        nn.init.zeros_(critic.head.weight)
+        nn.init.zeros_(critic.head.bias)
+    if ckpt is not None:
+        (actor.value_head if critic is None else critic).load_state_dict(ckpt["value_model"])
+    return actor, critic
+
+
+def reference_model(cfg, rt, model, task, ckpt):
+    """The frozen reference of the KL penalty and its kind (--reference, auto resolved): never wrapped, never
+    trained, the same on every rank and after a resume (a copy of rank 0's starting weights, or a fixed seed)."""
+    reference = cfg.reference
+    if reference == "auto":
+        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
+    if reference == "bigram":
+        return BigramReference(task.train_ids, model.config.vocab_size).to(rt.device), reference
+    if reference == "none":
+        return None, reference
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
+        ref = GPT(model.config)
+    if reference == "init":
+        ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
+    return ref.to(rt.device).eval().requires_grad_(False), reference
+
+
+def save_run(path, step, cfg, rt, tok, actor, critic, optimizers, extras):
+    """ckpt.pt: the policy under its own keys (any script can --init_from it) and its optimizer, the value model
+    (the shared head; or a GPT body and head, its config and optimizer), every rank's RNG, and the loop's extras.
+    Every rank calls it: under FSDP, gathering the state is collective."""
+    actor_sd, optim_sd = training_state(actor, optimizers[0], rt)
+    if critic is None:  # the shared value head is saved apart from the policy's keys
+        model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
+        value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
+    else:
+        model_sd, config = actor_sd, dataclasses.asdict(critic.body.config)
+        value_sd, value_optim_sd = training_state(critic, optimizers[1], rt)
+        extras = {**extras, "value_model_config": config, "value_optimizer": value_optim_sd}
+    rngs = all_rng_states(rt)
+    if rt.master:
+        ckpt = {"model": model_sd, "model_config": dataclasses.asdict(actor.config), "tokenizer": tok.spec}
+        ckpt |= {"step": step, "optimizer": optim_sd, "rng": rngs[0], "rng_ranks": rngs, "value_model": value_sd}
+        save_checkpoint(path, {**ckpt, "config": dataclasses.asdict(cfg), **extras})
 
 
 def main():
@@ -823,104 +1008,30 @@ def main():
     out_dir = prepare_out_dir(cfg, "ppo", rt)
     stop = GracefulExit()
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    H, shared = cfg.horizon, cfg.value_model == "shared"
-    reference = cfg.reference
-    if reference == "auto":
-        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
-
-    # policy and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
-    text = path = None
-    if cfg.task == "next_token":
-        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
-        text = read_text(path)
-    spec = None
-    if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        spec = ckpt["tokenizer"]
-    elif cfg.init_from != "scratch":
-        model, spec, _ = load_model(cfg.init_from)
-    if spec is None:
-        if cfg.tokenizer == "gpt2":
-            tok = BPETokenizer()
-        else:
-            tok = CharTokenizer(sorted(set(text)) if text is not None else ARITHMETIC_CHARS)
-        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
-    else:
-        tok = get_tokenizer(spec)
-    if text is not None and isinstance(tok, CharTokenizer):
-        unknown = sorted(set(text) - set(tok.chars))
-        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
-    if cfg.task == "next_token":
-        task = NextTokenTask(cfg, tok, text, path)
-        longest = cfg.context_len + H
-    elif cfg.task == "arithmetic":
-        task = ArithmeticTask(cfg, tok)
-        longest = 2 * cfg.digits + 2 + H
-    else:
-        task = RewardModelTask(cfg, tok, rt)
-        longest = cfg.max_prompt_len + H
-    check(
-        longest <= model.config.block_size,
-        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
-    )
+    model, tok, task, ckpt = policy_and_task(cfg, rt, ckpt_path)
     model.to(rt.device)
     broadcast_weights(model, rt)  # rank 0's starting weights, which the value model and the reference copy
+    actor, critic = value_model(cfg, model, tok, ckpt)
+    trained = [actor] if critic is None else [actor, critic]
+    for m in trained:
+        m.to(rt.device)
+    prompt_len = {"next_token": cfg.context_len, "arithmetic": 2 * cfg.digits + 2, "reward_model": cfg.max_prompt_len}
+    longest = prompt_len[cfg.task] + cfg.horizon
+    size = min(m.config.block_size for m in (model, model if critic is None else critic.body))
+    check(longest <= size, f"prompts + --horizon ({longest}) exceed block_size {size} (policy or value model)")
+    ref, reference = reference_model(cfg, rt, model, task, ckpt)
 
-    # the value model: a head on the policy's trunk, or a GPT body with a head of its own
-    critic = None
-    if shared:
-        actor = PolicyWithValueHead(model)
-        if ckpt is not None:
-            actor.value_head.load_state_dict(ckpt["value_model"])
-    elif ckpt is not None:
-        critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
-        critic.load_state_dict(ckpt["value_model"])
-    elif cfg.value_init == "reward_model":
-        critic, rm_spec, _ = load_reward_model(cfg.reward_model)
-        check(rm_spec == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-        critic.train().requires_grad_(True)
-    else:
-        critic = RewardModel(model.config)
-        critic.body.load_state_dict(model.state_dict())
-        nn.init.zeros_(critic.head.weight)  # the first values are 0: the first advantages are plain returns
-        nn.init.zeros_(critic.head.bias)
-    if critic is not None:
-        check(
-            longest <= critic.body.config.block_size,
-            f"prompts + --horizon ({longest}) exceed the value model's block_size {critic.body.config.block_size}",
-        )
-        critic.to(rt.device)
-        actor = model
-    actor.to(rt.device)
-
-    # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
-    ref = None
-    if reference == "bigram":
-        ref = BigramReference(task.train_ids, model.config.vocab_size).to(rt.device)
-    elif reference in ("random", "init"):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
-            ref = GPT(model.config)
-        if reference == "init":
-            ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
-        ref.to(rt.device).eval().requires_grad_(False)
-
-    # both trained models are wrapped (DDP / FSDP); the raw modules sample, evaluate and are saved
-    actor_train = wrap_module(actor, model, rt, cfg.compile) if shared else wrap_model(actor, rt, cfg.compile)
-    critic_train = wrap_module(critic, critic.body, rt, cfg.compile) if critic is not None else None
-    optimizer = make_optimizer(actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    value_optimizer = None
-    if critic is not None:
-        value_optimizer = make_optimizer(critic, cfg.value_lr or cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    # the trained models are wrapped (DDP / FSDP); the raw ones sample, evaluate and are saved
+    critic_train = None if critic is None else wrap_module(critic, critic.body, rt, cfg.compile)
+    wrapped = (wrap_module(actor, model, rt, cfg.compile), critic_train)
+    peak_lrs = [cfg.lr, cfg.value_lr or cfg.lr]
+    optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, peak_lrs)]
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
     kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
     start_step, tokens, first_eval = 0, 0, None
     if ckpt is not None:
-        load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)
-        if critic is not None:
-            load_optimizer_state(critic, value_optimizer, ckpt["value_optimizer"], rt)
+        for m, opt, key in zip(trained, optimizers, ("optimizer", "value_optimizer")):
+            load_optimizer_state(m, opt, ckpt[key], rt)
         restore_rng(ckpt, rt)
         if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again (absent: older runs)
             scaler.load_state_dict(ckpt["scaler"])
@@ -933,204 +1044,34 @@ def main():
             f"{rt.world_size} process(es), out_dir {out_dir}"
         )
 
-    def evaluate(step):
-        actor.eval()
-        metrics, text = task.evaluate(actor, ref if isinstance(ref, GPT) else None, rt, tok, step)
-        actor.train()
-        return metrics, text
-
     def checkpoint(step):
-        actor_sd, optim_sd = training_state(actor, optimizer, rt)
-        if shared:  # the policy's own keys, so that any script can --init_from this checkpoint
-            model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
-            value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
-        else:
-            model_sd = actor_sd
-            value_sd, value_optim_sd = training_state(critic, value_optimizer, rt)
-        rngs = all_rng_states(rt)
-        if rt.master:
-            extras = {"tokens": tokens, "first_eval": first_eval, "kl_coef": kl_ctl.value, "value_model": value_sd}
-            extras["scaler"] = scaler.state_dict()  # empty unless --dtype float16
-            if not shared:
-                extras["value_model_config"] = dataclasses.asdict(critic.body.config)
-                extras["value_optimizer"] = value_optim_sd
-            if reference == "init":
-                extras["reference"] = ref.state_dict()
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": model_sd,
-                    "model_config": dataclasses.asdict(model.config),
-                    "tokenizer": tok.spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                    **extras,
-                },
-            )
+        extras = {"tokens": tokens, "first_eval": first_eval, "kl_coef": kl_ctl.value, "scaler": scaler.state_dict()}
+        if reference == "init":
+            extras["reference"] = ref.state_dict()
+        save_run(ckpt_path, step, cfg, rt, tok, actor, critic, optimizers, extras)
 
-    models = [m for m in (actor_train, critic_train) if m is not None]
-    optimizers = [o for o in (optimizer, value_optimizer) if o is not None]
-    # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
-    # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
-    # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
-    vf_coef = cfg.vf_coef if shared else 1.0
-    N = cfg.batch_size
-    n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
-    n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
     t_start, last_eval = time.time(), {}
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval, text = evaluate(step)
+            actor.eval()
+            last_eval, text = task.evaluate(actor, ref if isinstance(ref, GPT) else None, rt, tok, step)
+            actor.train()
             first_eval = first_eval or last_eval
             logger.log(step, {**last_eval, "rl/tokens": tokens})
-            if samples:
-                samples.write(f"--- step {step}\n{text}\n")
-                samples.flush()
+            if rt.master:
+                with open(os.path.join(out_dir, "samples.txt"), "a") as f:
+                    f.write(f"--- step {step}\n{text}\n")
         if step == cfg.max_steps:
             break
-        t0 = time.time()
-        if rt.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(rt.device)
-        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if value_optimizer is not None:
-            for group in value_optimizer.param_groups:
-                group["lr"] = lr * (cfg.value_lr or cfg.lr) / cfg.lr
-
-        # ALGO LOGIC 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
-        batch = rollout(task, actor, critic, ref, cfg, rt, n_micro)
-        t_rollout = time.time() - t0
-        seq, attn, mask = batch["seq"], batch["attn"], batch["mask"]
-        old_logp, old_values = batch["old_logp"], batch["old_values"]
-
-        # 3. per-token rewards: the task's reward where it is earned, minus kl_coef * k1 at every token
-        kl = (old_logp - batch["ref_logp"]) * mask if ref is not None else torch.zeros_like(old_logp)  # (N, H)
-        scores = batch["scores"]
-        if scores.dim() == 1:
-            scores = scores - cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
-        kl_coef = kl_ctl.value if ref is not None else 0.0
-        rewards = ppo_rewards(scores, kl, mask, kl_coef)  # (N, H)
-
-        # 4. advantages by GAE from the rollout's values; the returns are the value targets
-        adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
-        if cfg.whiten_advantages:
-            adv = whiten(adv, mask)
-
-        # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
-        sums = torch.zeros(7, device=rt.device)  # policy loss, value loss, entropy, approx KL, clip, loss, dual clip
-        n_updates, epochs, grad_norms = 0, 0, []
-        for _ in range(cfg.ppo_epochs):
-            epoch_sums = torch.zeros_like(sums)
-            perm = torch.randperm(N).to(rt.device)
-            for start in range(0, N, n_minibatch):
-                idx = perm[start : start + n_minibatch]
-                n_tokens = all_reduce(mask[idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
-                for j in range(0, n_minibatch, n_micro):
-                    rows = idx[j : j + n_micro]
-                    for m in models:
-                        grad_sync(m, j + n_micro >= n_minibatch)
-                    with rt.autocast():
-                        a = None if attn is None else attn[rows]
-                        logp, entropies, values = logprobs_and_values(
-                            actor_train, critic_train, seq[rows], a, H, True, cfg.temperature, cfg.top_k or None
-                        )  # (n, H) each, under the sampling distribution, as old_logp
-                    pg_loss, stats = ppo_policy_loss(
-                        logp, old_logp[rows], adv[rows], mask[rows], cfg.clip_eps, cfg.dual_clip or None, n_tokens
-                    )
-                    v_loss = value_loss(
-                        values.float(), old_values[rows], returns[rows], mask[rows], cfg.clip_eps_value, n_tokens
-                    )
-                    entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
-                    entropy = masked_mean(entropies, mask[rows], n_tokens)
-                    loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
-                    scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-                    epoch_sums += torch.stack(
-                        [
-                            pg_loss.detach(),
-                            v_loss.detach(),
-                            entropy.detach(),
-                            stats["approx_kl"],
-                            stats["clip_frac"],
-                            loss.detach(),
-                            stats["dual_clip_frac"],
-                        ]
-                    )
-                for opt in optimizers:
-                    scaler.unscale_(opt)
-                grad_norms.append([clip_grad_norm(m, cfg.grad_clip) for m in models])
-                for opt in optimizers:
-                    scaler.step(opt)
-                scaler.update()
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                n_updates += 1
-            epoch_sums = all_reduce(epoch_sums, rt)  # shares of global means: their sum over ranks is the mean
-            sums += epoch_sums
-            epochs += 1
-            if cfg.target_kl_stop and epoch_sums[3].item() / cfg.num_minibatches > cfg.target_kl_stop:
-                break
-        sums = sums / n_updates
-        train_loss = sums[5].item()
+        metrics, step_tokens = ppo_step(step, cfg, rt, task, actor, critic, ref, wrapped, optimizers, scaler, kl_ctl)
         stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train_loss, step, ckpt_path, rt)
-
-        # 6. the KL coefficient for the next step, from this step's KL per sequence (all ranks)
-        seq_kl = all_reduce(torch.stack([kl.sum(), torch.tensor(float(N), device=rt.device)]), rt)
-        mean_seq_kl = (seq_kl[0] / seq_kl[1]).item()
-        if cfg.adaptive_kl:
-            kl_ctl.update(mean_seq_kl, int(seq_kl[1].item()))
-        step_tokens = all_reduce(mask.sum(), rt)
-        tokens += int(step_tokens.item())
-        dt = time.time() - t0
-
-        # metrics over every rank's rollouts
-        task_rewards = batch["scores"]
-        reward_mask = mask if task_rewards.dim() == 2 else torch.ones_like(task_rewards)
-        reward_mean, reward_var = global_moments(task_rewards, reward_mask, rt)
-        returns_mean, returns_var = global_moments(returns, mask, rt)
-        _, residual_var = global_moments(returns - old_values, mask, rt)
-        value_mean, _ = global_moments(old_values, mask, rt)
-        correct = task.correct(batch["completion"], batch["info"], batch["scores"])
-        accuracy = None if correct is None else global_moments(correct, torch.ones_like(correct), rt)[0]
-        lengths = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt) / (N * rt.world_size)
-        grad_norms = torch.tensor([[g.item() for g in norms] for norms in grad_norms]).mean(0)  # (n_models,)
-        metrics = {
-            "train/policy_loss": sums[0].item(),
-            "train/value_loss": sums[1].item(),
-            "train/entropy": sums[2].item(),
-            "train/approx_kl": sums[3].item(),
-            "train/clipfrac": sums[4].item(),
-            "train/dual_clipfrac": sums[6].item() if cfg.dual_clip else None,
-            "train/explained_variance": 1 - residual_var / returns_var if returns_var > 0 else None,
-            "train/loss": train_loss,
-            "train/lr": lr,
-            "train/grad_norm": grad_norms[0].item(),
-            "train/value_grad_norm": grad_norms[1].item() if critic is not None else None,
-            "train/epochs": epochs,
-            "rl/reward_mean": reward_mean,
-            "rl/reward_std": math.sqrt(reward_var),
-            "rl/accuracy": accuracy,
-            "rl/kl": mean_seq_kl if ref is not None else None,
-            "rl/kl_coef": kl_coef,
-            "rl/returns_mean": returns_mean,
-            "rl/value_mean": value_mean,
-            "rl/completion_len": lengths[0].item(),
-            "rl/truncated_frac": lengths[1].item() if task.eos_id is not None else None,
-            "rl/tokens": tokens,
-            "perf/rollout_tokens_per_s": N * H * rt.world_size / max(t_rollout, 1e-9),
-            "perf/rollout_ms": 1000 * t_rollout,
-            "perf/step_ms": 1000 * dt,
-            "perf/peak_mem_mb": peak_memory_mb(rt),
-        }
+        stop_if_not_finite(metrics["train/loss"], step, ckpt_path, rt)
+        tokens += step_tokens
+        metrics["rl/tokens"] = tokens
         logger.bar.update(1)
-        logger.bar.set_postfix(reward=f"{reward_mean:.3f}")
+        logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             checkpoint(step + 1)
@@ -1138,8 +1079,6 @@ def main():
             stop.exit(step + 1, out_dir, rt)
     checkpoint(cfg.max_steps)
     logger.close()
-    if samples:
-        samples.close()
     if rt.master:
         results = {
             "task": cfg.task,

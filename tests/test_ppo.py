@@ -1,6 +1,6 @@
 """ppo.py: GAE against plain loops and its limits (Monte Carlo, TD), whitening, the clipped policy loss (dual clip
 included) and the clipped value loss by hand, the Ziegler KL controller, where rewards are placed, what the value
-model sees, copies shared with grpo.py, the sampling distribution of every log-prob (temperature, top-k), and
+model sees, the sampling distribution of every log-prob (temperature, top-k), and
 end-to-end runs of the three tasks (run folder, exact resume float16 included, --vf_coef with a separate value model,
 torchrun DDP and FSDP, bad input, learning)."""
 
@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpt
-import grpo
 import ppo
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "32", "--tokenizer", "char"]
@@ -242,17 +241,6 @@ def test_rewards_place_sequence_scores_at_the_last_real_token_and_subtract_the_k
     dense = torch.tensor([[1.0, 0.0, 1.0, 5.0], [0.0, 5.0, 5.0, 5.0]])  # next_token: per-token task rewards
     got = ppo.ppo_rewards(dense, kl, mask, 0.1)
     assert torch.allclose(got, torch.tensor([[0.95, 0.1, 0.8, 0], [-0.1, 0, 0, 0]]))
-
-
-@FAST
-@given(st.integers(1, 6), st.integers(1, 7), st.integers(0, 10_000))
-def test_kl_penalty_agrees_with_grpo_py(N, T, seed):
-    """kl_penalty is a copy of grpo.py's: bit-identical on random inputs."""
-    gen = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(N, T, generator=gen) * 4
-    ref = logp + 0.5 * torch.randn(N, T, generator=gen)
-    for kind in ("k1", "k2", "k3"):
-        assert torch.equal(ppo.kl_penalty(logp, ref, kind), grpo.kl_penalty(logp, ref, kind))
 
 
 # ------------------------------------------------------------------------------------------------ the value models
