@@ -293,24 +293,21 @@ def encode_pair(tok, prompt, chosen, rejected, max_len):
 
 def load_preference_data(cfg):
     """(train, held-out) lists of (prompt, chosen, rejected), the count of skipped records per reason, the source."""
+    source = cfg.data_path or cfg.data
     if cfg.data_path:
         # gpt.py's hh_sft split (it needs only "chosen"), so an SFT model made from this file never saw the held-out
         records = read_jsonl(cfg.data_path, ["chosen"])
         order = random.Random(0).sample(range(len(records)), len(records))  # fixed split, whatever --seed
         n_val = max(1, len(records) // 20)
-        parts, source = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]], cfg.data_path
+        parts = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]]
     else:
         try:
             import datasets
 
             hub = datasets.load_dataset(cfg.data)
-            parts = [
-                [{"chosen": c, "rejected": r} for c, r in zip(hub[s]["chosen"], hub[s]["rejected"])]
-                for s in ("train", "test")
-            ]
+            parts = [hub[split].to_list() for split in ("train", "test")]  # dicts with "chosen" and "rejected"
         except Exception as e:
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        source = cfg.data
     (train, skipped), (val, skipped_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
     for reason, n in skipped_val.items():
         skipped[reason] = skipped.get(reason, 0) + n
@@ -381,11 +378,10 @@ def encode_orm(tok, prompt, answer, label, max_len):
 def encode_prm(tok, steps):
     """Token ids of "step, step, ..., step\\n" (+ <|endoftext|>) and each step's label at the last token of the
     separator after it (the `,`, or the final newline and <|endoftext|>); -1 elsewhere."""
-    ids, labels = [], []
+    ids, labels, end = [], [], [tok.eot_id] if tok.eot_id is not None else []
     for i, (text, label) in enumerate(steps):
-        last = i == len(steps) - 1
         step = tok.encode(("" if i == 0 else " ") + text)
-        sep = tok.encode("\n") + ([tok.eot_id] if tok.eot_id is not None else []) if last else tok.encode(",")
+        sep = tok.encode(",") if i < len(steps) - 1 else tok.encode("\n") + end
         ids += step + sep
         labels += [-1] * (len(step) + len(sep) - 1) + [label]
     return ids, labels
@@ -411,9 +407,7 @@ def synthetic_data(cfg):
 
 def pad_right(seqs, value=0):
     """Right-padded (B, T) LongTensor of lists of ints, and their lengths (B,)."""
-    idx = torch.full((len(seqs), max(len(s) for s in seqs)), value, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        idx[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    idx = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=value)  # (B, T)
     return idx, torch.tensor([len(s) for s in seqs])
 
 
@@ -437,14 +431,19 @@ def score(model, tok, texts, device, max_len=None, batch_size=32):
 # ----------------------------------------------------------------------------------------------------------
 # One micro-batch: forward pass, loss summed over the batch (normalised by the caller), and summed statistics.
 
-
-def loss_terms(task, batch):
-    """How many terms the loss of a batch sums: pairs (preference) or labelled positions (orm, prm)."""
-    return len(batch) if task == "preference" else sum(sum(y >= 0 for y in labels) for _, labels in batch)
+# Each metric is a statistic summed over the examples divided by a count summed the same way (over micro-batches,
+# then ranks): metric -> its count. The sums of squares give the preference rewards' standard deviations.
+MEANS = {
+    "preference": dict.fromkeys(
+        ("loss", "accuracy", "margin", "chosen", "chosen_sq", "rejected", "rejected_sq"), "pairs"
+    ),
+    "orm": {"loss": "terms", "accuracy": "seqs", "reward_correct": "n_correct", "reward_wrong": "n_wrong"},
+    "prm": {"loss": "terms", "step_accuracy": "terms", "first_error_accuracy": "chains"},
+}
 
 
 def batch_loss(model, batch, cfg, device):
-    """(loss summed over the batch's terms, dict of statistics summed over the batch)."""
+    """(loss summed over the batch's terms, dict of statistics summed over the batch: see MEANS)."""
     if cfg.task == "preference":
         # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
         # follows real tokens, and positions count from 0 in every row
@@ -453,15 +452,9 @@ def batch_loss(model, batch, cfg, device):
         r_c, r_r = rewards.chunk(2)  # (B,), (B,)
         loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
         r_c, r_r, d = r_c.detach(), r_r.detach(), (r_c - r_r).detach()
-        stats = {
-            "pairs": len(batch),
-            "correct": ((d > 0).float() + 0.5 * (d == 0).float()).sum(),
-            "margin": d.sum(),
-            "chosen": r_c.sum(),
-            "chosen_sq": (r_c**2).sum(),
-            "rejected": r_r.sum(),
-            "rejected_sq": (r_r**2).sum(),
-        }
+        stats = {"pairs": len(batch), "accuracy": ((d > 0).float() + 0.5 * (d == 0).float()).sum(), "margin": d.sum()}
+        for side, r in (("chosen", r_c), ("rejected", r_r)):
+            stats[side], stats[f"{side}_sq"] = r.sum(), (r**2).sum()
         return loss, {"loss": loss.detach(), **stats}
     idx, lengths = pad_right([ids for ids, _ in batch])
     labels, _ = pad_right([y for _, y in batch], value=-1)
@@ -471,20 +464,14 @@ def batch_loss(model, batch, cfg, device):
     scores = scores.detach()
     if cfg.task == "orm":
         reward, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # (B,), (B,)
-        stats = {
-            "seqs": len(batch),
-            "correct": ((reward > 0) == (y == 1)).sum(),
-            "reward_correct": (reward * (y == 1)).sum(),
-            "n_correct": (y == 1).sum(),
-            "reward_wrong": (reward * (y == 0)).sum(),
-            "n_wrong": (y == 0).sum(),
-        }
+        stats = {"seqs": len(batch), "accuracy": ((reward > 0) == (y == 1)).sum()}
+        for name, label in (("correct", 1), ("wrong", 0)):
+            stats[f"reward_{name}"], stats[f"n_{name}"] = (reward * (y == label)).sum(), (y == label).sum()
     else:
-        step = labels >= 0
         stats = {
             "chains": len(batch),
-            "steps_right": (((scores > 0) == (labels == 1)) & step).sum(),
-            "first_error": first_error_hits(scores, labels).sum(),
+            "step_accuracy": (((scores > 0) == (labels == 1)) & (labels >= 0)).sum(),
+            "first_error_accuracy": first_error_hits(scores, labels).sum(),
         }
     return loss, {"loss": loss.detach(), "terms": (labels >= 0).sum(), **stats}
 
@@ -494,25 +481,14 @@ def add_stats(total, stats, weight=1.0):
 
 
 def summarize(task, stats, rt):
-    """Metrics (without namespace) from statistics summed over micro-batches, then over ranks."""
+    """Metrics (without namespace) from statistics summed over micro-batches, then over ranks (MEANS)."""
     keys = sorted(stats)
-    total = all_reduce(torch.stack([stats[k].float().to(rt.device) for k in keys]), rt).tolist()
-    s = dict(zip(keys, total))
+    sums = dict(zip(keys, all_reduce(torch.stack([stats[k].float().to(rt.device) for k in keys]), rt).tolist()))
+    out = {name: sums[name] / max(sums[count], 1) for name, count in MEANS[task].items()}
     if task == "preference":
-        n = s["pairs"]
-        out = {"loss": s["loss"] / n, "accuracy": s["correct"] / n, "margin": s["margin"] / n}
         for side in ("chosen", "rejected"):
-            mean = s[side] / n
-            out[f"{side}_mean"], out[f"{side}_std"] = mean, math.sqrt(max(s[f"{side}_sq"] / n - mean**2, 0.0))
-        return out
-    out = {"loss": s["loss"] / max(s["terms"], 1)}
-    if task == "orm":
-        out["accuracy"] = s["correct"] / s["seqs"]
-        out["reward_correct"] = s["reward_correct"] / max(s["n_correct"], 1)
-        out["reward_wrong"] = s["reward_wrong"] / max(s["n_wrong"], 1)
-    else:
-        out["step_accuracy"] = s["steps_right"] / max(s["terms"], 1)
-        out["first_error_accuracy"] = s["first_error"] / s["chains"]
+            mean = out.pop(side)
+            out[f"{side}_mean"], out[f"{side}_std"] = mean, math.sqrt(max(out.pop(f"{side}_sq") - mean**2, 0.0))
     return out
 
 
@@ -520,41 +496,34 @@ def batch_indices(n, step, per_rank, rank, world_size, seed):
     """This rank's example indices at an optimizer step. Each epoch reads the n examples in a fresh random order;
     a step's global batch is the next world_size * per_rank of them, one disjoint slice per rank. The step alone
     decides them, so a resumed run continues with exactly the examples it would have seen."""
-    start = (step * world_size + rank) * per_rank
-    orders, out = {}, []
-    for p in range(start, start + per_rank):
-        epoch = p // n
-        if epoch not in orders:
-            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        out.append(orders[epoch][p % n])
-    return out
+    start = (step * world_size + rank) * per_rank  # position p is example orders[p // n][p % n]
+    epochs = range(start // n, (start + per_rank - 1) // n + 1)
+    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist() for e in epochs}
+    return [orders[p // n][p % n] for p in range(start, start + per_rank)]
 
 
 # ----------------------------------------------------------------------------------------------------------
 
 
 def validate(cfg):
-    for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train"):
+    positive = ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val")
+    for name in (*positive, "digits", "n_layer", "n_head", "n_embd", "block_size", "lr"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("n_val", "digits", "n_layer", "n_head", "n_embd", "block_size"):
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.task in ("preference", "orm", "prm"), f"--task {cfg.task!r}: use preference, orm or prm")
     check(cfg.max_len == 0 or cfg.max_len >= 2, f"--max_len must be 0 (the block size) or >= 2 (got {cfg.max_len})")
-    check(cfg.eval_size >= 0, f"--eval_size must be >= 0 (got {cfg.eval_size})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.chain_len >= 2, f"--chain_len must be >= 2 (got {cfg.chain_len})")
     check(0 <= cfg.error_frac <= 1, f"--error_frac must be in [0, 1] (got {cfg.error_frac})")
-    check(cfg.center_coef >= 0, f"--center_coef must be >= 0 (got {cfg.center_coef})")
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
-    check(cfg.warmup_steps >= 0 and cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "negative --warmup/clip/decay")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(not cfg.data_path or cfg.task == "preference", "--data_path is for --task preference; orm/prm make data")
 
 
 def make_tokenizer(cfg, spec, texts):
-    """The model's tokenizer (spec from a checkpoint), or for a new model GPT-2 BPE or the characters of the data;
-    a char vocabulary must cover every character of the data."""
+    """The model's tokenizer (spec from a checkpoint), or for a new model GPT-2 BPE or the characters of the texts;
+    a char vocabulary must cover every character of the texts."""
     check(cfg.tokenizer in ("auto", "char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
     if spec is not None:
         kind = "gpt2" if spec == "gpt2" else "char"
@@ -563,16 +532,44 @@ def make_tokenizer(cfg, spec, texts):
     elif cfg.tokenizer == "gpt2" or (cfg.tokenizer == "auto" and cfg.task == "preference"):
         tok = BPETokenizer()
     else:
-        chars = set()
-        for text in texts:
-            chars.update(text)
-        tok = CharTokenizer(sorted(chars))
+        tok = CharTokenizer(sorted(set().union(*texts)))
     if isinstance(tok, CharTokenizer):
-        unknown = set()
-        for text in texts:
-            unknown.update(set(text) - set(tok.stoi))
-        check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the char vocabulary")
+        unknown = sorted(set().union(*texts) - set(tok.stoi))
+        check(not unknown, f"the text has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     return tok
+
+
+def load_texts(cfg, rt):
+    """(train, held-out) examples as text, the texts a char vocabulary must cover, skipped pairs per reason."""
+    if cfg.task != "preference":
+        train_text, val_text = synthetic_data(cfg)
+        return train_text, val_text, [ARITH_CHARS], {}
+    train_text, val_text, skipped, source = load_preference_data(cfg)
+    if skipped and rt.master:
+        kept = f"kept {len(train_text)} train and {len(val_text)} held-out"
+        print(f"{source}: skipped {sum(skipped.values())} pair(s) ({describe(skipped)}); {kept}", file=sys.stderr)
+    return train_text, val_text, [t for pair in train_text + val_text for t in pair], skipped
+
+
+def build_reward_model(cfg, ckpt_path, texts):
+    """(reward model, tokenizer, checkpoint to resume or None). The model: the run's own ckpt.pt with --resume;
+    else the --init_from body (a checkpoint of any script, GPT-2 weights) with its head if it is a reward model, or
+    a new head; else a new model. A new head (or model) is seeded alike on every rank: FSDP does not broadcast it."""
+    init_from = ckpt_path if cfg.resume else cfg.init_from
+    body, spec, source = load_model(init_from, cfg.dropout) if init_from != "scratch" else (None, None, None)
+    tok = make_tokenizer(cfg, spec, texts)
+    config = GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = RewardModel(config if body is None else body.config)
+    if body is not None:
+        model.body = body
+    if source is not None and "reward_head" in source:
+        model.head.load_state_dict(source["reward_head"])
+    block_size = model.body.config.block_size
+    check(cfg.max_len <= block_size, f"--max_len {cfg.max_len} is longer than the model's block_size {block_size}")
+    check(tok.vocab_size <= model.body.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
+    return model, tok, source if cfg.resume else None
 
 
 def wrap_reward_model(model, rt, compile):
@@ -588,15 +585,65 @@ def wrap_reward_model(model, rt, compile):
     return wrap_model(model, rt, compile)
 
 
+@torch.no_grad()
+def held_out_metrics(model, eval_data, cfg, rt):
+    """Held-out metrics; the examples are dealt out over ranks, which all run the same number of batches (under
+    FSDP a forward pass is collective), the last ones possibly on a dummy example with weight 0."""
+    model.eval()
+    mine, stats = eval_data[rt.rank :: rt.world_size], {}
+    for b in range(0, math.ceil(len(eval_data) / rt.world_size), cfg.batch_size):  # the most any rank holds
+        batch = mine[b : b + cfg.batch_size]
+        with rt.autocast():
+            _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt.device)
+        stats = add_stats(stats, batch_stats, 1.0 if batch else 0.0)
+    model.train()
+    return {f"eval/{k}": v for k, v in summarize(cfg.task, stats, rt).items()}
+
+
+def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
+    """One optimizer step on this rank's rows: (train metrics without namespace, real tokens of all ranks)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # ALGO LOGIC: the loss sums every pair's (or labelled position's) term over the whole step, all ranks and
+    # micro-batches, and divides by their global count
+    terms = len(rows) if cfg.task == "preference" else sum(y >= 0 for _, labels in rows for y in labels)
+    n_tokens = sum(len(ex[0]) + (len(ex[1]) if cfg.task == "preference" else 0) for ex in rows)  # real tokens
+    counts = all_reduce(torch.tensor([float(terms), float(n_tokens)], device=rt.device), rt)
+    stats = {}
+    for micro in range(cfg.grad_accum):
+        grad_sync(model, micro == cfg.grad_accum - 1)
+        batch = rows[micro * cfg.batch_size : (micro + 1) * cfg.batch_size]
+        with rt.autocast():
+            loss_sum, batch_stats = batch_loss(model, batch, cfg, rt.device)
+        # ranks' gradients are averaged, so each rank's share is scaled by world_size
+        scaler.scale(loss_sum * rt.world_size / counts[0]).backward()
+        stats = add_stats(stats, batch_stats)
+    scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(model, cfg.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return {**summarize(cfg.task, stats, rt), "lr": lr, "grad_norm": grad_norm.item()}, counts[1].item()
+
+
+def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
+    """ckpt.pt: the body as a plain GPT (`model`: any script's --init_from) and the head (`reward_head`)."""
+    state, optim_sd = training_state(raw, optimizer, rt)
+    rngs = all_rng_states(rt)
+    if rt.master:
+        body = {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")}
+        head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+        ckpt = dict(model=body, model_config=dataclasses.asdict(raw.body.config), tokenizer=tok.spec, step=step)
+        ckpt.update(optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
+        save_checkpoint(path, {**ckpt, "config": dataclasses.asdict(cfg), "reward_head": head, "reward_task": cfg.task})
+
+
 def score_main(cfg):
     """--score: print the reward of one text under the --init_from reward model."""
     check(os.path.isfile(cfg.init_from), "--score needs --init_from PATH/ckpt.pt of a reward model")
     rt = setup_runtime(cfg)
     model, spec, _ = load_reward_model(cfg.init_from)
-    tok = get_tokenizer(spec)
-    if isinstance(tok, CharTokenizer):
-        unknown = sorted(set(cfg.score) - set(tok.stoi))
-        check(not unknown, f"--score has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    tok = make_tokenizer(cfg, spec, [cfg.score])
     with rt.autocast():
         (reward,) = score(model.to(rt.device), tok, [cfg.score], rt.device)
     if rt.master:
@@ -612,74 +659,29 @@ def main():
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-
-    # data as text: HH-RLHF pairs, or generated arithmetic
-    if cfg.task == "preference":
-        train_text, val_text, skipped, source = load_preference_data(cfg)
-        if skipped and rt.master:
-            print(
-                f"{source}: skipped {sum(skipped.values())} pair(s) ({describe(skipped)}); kept {len(train_text)} "
-                f"train and {len(val_text)} held-out",
-                file=sys.stderr,
-            )
-        texts = [t for pair in train_text + val_text for t in pair]
-    else:
-        train_text, val_text = synthetic_data(cfg)
-        texts = [ARITH_CHARS]
-
-    # reward model and tokenizer: a resumed run, a checkpoint or GPT-2 weights (plus its head if it is an RM), or new
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    if ckpt is not None:
-        model = RewardModel(GPTConfig(**ckpt["model_config"]))
-        model.body.load_state_dict(ckpt["model"])
-        model.head.load_state_dict(ckpt["reward_head"])
-        spec = ckpt["tokenizer"]
-    elif cfg.init_from != "scratch":
-        body, spec, source_ckpt = load_model(cfg.init_from, cfg.dropout)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)  # the same new head on every rank (FSDP does not broadcast weights)
-            model = RewardModel(body.config)
-        model.body = body
-        if source_ckpt is not None and "reward_head" in source_ckpt:
-            model.head.load_state_dict(source_ckpt["reward_head"])
-    else:
-        spec = None
-    tok = make_tokenizer(cfg, spec, texts)
-    if spec is None:
-        config = GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
-            model = RewardModel(config)
-    block_size = model.body.config.block_size
-    check(cfg.max_len <= block_size, f"--max_len {cfg.max_len} is longer than the model's block_size {block_size}")
-    max_len = cfg.max_len or block_size
-    check(tok.vocab_size <= model.body.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
-
-    # token ids
-    if cfg.task == "preference":
-        encode = lambda ex: encode_pair(tok, *ex, max_len)[:2]  # (prompt + chosen, prompt + rejected)
-    elif cfg.task == "orm":
-        encode = lambda ex: encode_orm(tok, *ex, max_len)
-    else:
-        encode = lambda ex: encode_prm(tok, ex)
+    train_text, val_text, texts, skipped = load_texts(cfg, rt)
+    raw, tok, ckpt = build_reward_model(cfg, ckpt_path, texts)
+    max_len = cfg.max_len or raw.body.config.block_size
+    encode = {
+        "preference": lambda ex: encode_pair(tok, *ex, max_len)[:2],  # (prompt + chosen, prompt + rejected)
+        "orm": lambda ex: encode_orm(tok, *ex, max_len),
+        "prm": lambda ex: encode_prm(tok, ex),
+    }[cfg.task]
     train_data, val_data = [encode(ex) for ex in train_text], [encode(ex) for ex in val_text]
     if cfg.task == "prm":
         longest = max(len(ids) for ids, _ in train_data + val_data)
         check(longest <= max_len, f"prm chains take up to {longest} tokens; raise --max_len (now {max_len})")
     eval_data = val_data[: cfg.eval_size or len(val_data)]
 
-    model.to(rt.device)
-    raw = model
-    model = wrap_reward_model(model, rt, cfg.compile)
+    model = wrap_reward_model(raw.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step = 0
+    start_step = 0 if ckpt is None else ckpt["step"]
     if ckpt is not None:
         load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
         if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
             scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
-        start_step = ckpt["step"]
         del ckpt
     if rt.master:
         print(
@@ -688,43 +690,6 @@ def main():
             f"{rt.world_size} process(es), out_dir {out_dir}"
         )
 
-    @torch.no_grad()
-    def evaluate():
-        """Held-out metrics; the examples are dealt out over ranks, which all run the same number of batches
-        (under FSDP a forward pass is collective), the last ones possibly on a dummy example with weight 0."""
-        model.eval()
-        mine = eval_data[rt.rank :: rt.world_size]
-        n_batches = math.ceil(math.ceil(len(eval_data) / rt.world_size) / cfg.batch_size)
-        stats = {}
-        for b in range(n_batches):
-            batch = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-            with rt.autocast():
-                _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt.device)
-            stats = add_stats(stats, batch_stats, 1.0 if batch else 0.0)
-        model.train()
-        return {f"eval/{k}": v for k, v in summarize(cfg.task, stats, rt).items()}
-
-    def checkpoint(step):
-        state, optim_sd = training_state(raw, optimizer, rt)
-        rngs = all_rng_states(rt)
-        if rt.master:
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")},
-                    "model_config": dataclasses.asdict(raw.body.config),
-                    "tokenizer": tok.spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "scaler": scaler.state_dict(),
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                    "reward_head": {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")},
-                    "reward_task": cfg.task,
-                },
-            )
-
     stop = GracefulExit()
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
@@ -732,67 +697,35 @@ def main():
     t_start, last_eval = time.time(), {}
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = evaluate()
+            last_eval = held_out_metrics(model, eval_data, cfg, rt)
             logger.log(step, last_eval)
         if step == cfg.max_steps:
             break
         t0 = time.time()
         lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # ALGO LOGIC: the loss sums every pair's (or labelled position's) term over the whole step, all ranks and
-        # micro-batches, and divides by their global count
         rows = [train_data[i] for i in batch_indices(len(train_data), step, per_rank, rt.rank, rt.world_size, cfg.seed)]
-        micro_batches = [rows[i : i + cfg.batch_size] for i in range(0, per_rank, cfg.batch_size)]
-        n_tokens = sum(len(ex[0]) + (len(ex[1]) if cfg.task == "preference" else 0) for ex in rows)  # real tokens
-        counts = all_reduce(torch.tensor([float(loss_terms(cfg.task, rows)), float(n_tokens)], device=rt.device), rt)
-        stats = {}
-        for micro, batch in enumerate(micro_batches):
-            grad_sync(model, micro == cfg.grad_accum - 1)
-            with rt.autocast():
-                loss_sum, batch_stats = batch_loss(model, batch, cfg, rt.device)
-            # ranks' gradients are averaged, so each rank's share is scaled by world_size
-            scaler.scale(loss_sum * rt.world_size / counts[0]).backward()
-            stats = add_stats(stats, batch_stats)
-        scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        train = summarize(cfg.task, stats, rt)
+        train, n_tokens = reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt)
         stop_requested = stop.requested(step + 1, rt)
         stop_if_not_finite(train["loss"], step, ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{train['loss']:.4f}")
-        n_tokens = counts[1].item()
-        metrics = {
-            **{f"train/{k}": v for k, v in train.items()},
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-            "train/epoch": (step + 1) * per_rank * rt.world_size / len(train_data),
-            "perf/tokens_per_s": n_tokens / dt,
-            "perf/step_ms": 1000 * dt,
-            "perf/mfu": mfu(raw.body, max_len, n_tokens, dt, rt),
-        }
-        logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        metrics = {f"train/{k}": v for k, v in train.items()}
+        metrics["train/epoch"] = (step + 1) * per_rank * rt.world_size / len(train_data)
+        perf = {"perf/tokens_per_s": n_tokens / dt, "perf/step_ms": 1000 * dt}
+        perf["perf/mfu"] = mfu(raw.body, max_len, n_tokens, dt, rt)
+        logger.log(step, {**metrics, **perf}, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
-            checkpoint(step + 1)
+            save_reward_model(ckpt_path, raw, optimizer, scaler, tok, step + 1, cfg, rt)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
-    checkpoint(cfg.max_steps)
+    save_reward_model(ckpt_path, raw, optimizer, scaler, tok, cfg.max_steps, cfg, rt)
     logger.close()
     if rt.master:
-        results = {
-            "task": cfg.task,
-            **{k.removeprefix("eval/"): v for k, v in last_eval.items()},
-            "eval_examples": len(eval_data),
-            "train_examples": len(train_data),
-            "epochs": cfg.max_steps * per_rank * rt.world_size / len(train_data),
-            "steps": cfg.max_steps,
-            "wall_time_s": time.time() - t_start,
-            "params": raw.body.num_params(),
-        }
+        results = {"task": cfg.task, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}}
+        results.update(eval_examples=len(eval_data), train_examples=len(train_data))
+        results["epochs"] = cfg.max_steps * per_rank * rt.world_size / len(train_data)
+        results.update(steps=cfg.max_steps, wall_time_s=time.time() - t_start, params=raw.body.num_params())
         if cfg.task == "preference":
             results["skipped"] = skipped
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
