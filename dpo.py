@@ -164,19 +164,8 @@ def read_jsonl(path, required):
 # ALGO LOGIC: the losses, pure functions of per-sequence log-probs (SPEC section 7). tests/test_dpo.py checks each
 # against its formula and its properties.
 
-PAIR_LOSSES = (
-    "sigmoid",
-    "robust",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "simpo",
+PAIR_LOSSES = tuple(
+    "sigmoid robust hinge ipo exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop simpo".split()
 )
 LOSS_TYPES = (*PAIR_LOSSES, "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # trained without the reference
@@ -206,49 +195,46 @@ def preference_loss(
     running mean of earlier rewards that the caller keeps (the function stays pure); discopop_tau is DiscoPOP's
     temperature."""
     eps = label_smoothing
-    if loss_type == "simpo":  # no reference: length-normalised log-probs are the reward
-        if chosen_len is None or rejected_len is None:
-            raise ValueError("simpo needs chosen_len and rejected_len")
-        avg_c, avg_r = pi_chosen / chosen_len, pi_rejected / rejected_len  # (B,)
-        x = beta * (avg_c - avg_r) - gamma
-        losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
-        return losses, (beta * avg_c).detach(), (beta * avg_r).detach()
-    a, b = pi_chosen - ref_chosen, pi_rejected - ref_rejected  # (B,) log-ratios
+    if loss_type in ("ipo", "simpo") and (chosen_len is None or rejected_len is None):
+        raise ValueError(f"{loss_type} needs chosen_len and rejected_len")
+    if loss_type == "simpo":  # no reference: the mean token log-probs take the place of the log-ratios
+        a, b = pi_chosen / chosen_len, pi_rejected / rejected_len  # (B,)
+    else:
+        a, b = pi_chosen - ref_chosen, pi_rejected - ref_rejected  # (B,) log-ratios
     if loss_type == "ipo":  # per-token log-ratios: the target 1/(2 beta) does not depend on response lengths
-        if chosen_len is None or rejected_len is None:
-            raise ValueError("ipo needs chosen_len and rejected_len")
         a, b = a / chosen_len, b / rejected_len
     h = a - b
-    x = beta * h
-    if loss_type == "sigmoid":
-        losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
-    elif loss_type == "robust":  # unbiased under label noise eps (eps < 1/2)
-        losses = (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - x)
-    elif loss_type == "ipo":  # regresses h onto 1/(2 beta) instead of pushing it to infinity
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "exo_pair":  # reverse KL from the model's pair distribution s(+-x) to the labels (1-eps, eps)
-        e = eps or 1e-3
-        losses = torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-e)) + torch.sigmoid(-x) * (
-            F.logsigmoid(-x) - math.log(e)
-        )
-    elif loss_type == "nca_pair":  # absolute rewards: the chosen one rises, not only the gap
-        losses = -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b)
-    elif loss_type == "bco_pair":  # a binary classifier: chosen rewards above delta, rejected below
-        losses = -F.logsigmoid(beta * a - bco_delta) - F.logsigmoid(-(beta * b - bco_delta))
-    elif loss_type == "sppo_hard":
-        losses = (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2
-    elif loss_type == "apo_zero":  # anchored: chosen up, rejected down, each against the reference
-        losses = 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
-    elif loss_type == "apo_down":  # anchored: both down, the rejected more
-        losses = torch.sigmoid(beta * a) + 1 - torch.sigmoid(x)
-    elif loss_type == "discopop":  # m exp(-x) as exp(log m - x): m = 0 never meets exp(-x) = inf
-        m = torch.sigmoid(x / discopop_tau)
-        losses = -(1 - m) * F.logsigmoid(x) + torch.exp(F.logsigmoid(x / discopop_tau) - x)
-    else:
+    x = beta * h - gamma if loss_type == "simpo" else beta * h  # SimPO's target margin gamma
+    e = eps or 1e-3  # exo_pair: eps = 0 would put log 0 in its loss
+    formulas = {  # the docstring's table, per pair (B,); only loss_type's is evaluated
+        "sigmoid": lambda: -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x),
+        "simpo": lambda: -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x),  # sigmoid on SimPO's x
+        # robust: unbiased under label noise eps (eps < 1/2)
+        "robust": lambda: (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps),
+        "hinge": lambda: torch.relu(1 - x),
+        # ipo regresses h onto 1/(2 beta) instead of pushing it to infinity
+        "ipo": lambda: (h - 1 / (2 * beta)) ** 2,
+        # exo_pair: the reverse KL from the model's pair distribution s(+-x) to the labels (1-eps, eps)
+        "exo_pair": lambda: (
+            torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-e)) + torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(e))
+        ),
+        # nca_pair: absolute rewards, so the chosen one rises, not only the gap
+        "nca_pair": lambda: -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b),
+        # bco_pair: a binary classifier, chosen rewards above delta and rejected ones below
+        "bco_pair": lambda: -F.logsigmoid(beta * a - bco_delta) - F.logsigmoid(-(beta * b - bco_delta)),
+        "sppo_hard": lambda: (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2,
+        # apo_zero and apo_down are anchored: chosen up and rejected down, each against the reference; or both
+        # down, the rejected more
+        "apo_zero": lambda: 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b),
+        "apo_down": lambda: torch.sigmoid(beta * a) + 1 - torch.sigmoid(x),
+        # discopop: m exp(-x) as exp(log m - x), so m = 0 never meets exp(-x) = inf
+        "discopop": lambda: (
+            -(1 - torch.sigmoid(x / discopop_tau)) * F.logsigmoid(x) + torch.exp(F.logsigmoid(x / discopop_tau) - x)
+        ),
+    }
+    if loss_type not in formulas:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    return losses, (beta * a).detach(), (beta * b).detach()
+    return formulas[loss_type](), (beta * a).detach(), (beta * b).detach()
 
 
 def orpo_loss(avg_logp_chosen, avg_logp_rejected, nll_chosen, lam):
@@ -297,13 +283,51 @@ def sequence_logprobs(model, head, ids, mask):
 
 def collate(rows, pad_id=0):
     """Right-pad (token ids, prompt length) rows into ids (N, T) and the response mask (N, T)."""
-    T = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), T)
-    for i, (row, n_prompt) in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, n_prompt : len(row)] = 1.0
+    ids = nn.utils.rnn.pad_sequence([torch.tensor(row) for row, _ in rows], batch_first=True, padding_value=pad_id)
+    pos = torch.arange(ids.size(1))  # (T,)
+    mask = torch.stack([(pos >= n_prompt) & (pos < len(row)) for row, n_prompt in rows]).float()  # (N, T)
     return ids, mask
+
+
+def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
+    """The --loss_type loss per pair (B,) and the chosen and rejected rewards (B,) of B pairs, from the policy's
+    summed response log-probs (2B,) and response token counts (2B,) (chosen rows, then rejected rows) and the
+    reference's log-probs (None for simpo and orpo). kl_ref is KTO's reference point z0, bco_delta BCO's reward
+    shift; --sft_weight adds the chosen response's mean token NLL (RPO)."""
+    pi_c, pi_r = logp.chunk(2)
+    len_c, len_r = n_tokens.clamp(min=1).chunk(2)
+    if cfg.loss_type == "orpo":
+        losses, chosen_r, rejected_r = orpo_loss(pi_c / len_c, pi_r / len_r, -pi_c / len_c, cfg.orpo_lambda)
+    elif cfg.loss_type == "kto":
+        desirable = torch.arange(len(logp), device=logp.device) < len(pi_c)  # chosen rows
+        w_d, w_u = cfg.kto_desirable_weight, cfg.kto_undesirable_weight
+        row_losses, rewards = kto_loss(logp, ref_logp, desirable, cfg.beta, kl_ref, w_d, w_u)
+        losses = 0.5 * sum(row_losses.chunk(2))  # a pair is two unpaired examples: the loss is their mean
+        chosen_r, rejected_r = rewards.chunk(2)
+    else:
+        ref_c, ref_r = (None, None) if ref_logp is None else ref_logp.chunk(2)
+        settings = (cfg.loss_type, cfg.beta, cfg.label_smoothing, len_c, len_r, cfg.gamma, bco_delta, cfg.discopop_tau)
+        losses, chosen_r, rejected_r = preference_loss(pi_c, pi_r, ref_c, ref_r, *settings)
+    if cfg.sft_weight:  # RPO: the chosen response's mean token NLL
+        losses = losses - cfg.sft_weight * pi_c / len_c
+    return losses, chosen_r, rejected_r
+
+
+def win_score(d):
+    """1 where d > 0, 1/2 on a tie (d == 0), else 0: accuracies and win rates count ties as half."""
+    return (d > 0).float() + 0.5 * (d == 0).float()
+
+
+def pair_stats(losses, chosen_r, rejected_r, logp, ref_logp):
+    """Per pair (B, 9): the loss, reward accuracy, margin, chosen and rejected rewards, chosen and rejected
+    log-probs, and DPO's log-ratio accuracy and margin h (0 without reference log-probs): the names of STATS, then
+    logratio_acc and logratio_margin."""
+    pi_c, pi_r = logp.detach().chunk(2)
+    ref_c, ref_r = (pi_c, pi_r) if ref_logp is None else ref_logp.chunk(2)
+    h = (pi_c - ref_c) - (pi_r - ref_r)  # (B,)
+    margin = chosen_r - rejected_r
+    cols = [losses.detach(), win_score(margin), margin, chosen_r, rejected_r, pi_c, pi_r, win_score(h), h]
+    return torch.stack(cols, 1)  # (B, 9)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -357,22 +381,18 @@ def encode_pair(tok, prompt, chosen, rejected, max_len):
 def load_pairs(cfg):
     """(train, held-out) lists of (prompt, chosen, rejected). A local file is split exactly as gpt.py --data hh_sft
     splits it (a fixed 5%, whatever --seed), so an SFT checkpoint of gpt.py never saw the held-out dialogues."""
+    source = cfg.data_path or cfg.data
     if cfg.data_path:
-        source = cfg.data_path
         records = read_jsonl(cfg.data_path, ["chosen"])  # as gpt.py reads it: the same records, the same split
         order = random.Random(0).sample(range(len(records)), len(records))
         n_val = max(1, len(records) // 20)
         parts = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]]
     else:
-        source = cfg.data
         try:
             import datasets
 
             hub = datasets.load_dataset(cfg.data)
-            parts = [
-                [{"chosen": c, "rejected": r} for c, r in zip(hub[s]["chosen"], hub[s]["rejected"])]
-                for s in ("train", "test")
-            ]
+            parts = [hub["train"].to_list(), hub["test"].to_list()]  # records {"chosen": ..., "rejected": ...}
         except Exception as e:
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     (train, skip_train), (val, skip_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
@@ -414,29 +434,20 @@ def load_reward_model(path):
 
 
 def validate(cfg):
-    for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"):
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("eval_size", "judge_prompts", "num_samples", "warmup_steps", "sft_weight"):
-        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    positive = ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens")
+    positive += ("lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight")
+    non_negative = ("eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay", "grad_clip")
+    for name in positive:
+        check(0 < getattr(cfg, name) < math.inf, f"--{name} must be positive (got {getattr(cfg, name)})")
+    for name in (*non_negative, "sft_weight", "gamma"):
+        check(0 <= getattr(cfg, name) < math.inf, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
-    check(cfg.beta > 0 and math.isfinite(cfg.beta), f"--beta must be positive (got {cfg.beta})")
     check(0 <= cfg.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
-    check(cfg.gamma >= 0 and math.isfinite(cfg.gamma), f"--gamma must be >= 0 (got {cfg.gamma})")
-    check(cfg.discopop_tau > 0, f"--discopop_tau must be positive (got {cfg.discopop_tau})")
-    check(cfg.orpo_lambda > 0, f"--orpo_lambda must be positive (got {cfg.orpo_lambda})")
-    check(
-        cfg.kto_desirable_weight > 0 and cfg.kto_undesirable_weight > 0,
-        "--kto_desirable_weight and --kto_undesirable_weight must be positive",
-    )
+    check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.max_len >= 2, f"--max_len must be >= 2: a prompt token and a response token (got {cfg.max_len})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum")
-    check(
-        cfg.loss_type != "kto" or cfg.batch_size >= 2,
-        "--loss_type kto needs --batch_size >= 2: its reference point pairs prompts with other pairs' responses",
-    )
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
-    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
-    check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
+    kto_batch = cfg.loss_type != "kto" or cfg.batch_size >= 2
+    check(kto_batch, "--loss_type kto needs --batch_size >= 2: its reference point pairs prompts with other pairs")
     check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
     check(not cfg.judge or os.path.isfile(cfg.judge), f"--judge {cfg.judge}: no such checkpoint")
 
@@ -446,250 +457,195 @@ def weights_checksum(model):
     return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
+def load_policy_and_reference(cfg, ckpt_path, rt):
+    """(policy, reference, tokenizer, checkpoint, the reference's weights_checksum), on the device. The policy is
+    the run's ckpt.pt on --resume (the checkpoint is returned, None in a new run), else --init_from; the reference is
+    --reference, else a frozen copy of the starting policy (reloaded from --init_from on --resume)."""
+    model, spec, ckpt = load_model(ckpt_path if cfg.resume else cfg.init_from, cfg.dropout)
+    reference = cfg.reference or cfg.init_from
+    if cfg.reference or cfg.resume:
+        ref, ref_spec, _ = load_model(reference)
+        check(ref_spec == spec, f"the reference {reference} uses another tokenizer than the policy")
+    else:
+        ref = copy.deepcopy(model)
+    ref_checksum = weights_checksum(ref)
+    check(not cfg.resume or ckpt["ref_checksum"] == ref_checksum, f"--resume: the reference {reference} changed")
+    block = min(model.config.block_size, ref.config.block_size)
+    check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
+    check(cfg.sample_tokens < block, f"--sample_tokens {cfg.sample_tokens} leaves no room for a prompt in {block}")
+    ref.to(rt.device).eval().requires_grad_(False)
+    return model.to(rt.device), ref, get_tokenizer(spec), ckpt if cfg.resume else None, ref_checksum
+
+
+def load_judge(path, tok, rt):
+    """--judge: a reward_model.py checkpoint, on the device, and its tokenizer."""
+    judge, judge_spec, _ = load_reward_model(path)
+    judge_tok = get_tokenizer(judge_spec)
+    fits = judge_spec == "gpt2" or (tok.spec != "gpt2" and set(tok.chars) <= set(judge_tok.chars))
+    check(fits, f"--judge {path}: its char vocabulary cannot encode this policy's responses")
+    return judge.to(rt.device), judge_tok
+
+
+def pair_logprobs(net, pairs, tok, cfg, rt, head=None):
+    """Summed response log-probs (2B,) and response token counts (2B,) of B pairs: the chosen rows, then the
+    rejected rows, right-padded into one forward pass (encode_pair cuts each pair to --max_len). head: the output
+    layer, where net is a DDP/FSDP wrapper (default net.lm_head)."""
+    encoded = [encode_pair(tok, *pair, cfg.max_len) for pair in pairs]
+    ids, mask = collate([(c, n) for c, _, n in encoded] + [(r, n) for _, r, n in encoded])
+    with rt.autocast():
+        return sequence_logprobs(net, net.lm_head if head is None else head, ids.to(rt.device), mask.to(rt.device))
+
+
+def micro_slices(cfg, *lists):
+    """A step's forward passes: consecutive slices of --batch_size // --grad_accum items of each of the lists,
+    as [[slice of the first list, slice of the second, ...], ...]."""
+    micro = cfg.batch_size // cfg.grad_accum
+    return [[items[i : i + micro] for items in lists] for i in range(0, len(lists[0]), micro)]
+
+
+def shard(n, rt):
+    """This rank's equal share of n items as (indices, weights): the last ranks repeat items with weight 0, so
+    every rank runs the same number of forward passes (FSDP's forward is collective)."""
+    per_rank = math.ceil(n / rt.world_size)
+    idx = range(rt.rank * per_rank, (rt.rank + 1) * per_rank)
+    return [i % n for i in idx], torch.tensor([float(i < n) for i in idx], device=rt.device)
+
+
+def reference_table(ref, pairs, tok, cfg, rt):
+    """--precompute_ref: the reference log-probs (n, 2) [chosen, rejected] of every pair; each rank computes a
+    share, then a sum over ranks fills the table."""
+    table = torch.zeros(len(pairs), 2, device=rt.device)
+    for rows, weight in micro_slices(cfg, *shard(len(pairs), rt)):
+        logp = pair_logprobs(ref, [pairs[j] for j in rows], tok, cfg, rt)[0].view(2, -1).t()  # (b, 2)
+        table[rows] = logp * weight[:, None]
+    return all_reduce(table, rt).cpu()
+
+
+def reference_logprobs(ref, table, indices, pairs, tok, cfg, rt):
+    """The reference log-probs (2B,) of pairs (chosen rows, then rejected rows): their rows `indices` of a
+    precomputed table, or without one a forward of the frozen reference (no gradient: its weights require none)."""
+    if table is None:
+        return pair_logprobs(ref, pairs, tok, cfg, rt)[0]
+    return table[indices].t().flatten().to(rt.device)  # (B, 2) -> (2B,): chosen rows, then rejected rows
+
+
+@torch.no_grad()
+def kto_reference_point(model, ref, pairs, tok, cfg, rt):
+    """KTO's z0: the mean log-ratio of mismatched rows (the prompt of pair i, the responses of pair i+1), over all
+    ranks, clamped at 0. The policy's share is detached: z0 is a baseline, not a target."""
+    shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
+    total = torch.zeros((), device=rt.device)  # the sum of this rank's log-ratios
+    for [rows] in micro_slices(cfg, shifted):
+        log_ratio = pair_logprobs(model, rows, tok, cfg, rt)[0] - pair_logprobs(ref, rows, tok, cfg, rt)[0]  # (2b,)
+        total += log_ratio.sum()
+    return (all_reduce(total, rt) / (2 * len(pairs) * rt.world_size)).clamp(min=0)  # every rank has len(pairs)
+
+
+@torch.no_grad()
+def evaluate_pairs(model, ref, ref_table, pairs, tok, cfg, rt, bco_delta):
+    """eval/ metrics of the held-out pairs, each rank scoring a share; the reference's log-probs for every loss type
+    (eval/logratio_* compare runs of different losses)."""
+    model.eval()
+    idx, weight = shard(len(pairs), rt)
+    mine = [pairs[i] for i in idx]
+    kl_ref = kto_reference_point(model, ref, mine, tok, cfg, rt) if cfg.loss_type == "kto" else None
+    sums = torch.zeros(9, device=rt.device)
+    for rows, batch, w in micro_slices(cfg, idx, mine, weight):
+        logp, n_tokens = pair_logprobs(model, batch, tok, cfg, rt)
+        ref_logp = reference_logprobs(ref, ref_table, rows, batch, tok, cfg, rt)
+        stats = pair_stats(*pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, bco_delta), logp, ref_logp)
+        sums += (stats * w[:, None]).sum(0)
+    sums = all_reduce(sums, rt) / len(pairs)
+    model.train()
+    return {f"eval/{k}": v for k, v in zip((*STATS, "logratio_acc", "logratio_margin"), sums.tolist())}
+
+
+def greedy_responses(net, prompts, tok, cfg, rt):
+    """Greedy responses (text, up to <|endoftext|>) of a model to prompts, in batches of --batch_size. Always
+    --sample_tokens steps, no early stop at <|endoftext|>: under FSDP every rank must run as many forwards."""
+    net.eval()
+    keep = net.config.block_size - cfg.sample_tokens
+    texts = []
+    for i in range(0, len(prompts), cfg.batch_size):
+        ids = [tok.encode(p)[-keep:] for p in prompts[i : i + cfg.batch_size]]
+        with rt.autocast():
+            out, _ = generate(net, ids, cfg.sample_tokens, temperature=0)
+        texts += [tok.decode(row[: row.index(tok.eot_id)] if tok.eot_id in row else row) for row in out.tolist()]
+    return texts
+
+
+def judge_margins(judge, judge_tok, prompts, responses, ref_responses, cfg, rt):
+    """The judge's reward of the policy's response minus the reference's, per prompt (n,): each is the score at
+    its last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
+    pairs = [encode_pair(judge_tok, *t, judge.body.config.block_size) for t in zip(prompts, responses, ref_responses)]
+    margins = []
+    for i in range(0, len(pairs), cfg.batch_size):
+        rows = [row for a, b, _ in pairs[i : i + cfg.batch_size] for row in (a, b)]  # policy, reference, ...
+        ids, _ = collate([(row, 0) for row in rows])
+        last = torch.tensor([len(row) - 1 for row in rows])
+        with rt.autocast():
+            scores = judge(ids.to(rt.device)).cpu()[torch.arange(len(rows)), last]  # (2b,)
+        margins.append(scores[0::2] - scores[1::2])
+    return torch.cat(margins)
+
+
+def write_pair_samples(path, pairs, responses, ref_responses):
+    """samples.txt: held-out prompts with the policy's greedy response, the reference's, and the chosen one."""
+    with open(path, "w") as f:
+        for i, (prompt, chosen, _) in enumerate(pairs):
+            f.write(f"=== held-out prompt {i} (last 400 characters)\n{prompt[-400:]}\n")
+            f.write(f"--- policy (greedy)\n{responses[i]}\n")
+            if ref_responses is not None:
+                f.write(f"--- reference (greedy)\n{ref_responses[i]}\n")
+            f.write(f"--- chosen in the data\n{chosen}\n\n")
+
+
 def train(cfg, out_dir, rt):
     """One DPO-family run into out_dir; returns its final results."""
     seed_everything(cfg.seed + rt.rank)
     stop = GracefulExit()
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-
-    # policy (the run's checkpoint on --resume, else --init_from) and the frozen reference
-    if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        spec = ckpt["tokenizer"]
-    else:
-        model, spec, _ = load_model(cfg.init_from, cfg.dropout)
-    if cfg.reference or ckpt is not None:
-        ref, ref_spec, _ = load_model(cfg.reference or cfg.init_from)
-        check(
-            ref_spec == spec, f"the reference {cfg.reference or cfg.init_from} uses another tokenizer than the policy"
-        )
-    else:
-        ref = copy.deepcopy(model)
-    ref_checksum = weights_checksum(ref)
-    check(
-        ckpt is None or ckpt["ref_checksum"] == ref_checksum,
-        f"--resume: the reference {cfg.reference or cfg.init_from} changed since the run started",
-    )
-    tok = get_tokenizer(spec)
-    block = min(model.config.block_size, ref.config.block_size)
-    check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
-    check(cfg.sample_tokens < block, f"--sample_tokens {cfg.sample_tokens} leaves no room for a prompt in {block}")
-    judge = None
-    if cfg.judge:
-        judge, judge_spec, _ = load_reward_model(cfg.judge)
-        judge_tok = get_tokenizer(judge_spec)
-        check(
-            judge_spec == "gpt2" or (spec != "gpt2" and set(tok.chars) <= set(judge_tok.chars)),
-            f"--judge {cfg.judge}: its char vocabulary cannot encode this policy's responses",
-        )
-        judge.to(rt.device)
+    model, ref, tok, ckpt, ref_checksum = load_policy_and_reference(cfg, ckpt_path, rt)
+    judge, judge_tok = load_judge(cfg.judge, tok, rt) if cfg.judge else (None, None)
 
     # data: pairs as text, tokenized per batch (encode_pair truncates to --max_len)
     train_pairs, val_pairs, skipped = load_pairs(cfg)
     if rt.master and skipped:
-        print(
-            f"skipped records: {skipped}; kept {len(train_pairs)} train, {len(val_pairs)} held-out pairs",
-            file=sys.stderr,
-        )
+        note(f"skipped records: {skipped}; kept {len(train_pairs)} train, {len(val_pairs)} held-out pairs")
     if isinstance(tok, CharTokenizer):
         unknown = set().union(*(set("".join(t)) for t in train_pairs + val_pairs)) - set(tok.chars)
         check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the model's vocabulary")
     eval_pairs = val_pairs[: cfg.eval_size or None]
-    micro = cfg.batch_size // cfg.grad_accum  # pairs per forward pass
-    model.to(rt.device)
-    ref.to(rt.device).eval().requires_grad_(False)
-    raw = model
-
-    def batch_tensors(pairs):
-        """Chosen rows, then rejected rows, right-padded: ids (2B, T) and response mask (2B, T) on the device."""
-        encoded = [encode_pair(tok, *pair, cfg.max_len) for pair in pairs]
-        rows = [(c, n) for c, _, n in encoded] + [(r, n) for _, r, n in encoded]
-        ids, mask = collate(rows)
-        return ids.to(rt.device), mask.to(rt.device)
-
-    @torch.no_grad()
-    def frozen_logprobs(net, pairs):
-        """Summed response log-probs (2B,) of a no-grad forward: the reference, or the policy for KTO's z0."""
-        ids, mask = batch_tensors(pairs)
-        with rt.autocast():
-            return sequence_logprobs(net, net.lm_head, ids, mask)[0]
-
-    def shard(n):
-        """This rank's equal share of n items as (indices, weights): the last ranks repeat items with weight 0, so
-        every rank runs the same number of forward passes (FSDP's forward is collective)."""
-        per_rank = math.ceil(n / rt.world_size)
-        idx = range(rt.rank * per_rank, (rt.rank + 1) * per_rank)
-        return [i % n for i in idx], torch.tensor([float(i < n) for i in idx], device=rt.device)
-
-    def reference_table(pairs):
-        """Reference log-probs (n, 2) [chosen, rejected] of every pair: each rank computes a share, then a sum."""
-        table = torch.zeros(len(pairs), 2, device=rt.device)
-        idx, weight = shard(len(pairs))
-        for i in range(0, len(idx), micro):
-            rows = idx[i : i + micro]
-            logp = frozen_logprobs(ref, [pairs[j] for j in rows]).view(2, -1).t()  # (b, 2)
-            table[rows] = logp * weight[i : i + micro, None]
-        return all_reduce(table, rt).cpu()
-
-    def kto_reference_point(pairs):
-        """KTO's z0: the mean log-ratio of mismatched rows (prompt of pair i, responses of pair i+1), over all ranks,
-        clamped at 0. The policy's share is detached: z0 is a baseline, not a target."""
-        shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
-        total = torch.zeros(2, device=rt.device)
-        for i in range(0, len(shifted), micro):
-            rows = shifted[i : i + micro]
-            log_ratio = frozen_logprobs(raw, rows) - frozen_logprobs(ref, rows)  # (2b,)
-            total += torch.stack([log_ratio.sum(), torch.tensor(float(log_ratio.numel()), device=rt.device)])
-        total = all_reduce(total, rt)
-        return (total[0] / total[1]).clamp(min=0)
 
     # state: optimizer, step, BCO's running mean of rewards, cached reference log-probs
     policy = wrap_model(model, rt, cfg.compile)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step, pairs_seen, bco = 0, 0, [0.0, 0]  # bco: [mean reward, rewards counted]
-    ref_cache = None
+    start_step, pairs_seen, bco, ref_cache = 0, 0, [0.0, 0], {}  # bco: [mean reward, rewards counted]
     if ckpt is not None:
-        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        load_optimizer_state(model, optimizer, ckpt["optimizer"], rt)
         if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
             scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
-        start_step, pairs_seen, bco, ref_cache = ckpt["step"], ckpt["pairs"], ckpt["bco"], ckpt.get("ref_logps")
-    if cfg.precompute_ref and ref_cache is None:
+        start_step, pairs_seen, bco, ref_cache = ckpt["step"], ckpt["pairs"], ckpt["bco"], ckpt["ref_logps"] or {}
+    if cfg.precompute_ref and not ref_cache:
         t0 = time.time()
-        ref_cache = {"train": reference_table(train_pairs), "eval": reference_table(eval_pairs)}
+        ref_cache = {"train": reference_table(ref, train_pairs, tok, cfg, rt)}
+        ref_cache["eval"] = reference_table(ref, eval_pairs, tok, cfg, rt)
         if rt.master:
             print(f"reference log-probs of {len(train_pairs) + len(eval_pairs)} pairs in {time.time() - t0:.0f} s")
+    train_table, eval_table = ref_cache.get("train"), ref_cache.get("eval")  # None without --precompute_ref
     if cfg.precompute_ref and cfg.loss_type != "kto" and judge is None:
         ref = None  # every reference log-prob is cached: free its memory
 
-    def reference_logprobs(split, indices, pairs):
-        """Reference log-probs (2B,) of pairs (chosen rows, then rejected rows): cached, or a no-grad forward."""
-        if ref_cache is not None:
-            table = ref_cache[split][indices].to(rt.device)  # (B, 2)
-            return torch.cat([table[:, 0], table[:, 1]])
-        return frozen_logprobs(ref, pairs)
-
-    def pair_losses(logp, n_tokens, ref_logp, kl_ref):
-        """The --loss_type loss per pair (B,) and the chosen and rejected rewards (B,) of one micro-batch, from (2B,)
-        policy log-probs, response lengths and reference log-probs (None for simpo and orpo)."""
-        pi_c, pi_r = logp.chunk(2)
-        len_c, len_r = n_tokens.clamp(min=1).chunk(2)
-        if cfg.loss_type == "orpo":
-            losses, chosen_r, rejected_r = orpo_loss(pi_c / len_c, pi_r / len_r, -pi_c / len_c, cfg.orpo_lambda)
-        elif cfg.loss_type == "kto":
-            desirable = torch.arange(len(logp), device=logp.device) < len(pi_c)  # chosen rows
-            w_d, w_u = cfg.kto_desirable_weight, cfg.kto_undesirable_weight
-            row_losses, rewards = kto_loss(logp, ref_logp, desirable, cfg.beta, kl_ref, w_d, w_u)
-            losses = 0.5 * sum(row_losses.chunk(2))  # a pair is two unpaired examples: the loss is their mean
-            chosen_r, rejected_r = rewards.chunk(2)
-        else:
-            ref_c, ref_r = (None, None) if ref_logp is None else ref_logp.chunk(2)
-            losses, chosen_r, rejected_r = preference_loss(
-                pi_c,
-                pi_r,
-                ref_c,
-                ref_r,
-                cfg.loss_type,
-                cfg.beta,
-                cfg.label_smoothing,
-                len_c,
-                len_r,
-                cfg.gamma,
-                bco[0],
-                cfg.discopop_tau,
-            )
-        if cfg.sft_weight:  # RPO: the chosen response's mean token NLL
-            losses = losses - cfg.sft_weight * pi_c / len_c
-        return losses, chosen_r, rejected_r
-
-    def pair_stats(losses, chosen_r, rejected_r, logp, ref_logp):
-        """Sums over the micro-batch's pairs: loss, reward accuracy (ties 1/2), margin, chosen and rejected rewards,
-        chosen and rejected log-probs, and DPO's log-ratio accuracy and margin h (0 without reference log-probs)."""
-        pi_c, pi_r = logp.detach().chunk(2)
-        h = torch.zeros_like(pi_c)
-        if ref_logp is not None:
-            ref_c, ref_r = ref_logp.chunk(2)
-            h = (pi_c - ref_c) - (pi_r - ref_r)
-        win = lambda d: (d > 0).float() + 0.5 * (d == 0).float()
-        cols = [losses.detach(), win(chosen_r - rejected_r), chosen_r - rejected_r, chosen_r, rejected_r, pi_c, pi_r]
-        return torch.stack([*cols, win(h), h], 1)  # (B, 9)
-
-    @torch.no_grad()
-    def evaluate():
-        raw.eval()
-        idx, weight = shard(len(eval_pairs))
-        pairs = [eval_pairs[i] for i in idx]
-        kl_ref = kto_reference_point(pairs) if cfg.loss_type == "kto" else None
-        sums = torch.zeros(9, device=rt.device)
-        for i in range(0, len(idx), micro):
-            rows, batch = idx[i : i + micro], pairs[i : i + micro]
-            ids, mask = batch_tensors(batch)
-            with rt.autocast():
-                logp, n_tokens = sequence_logprobs(raw, raw.lm_head, ids, mask)
-            ref_logp = reference_logprobs("eval", rows, batch)  # eval/logratio_* need it for every loss type
-            stats = pair_stats(*pair_losses(logp, n_tokens, ref_logp, kl_ref), logp, ref_logp)
-            sums += (stats * weight[i : i + micro, None]).sum(0)
-        sums = all_reduce(sums, rt) / len(eval_pairs)
-        raw.train()
-        names = (*STATS, "logratio_acc", "logratio_margin")
-        return {f"eval/{k}": v for k, v in zip(names, sums.tolist())}
-
-    @torch.no_grad()
-    def greedy_responses(net, prompts):
-        """Greedy responses (text, up to <|endoftext|>) of a model to prompts, in batches of --batch_size. Always
-        --sample_tokens steps, no early stop at <|endoftext|>: under FSDP every rank must run as many forwards."""
-        net.eval()
-        keep = net.config.block_size - cfg.sample_tokens
-        texts = []
-        for i in range(0, len(prompts), cfg.batch_size):
-            ids = [tok.encode(p)[-keep:] for p in prompts[i : i + cfg.batch_size]]
-            with rt.autocast():
-                out, _ = generate(net, ids, cfg.sample_tokens, temperature=0)
-            for row in out.tolist():
-                texts.append(tok.decode(row[: row.index(tok.eot_id)] if tok.eot_id in row else row))
-        return texts
-
-    @torch.no_grad()
-    def judge_margins(prompts, responses, ref_responses):
-        """The judge's reward of the policy's response minus the reference's, per prompt (n,): each is the score at
-        its last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
-        n = judge.body.config.block_size
-        pairs = [encode_pair(judge_tok, *t, n) for t in zip(prompts, responses, ref_responses)]
-        margins = []
-        for i in range(0, len(pairs), cfg.batch_size):
-            rows = [row for a, b, _ in pairs[i : i + cfg.batch_size] for row in (a, b)]  # policy, reference, ...
-            ids, _ = collate([(row, 0) for row in rows])
-            last = torch.tensor([len(row) - 1 for row in rows])
-            with rt.autocast():
-                scores = judge(ids.to(rt.device)).cpu()[torch.arange(len(rows)), last]  # (2b,)
-            margins.append(scores[0::2] - scores[1::2])
-        return torch.cat(margins)
-
     def checkpoint(step):
-        model_sd, optim_sd = training_state(raw, optimizer, rt)
+        model_sd, optim_sd = training_state(model, optimizer, rt)
         rngs = all_rng_states(rt)
         if rt.master:
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": model_sd,
-                    "model_config": dataclasses.asdict(raw.config),
-                    "tokenizer": spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "scaler": scaler.state_dict(),
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                    "pairs": pairs_seen,
-                    "bco": bco,
-                    "ref_checksum": ref_checksum,
-                    "ref_logps": ref_cache,
-                },
-            )
+            state = dict(model=model_sd, model_config=dataclasses.asdict(model.config), tokenizer=tok.spec)
+            state.update(step=step, optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
+            extras = dict(pairs=pairs_seen, bco=bco, ref_checksum=ref_checksum, ref_logps=ref_cache)
+            save_checkpoint(ckpt_path, {**state, "config": dataclasses.asdict(cfg), **extras})
 
     # the order of training pairs: epochs of a fixed shuffle, independent of --resume; ranks take disjoint slices
     @functools.lru_cache(maxsize=2)
@@ -702,16 +658,15 @@ def train(cfg, out_dir, rt):
 
     if rt.master:
         print(
-            f"{raw.num_params() / 1e6:.2f}M parameters, {len(train_pairs)} train and {len(eval_pairs)} held-out pairs, "
-            f"loss {cfg.loss_type}, device {rt.device}, {rt.world_size} process(es), out_dir {out_dir}"
+            f"{model.num_params() / 1e6:.2f}M parameters, {len(train_pairs)} train and {len(eval_pairs)} held-out "
+            f"pairs, loss {cfg.loss_type}, device {rt.device}, {rt.world_size} process(es), out_dir {out_dir}"
         )
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    t_start, last_eval = time.time(), {}
-    reference_free = cfg.loss_type in REFERENCE_FREE
+    t_start, last_eval, reference_free = time.time(), {}, cfg.loss_type in REFERENCE_FREE
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = evaluate()
+            last_eval = evaluate_pairs(model, ref, eval_table, eval_pairs, tok, cfg, rt, bco[0])
             logger.log(step, last_eval)
         if step == cfg.max_steps:
             break
@@ -722,21 +677,19 @@ def train(cfg, out_dir, rt):
         # ALGO LOGIC 1. the step's pairs; KTO's reference point from mismatched pairs (no grad)
         indices = step_indices(step)
         pairs = [train_pairs[i] for i in indices]
-        kl_ref = kto_reference_point(pairs) if cfg.loss_type == "kto" else None
-        n_pairs = all_reduce(torch.tensor(float(len(pairs)), device=rt.device), rt)  # the loss normaliser
+        kl_ref = kto_reference_point(model, ref, pairs, tok, cfg, rt) if cfg.loss_type == "kto" else None
+        n_pairs = cfg.batch_size * rt.world_size  # the loss normaliser: the pairs of the step, on all ranks
         sums = torch.zeros(9, device=rt.device)
-        for i in range(0, len(pairs), micro):
-            batch = pairs[i : i + micro]
-            grad_sync(policy, i + micro >= len(pairs))
-            # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad
-            ids, mask = batch_tensors(batch)
-            with rt.autocast():
-                # the output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward)
-                # still see its gradient, as it is the embedding's (tied) weight
-                logp, n_tokens = sequence_logprobs(policy, raw.lm_head, ids, mask)  # (2b,), (2b,)
-            ref_logp = None if reference_free else reference_logprobs("train", indices[i : i + micro], batch)
+        batches = micro_slices(cfg, indices, pairs)
+        for k, (rows, batch) in enumerate(batches):
+            grad_sync(policy, k == len(batches) - 1)
+            # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
+            # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
+            # its gradient, as it is the embedding's (tied) weight.
+            logp, n_tokens = pair_logprobs(policy, batch, tok, cfg, rt, head=model.lm_head)  # (2b,), (2b,)
+            ref_logp = None if reference_free else reference_logprobs(ref, train_table, rows, batch, tok, cfg, rt)
             # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
-            losses, chosen_r, rejected_r = pair_losses(logp, n_tokens, ref_logp, kl_ref)
+            losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, bco[0])
             scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
             sums += pair_stats(losses, chosen_r, rejected_r, logp, ref_logp).sum(0)
         # 4. update
@@ -749,26 +702,18 @@ def train(cfg, out_dir, rt):
         metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())}
         if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
             metrics["train/bco_delta"] = bco[0]
-            n_new = 2 * int(n_pairs.item())
-            bco = [(bco[0] * bco[1] + (sums[3] + sums[4]).item() * n_pairs.item()) / (bco[1] + n_new), bco[1] + n_new]
+            n_new = 2 * n_pairs
+            bco = [(bco[0] * bco[1] + (sums[3] + sums[4]).item() * n_pairs) / (bco[1] + n_new), bco[1] + n_new]
         if kl_ref is not None:
             metrics["train/kto_kl"] = kl_ref.item()
-        pairs_seen += int(n_pairs.item())
-        train_loss = metrics["train/loss"]
+        pairs_seen += n_pairs
         stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train_loss, step, ckpt_path, rt)
+        stop_if_not_finite(metrics["train/loss"], step, ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
-        logger.bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{last_eval.get('eval/reward_acc', 0):.3f}")
-        metrics.update(
-            {
-                "train/lr": lr,
-                "train/grad_norm": grad_norm.item(),
-                "train/pairs": pairs_seen,
-                "perf/pairs_per_s": n_pairs.item() / dt,
-                "perf/step_ms": 1000 * dt,
-            }
-        )
+        logger.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{last_eval.get('eval/reward_acc', 0):.3f}")
+        metrics.update({"train/lr": lr, "train/grad_norm": grad_norm.item(), "train/pairs": pairs_seen})
+        metrics.update({"perf/pairs_per_s": n_pairs / dt, "perf/step_ms": 1000 * dt})
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             checkpoint(step + 1)
@@ -777,40 +722,23 @@ def train(cfg, out_dir, rt):
     checkpoint(cfg.max_steps)
 
     # greedy responses to held-out prompts (every rank takes part: under FSDP the forward is collective); the judge
-    n_prompts = max(cfg.num_samples, cfg.judge_prompts if judge is not None else 0)
-    prompts = [p for p, _, _ in val_pairs[:n_prompts]]
-    responses = greedy_responses(raw, prompts)
-    ref_responses = greedy_responses(ref, prompts) if ref is not None else None
+    prompts = [p for p, _, _ in val_pairs[: max(cfg.num_samples, cfg.judge_prompts if judge is not None else 0)]]
+    responses = greedy_responses(model, prompts, tok, cfg, rt)
+    ref_responses = greedy_responses(ref, prompts, tok, cfg, rt) if ref is not None else None
     if judge is not None:
-        wins = judge_margins(prompts, responses, ref_responses)  # (n,)
-        last_eval["eval/win_rate"] = ((wins > 0).float() + 0.5 * (wins == 0).float()).mean().item()
+        margins = judge_margins(judge, judge_tok, prompts, responses, ref_responses, cfg, rt)  # (n,)
+        last_eval["eval/win_rate"] = win_score(margins).mean().item()
         logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
     logger.close()
-    results = {
-        "loss_type": cfg.loss_type,
-        "steps": cfg.max_steps,
-        "pairs": pairs_seen,
-        "train_pairs": len(train_pairs),
-        "heldout_pairs": len(eval_pairs),
-        "wall_time_s": time.time() - t_start,
-        **{k.removeprefix("eval/"): v for k, v in last_eval.items()},
-    }
+    results = {"loss_type": cfg.loss_type, "steps": cfg.max_steps, "pairs": pairs_seen}
+    results.update({"train_pairs": len(train_pairs), "heldout_pairs": len(eval_pairs)})
+    results.update({"wall_time_s": time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}})
     if rt.master:
-        with open(os.path.join(out_dir, "samples.txt"), "w") as f:
-            for i, (prompt, chosen, _) in enumerate(val_pairs[: cfg.num_samples]):
-                f.write(f"=== held-out prompt {i} (last 400 characters)\n{prompt[-400:]}\n--- policy (greedy)\n")
-                f.write(responses[i] + "\n")
-                if ref_responses is not None:
-                    f.write(f"--- reference (greedy)\n{ref_responses[i]}\n")
-                f.write(f"--- chosen in the data\n{chosen}\n\n")
+        write_pair_samples(os.path.join(out_dir, "samples.txt"), val_pairs[: cfg.num_samples], responses, ref_responses)
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        print(
-            f"held-out: reward accuracy {results['reward_acc']:.3f}, margin {results['margin']:.4f}, "
-            f"log-ratio accuracy {results['logratio_acc']:.3f}"
-            + (f", win rate {results['win_rate']:.3f}" if "win_rate" in results else "")
-            + f"; {out_dir}"
-        )
+        keys = ("reward_acc", "margin", "logratio_acc", "win_rate")
+        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {out_dir}")
     return results
 
 

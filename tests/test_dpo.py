@@ -264,6 +264,8 @@ def chain_rule_logprob(model, prompt, response):
     """log p(response | prompt) = log p(prompt + response) - log p(prompt), each from its own unpadded forward."""
 
     def seq_logprob(ids):
+        if len(ids) < 2:
+            return 0.0  # a lone token predicts nothing (and the model takes no empty sequence)
         x = torch.tensor([ids])
         return dpo.token_logprobs(model(x[:, :-1])[0], x[:, 1:]).sum().item()
 
