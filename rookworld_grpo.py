@@ -110,7 +110,6 @@ import inspect
 import json
 import math
 import os
-import queue
 import random
 import re
 import resource
@@ -121,6 +120,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import chess
 import tiktoken
@@ -282,24 +282,6 @@ def policy_loss(
     return loss, stats
 
 
-def entropy_from_logits(logits, temperature=1.0, top_k=None):
-    """Entropy of the sampling distribution softmax(sampling_logits(logits, temperature, top_k)) per position:
-    (..., V) -> (...), computed in float32 over chunks of 1024 rows. With z = x - max(x), e = exp(z), s = sum(e),
-    the entropy is log s - sum(e z) / s: one
-    exponential per logit, and two terms >= 0 (no cancellation)."""
-    flat = logits.flatten(0, -2)
-    out = []
-    for x in flat.split(1024):
-        x = sampling_logits(x, temperature, top_k)
-        z = x - x.amax(-1, keepdim=True)
-        if top_k:  # -inf outside the top_k: e = 0 there, and e z must be 0, not 0 * -inf (exp(-1e4) is 0 as well)
-            z = z.clamp(min=-1e4)
-        e = torch.exp(z)
-        s = e.sum(-1)
-        out.append(s.log() - torch.linalg.vecdot(e, z) / s)
-    return torch.cat(out).view(logits.shape[:-1])
-
-
 def vocab_kl(logp, ref_logp, kind="forward"):
     """Exact KL between the policy and the reference at every position, summed over the whole vocabulary, from
     their log-probabilities (..., V) -> (...), >= 0:
@@ -318,38 +300,49 @@ def vocab_kl(logp, ref_logp, kind="forward"):
 
 
 def logprobs_and_kl(
-    logits, targets, ref_logits, weights, kind="forward", temperature=1.0, top_k=None, ref_weight=None, rows=256
+    logits,
+    targets,
+    ref_logits=None,
+    weights=None,
+    kind="forward",
+    temperature=1.0,
+    top_k=None,
+    ref_weight=None,
+    rows=256,
 ):
-    """(log p(targets), sum over positions of weights * vocab_kl): (..., V), (...), (..., V), (...) -> ((...)
-    float32, scalar float32). p is the sampling distribution softmax(sampling_logits(logits, temperature, top_k))
-    (the target kept, as token_logprobs does), the reference softmax(ref_logits / temperature) over the whole
-    vocabulary. A weight 0 (padding) drops a position from the KL. With ref_weight (V, C), ref_logits holds the
-    reference's final hidden states (..., C) and each chunk's reference logits are made here, one tensor per chunk.
+    """(log p(targets), sum over positions of weights * vocab_kl, entropy of p): (..., V), (...), (..., V), (...) ->
+    ((...) float32, scalar float32, (...) float32). p is the sampling distribution
+    softmax(sampling_logits(logits, temperature, top_k)) with the target kept (as token_logprobs; the entropy is of
+    that distribution, as linear_logprobs' is), the reference softmax(ref_logits / temperature) over the whole
+    vocabulary; without ref_logits the KL is 0. A weight 0 (padding) drops a position from the KL. With ref_weight
+    (V, C), ref_logits holds the reference's final hidden states (..., C) and each chunk's reference logits are made
+    here, one tensor per chunk.
     One chunk of rows at a time; with a gradient each chunk is recomputed in backward (torch.utils.checkpoint), so
     no (positions, V) float32 tensor is made beyond one chunk's: autograd keeps the logits and the reference logits
     (per chunk, each freed once backward is done with it) and makes the logits' gradient. 256 rows: a float32 chunk
-    of GPT-2's vocabulary is 51 MB, which CPU malloc maps and unmaps; chunks under its 32 MB threshold came from the
-    heap, where the checkpoints' small allocations between them kept freed chunks from reuse (2-3 GB more resident
-    memory at 6144 positions)."""
-    flat, ref = logits.flatten(0, -2), ref_logits.detach().flatten(0, -2)
-    chunks = zip(
-        flat.split(rows), ref.split(rows), targets.flatten().split(rows), weights.detach().flatten().split(rows)
-    )
+    of GPT-2's vocabulary is 51 MB, and a chunk makes a few such temporaries."""
+    flat, y = logits.flatten(0, -2), targets.flatten()
+    ref = None if ref_logits is None else ref_logits.detach().flatten(0, -2)
 
-    def chunk(x, r, y, w):  # (n, V), (n, V), (n,), (n,) -> (n,), scalar
+    def chunk(x, r, y, w):  # (n, V), (n, V) or None, (n,), (n,) -> (n,), scalar, (n,)
         logp = torch.log_softmax(sampling_logits(x, temperature, top_k, keep=y), -1)  # (n, V)
+        entropy = -(logp.exp() * logp.masked_fill(logp.isinf(), 0)).sum(-1)  # top_k's p = 0 tokens add 0, not NaN
+        if r is None:
+            return logp.gather(1, y[:, None])[:, 0], torch.zeros((), device=x.device), entropy
         ref_logp = torch.log_softmax(sampling_logits(r, temperature), -1)  # (n, V)
-        return logp.gather(1, y[:, None])[:, 0], (vocab_kl(logp, ref_logp, kind) * w).sum()
+        return logp.gather(1, y[:, None])[:, 0], (vocab_kl(logp, ref_logp, kind) * w).sum(), entropy
 
     grad = torch.is_grad_enabled() and flat.requires_grad
     parts = []
-    for x, r, y, w in chunks:
-        r = r if ref_weight is None else r @ ref_weight.detach().T  # (n, V)
-        parts.append(
-            torch.utils.checkpoint.checkpoint(chunk, x, r, y, w, use_reentrant=False) if grad else chunk(x, r, y, w)
-        )
-    logp = torch.cat([p[0] for p in parts])
-    return logp.view(targets.shape), torch.stack([p[1] for p in parts]).sum()
+    for i in range(0, len(flat), rows):
+        r = w = None
+        if ref is not None:
+            r, w = ref[i : i + rows], weights.detach().flatten()[i : i + rows]
+            r = r if ref_weight is None else r @ ref_weight.detach().T  # (n, V)
+        args = (flat[i : i + rows], r, y[i : i + rows], w)
+        parts.append(torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+    logp, kl, entropy = zip(*parts)
+    return torch.cat(logp).view(targets.shape), torch.stack(kl).sum(), torch.cat(entropy).view(targets.shape)
 
 
 def ema_advantages(rewards, tasks, baselines):
@@ -434,6 +427,7 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 LEGAL_REWARD, MATE_REWARD, DRAW_REWARD, ILLEGAL_REWARD = 0.001, 1.0, 0.5, -1.0
 INVALID_REWARD = -0.3  # a completion that does not parse
 HISTORY_MOVES = 10  # moves shown in an A: line, the current one last
+A_PATTERN = re.compile(rf"([^+]*[^+\s][^+]*)\+({NUMBER.pattern})\+([01])\+([01])")  # fen+reward+terminated+truncated
 P_PATTERN = re.compile(r"\s*(?:M:)?\s*(?P<moves>.*?)\s*E:\s*(?P<evals>.*?)\s*B:\s*(?P<best>\S+)\s*", re.S)
 
 
@@ -514,14 +508,10 @@ def parse_p(text):
 def parse_a(text):
     """An A: completion (the text after the third "+") as {"fen", "reward", "terminated", "truncated"}, or None when
     it is not four "+"-separated fields: a non-empty FEN, a number, and two 0/1 flags."""
-    parts = text.strip().split("+")
-    if len(parts) != 4:
+    m = A_PATTERN.fullmatch(text.strip())
+    if m is None:
         return None
-    fen, reward, terminated, truncated = parts
-    if not fen.strip() or not NUMBER.fullmatch(reward) or terminated not in "01" or truncated not in "01":
-        return None
-    if len(terminated) != 1 or len(truncated) != 1:
-        return None
+    fen, reward, terminated, truncated = m.groups()
     return {"fen": fen, "reward": float(reward), "terminated": terminated == "1", "truncated": truncated == "1"}
 
 
@@ -631,14 +621,7 @@ def split_line(line, best_move="stockfish"):
         fen, move, shown = parts[0], parts[1], parts[2].split()
         history = shown[:-1] if shown and shown[-1] == move else shown  # the moves before this one
         prompt = "A: " + "+".join(parts[:3]) + "+"
-        return {
-            "task": "A",
-            "prompt": prompt,
-            "target": "+".join(parts[3:]),
-            "fen": fen,
-            "move": move,
-            "history": history,
-        }
+        return dict(task="A", prompt=prompt, target="+".join(parts[3:]), fen=fen, move=move, history=history)
     return None
 
 
@@ -654,51 +637,47 @@ def end_of_completion(text):
 
 class Stockfish:
     """Multipv-5 analysis by a small pool of Stockfish processes (one search thread and a 16 MB hash each; the hash is
-    cleared before every position), cached per FEN. Threads only wait on the engine processes, which do the work."""
+    cleared before every position), cached per FEN. Each engine analyses its share of the positions in a thread of
+    its own; the threads only wait on the engine processes, which do the work."""
 
     def __init__(self, path, depth=8, nodes=0, workers=2):
         import chess.engine
 
         check(os.path.isfile(path) and os.access(path, os.X_OK), f"--stockfish {path}: not an executable file")
         self.limit = chess.engine.Limit(depth=depth or None, nodes=nodes or None)
-        self.engines, self.cache = queue.SimpleQueue(), {}
-        self.started = []
+        self.engines, self.cache = [], {}
         atexit.register(self.close)
         for _ in range(workers):
             try:
-                engine = chess.engine.SimpleEngine.popen_uci(path, timeout=30)
-                engine.configure({"Threads": 1, "Hash": 16})
+                self.engines.append(chess.engine.SimpleEngine.popen_uci(path, timeout=30))
+                self.engines[-1].configure({"Threads": 1, "Hash": 16})
             except Exception as e:  # not a UCI engine, crashed, no permission
                 die(f"--stockfish {path}: cannot start it as a UCI engine ({type(e).__name__})")
-            self.started.append(engine)
-            self.engines.put(engine)
         self.pool = ThreadPoolExecutor(workers)
 
-    def _analyse(self, fen):
-        engine = self.engines.get()
-        try:  # a new `game` object makes python-chess send ucinewgame, which clears the hash: deterministic
-            infos = engine.analyse(chess.Board(fen), self.limit, multipv=5, game=object())
-        finally:
-            self.engines.put(engine)
-        infos = [info for info in infos if info.get("pv")]
-        moves = [info["pv"][0].uci() for info in infos]
-        evals = [info["score"].relative.score(mate_score=100000) / 100 for info in infos]  # mate in n: 1000 - n/100
-        return moves, evals
+    def _analyse(self, engine, fens):
+        out = []
+        for fen in fens:  # a new `game` object makes python-chess send ucinewgame, which clears the hash: deterministic
+            infos = [i for i in engine.analyse(chess.Board(fen), self.limit, multipv=5, game=object()) if i.get("pv")]
+            evals = [i["score"].relative.score(mate_score=100000) / 100 for i in infos]  # mate in n: 1000 - n/100
+            out.append(([i["pv"][0].uci() for i in infos], evals))
+        return out
 
     def analyse(self, fens):
         """[(moves, evals)] for each FEN: up to 5 UCI moves, best first, and the side to move's evals in pawns."""
         todo = [fen for fen in dict.fromkeys(fens) if fen not in self.cache]
-        for fen, result in zip(todo, self.pool.map(self._analyse, todo)):
-            self.cache[fen] = result
+        shares = [todo[i :: len(self.engines)] for i in range(len(self.engines))]
+        for share, results in zip(shares, self.pool.map(self._analyse, self.engines, shares)):
+            self.cache.update(zip(share, results))
         return [self.cache[fen] for fen in fens]
 
     def close(self):
-        for engine in self.started:
+        for engine in self.engines:
             try:
                 engine.quit()
             except Exception:
                 pass
-        self.started = []
+        self.engines = []
 
 
 PIECE_VALUES = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, chess.QUEEN: 9, chess.KING: 0}
@@ -856,14 +835,6 @@ def join(prompts, completion):
     return seq, None if attn.all() else attn
 
 
-def completion_logprobs(model, seq, attn, H, temperature=1.0, top_k=None):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them (N, H), under the sampling distribution
-    (temperature, top_k), and the value head's values (N, H) of the states before each token (None for a plain GPT,
-    whose forward returns no values)."""
-    logits, values = model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)
-    return token_logprobs(logits, seq[:, -H:], temperature, top_k), values
-
-
 class ValueHeadGPT(nn.Module):
     """--value_head: the policy with a scalar head on its final hidden states. forward returns (logits, values)."""
 
@@ -883,73 +854,67 @@ class ValueHeadGPT(nn.Module):
         return self.gpt.lm_head(h), self.v_head(h).squeeze(-1).float()  # (B, T, V), (B, T)
 
 
-@torch.no_grad()
-def generate_until(model, prompts, horizon, temperature, top_k, stop_ids, rt, generator=None):
-    """Completions (N, n <= horizon) of token-id prompts and their mask, 1.0 up to and including the first stop
-    token; n < horizon when every row stopped early.
-    generate() of the model block knows one end token; RookWorld-LM ends with <|endoftext|>, a model SFT'd by gpt.py
-    on a file of lines with a newline, so this loop (the same KV-cache sampling) stops at either. Under FSDP every
-    forward pass is collective, so there every rank runs the whole horizon."""
-    idx, attn = left_pad(prompts, next(model.parameters()).device)
-    B, T = idx.shape
-    cache = KVCache(model.config, B, T + horizon, idx.device)
-    logits, _ = model(idx, attention_mask=None if attn.all() else attn, cache=cache)  # prefill
-    stop = torch.tensor(stop_ids, device=idx.device)
-    done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids):
+    """Completions (N, n <= --horizon) of token-id prompts by generate() of the model block, their mask (1.0 up to
+    and including the first end token: <|endoftext|> of RookWorld-LM or the newline of a model SFT'd by gpt.py on a
+    file of lines) and their texts. Under FSDP every forward pass is collective, so there every rank samples the
+    whole horizon (no early stop when its own rows have ended) and the mask is cut at the first end token here."""
     collective = rt.distributed and rt.parallel == "fsdp"
-    tokens, masks = [], []
-    for step in range(horizon):
-        nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
-        masks.append(~done)
-        nxt = nxt.masked_fill(done, stop_ids[0])
-        done = done | torch.isin(nxt, stop)
-        tokens.append(nxt)
-        if step == horizon - 1 or (not collective and step % 8 == 7 and bool(done.all())):
-            break
-        logits, _ = model(nxt[:, None], cache=cache)
-    return torch.stack(tokens, 1), torch.stack(masks, 1).float()  # (B, n), (B, n)
+    with rt.autocast():
+        completion, mask = generate(model, prompts, cfg.horizon, temperature, top_k, None if collective else stop_ids)
+    if collective:
+        ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
+        mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
+    texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
+    return completion, mask, texts
 
 
-def completion_texts(tok, completion, mask):
-    return [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
+def micro_batches(batch, size):
+    """The batch's per-row tensors, `size` rows at a time (whole groups); an entry that is None is left out."""
+    for i in range(0, len(batch["seq"]), size):
+        yield {k: v[i : i + size] for k, v in batch.items() if torch.is_tensor(v)}
+
+
+def policy_pass(model, ref, micro, cfg, rt):
+    """ALGO LOGIC: the completion tokens' log-probs under the sampling distribution (--temperature, --top_k), the
+    value head's values (None for a plain GPT), the exact KL to the reference over the vocabulary summed over the
+    real tokens (0 without a reference) and the entropy per token, for a micro-batch of rollouts. The completion is
+    the last T tokens of seq; its log-probs come from the states before each token."""
+    seq, attn, mask = micro["seq"], micro.get("attn"), micro["mask"]  # (n, P+T), (n, P+T) or None, (n, T)
+    inputs, targets, T = seq[:, :-1], seq[:, -mask.size(1) :], mask.size(1)
+    attn = None if attn is None else attn[:, :-1]
+    with rt.autocast():
+        logits, values = model(inputs, attention_mask=attn, keep_last=T)  # (n, T, V), (n, T) or None
+        with torch.no_grad():
+            ref_h = None if ref is None else ref(inputs, attention_mask=attn, keep_last=T, output="hidden")[0]
+    w_ref = None if ref is None else ref.lm_head.weight  # the reference logits are made chunk by chunk
+    top_k = cfg.top_k or None
+    logp, kl_sum, entropy = logprobs_and_kl(logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, top_k, w_ref)
+    return logp, values, kl_sum, entropy
 
 
 def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     """ALGO LOGIC 1-3: K completions per prompt (groups contiguous), the rewards, then one no-grad pass for the
-    sampling policy's log-probs (and values). Returns a dict of per-row tensors."""
+    sampling policy's log-probs (and values). Returns a dict of per-row tensors (and the rows and texts)."""
     rows = [r for r in prompts for _ in range(cfg.group_size)]
     ids = [r["ids"] for r in rows]
     model.eval()
-    with rt.autocast():
-        completion, mask = generate_until(model, ids, cfg.horizon, cfg.temperature, cfg.top_k or None, stop_ids, rt)
+    completion, mask, texts = complete_prompts(model, ids, cfg.temperature, cfg.top_k or None, cfg, rt, tok, stop_ids)
     model.train()
     H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
     completion, mask = completion[:, :H], mask[:, :H]  # (N, H)
-    texts = completion_texts(tok, completion, mask)
     rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
-    rewards = torch.tensor(rewards, device=rt.device)  # (N,)
-    truncated = ~(torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)).any(1)  # (N,)
+    ends = torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)  # (N, H)
     seq, attn = join(ids, completion)
-    old_logp, old_values = [], []
-    n_micro = len(rows) // cfg.grad_accum
-    with torch.no_grad(), rt.autocast():
-        for i in range(0, len(rows), n_micro):
-            a = None if attn is None else attn[i : i + n_micro]
-            logp, values = completion_logprobs(actor, seq[i : i + n_micro], a, H, cfg.temperature, cfg.top_k or None)
-            old_logp.append(logp)
-            old_values.append(values)
-    return {
-        "rows": rows,
-        "texts": texts,
-        "seq": seq,
-        "attn": attn,
-        "mask": mask,
-        "truncated": truncated,
-        "rewards": rewards,
-        "tasks": torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long(),  # (N,) 0 P, 1 A
-        "old_logp": torch.cat(old_logp),
-        "old_values": torch.cat(old_values) if old_values[0] is not None else None,
-    }
+    batch = {"rows": rows, "texts": texts, "seq": seq, "attn": attn, "mask": mask}
+    batch["rewards"] = torch.tensor(rewards, device=rt.device)  # (N,)
+    batch["truncated"] = ~ends.any(1)  # (N,) completions without an end
+    batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()  # (N,) 0 P, 1 A
+    with torch.no_grad():
+        old = [policy_pass(actor, None, micro, cfg, rt) for micro in micro_batches(batch, len(rows) // cfg.grad_accum)]
+    batch["old_logp"] = torch.cat([logp for logp, *_ in old])  # (N, H)
+    batch["old_values"] = torch.cat([values for _, values, *_ in old]) if cfg.value_head else None  # (N, H)
+    return batch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -985,31 +950,25 @@ def a_metrics(record, text):
 
 
 @torch.no_grad()
-def evaluate(model, records, cfg, rt, tok, stop_ids):
+def evaluate_held_out(model, records, cfg, rt, tok, stop_ids):
     """Greedy completions of the held-out prompts (every rank the same, FSDP's forwards are collective), scored per
-    task. Returns (metrics, samples text)."""
+    task. Returns (metrics, samples text: the first 3 of each task)."""
     texts, chunk = [], cfg.batch_size * cfg.group_size
     for i in range(0, len(records), chunk):
-        part = [r["ids"] for r in records[i : i + chunk]]
-        with rt.autocast():
-            completion, mask = generate_until(model, part, cfg.horizon, 0.0, None, stop_ids, rt)
-        texts += completion_texts(tok, completion, mask)
-    sums, counts = {}, {"P": 0, "A": 0}
+        prompts = [r["ids"] for r in records[i : i + chunk]]
+        texts += complete_prompts(model, prompts, 0.0, None, cfg, rt, tok, stop_ids)[2]  # greedy
+    sums, counts, shown = {}, {"P": 0, "A": 0}, {"P": [], "A": []}
     for record, text in zip(records, texts):
         task = record["task"]
         found = (p_metrics if task == "P" else a_metrics)(record, text)
-        found[f"{task.lower()}_reward"] = score_record(record, text, cfg.reward_mode)
+        found[f"{task.lower()}_reward"] = reward = score_record(record, text, cfg.reward_mode)
         counts[task] += 1
         for k, v in found.items():
             sums[k] = sums.get(k, 0.0) + v
+        if len(shown[task]) < 3:
+            shown[task].append(f"{record['prompt']}|{text}\n    target:{record['target']}\n    reward {reward:.2f}")
     metrics = {f"eval/{k}": v / counts[k[0].upper()] for k, v in sums.items()}
-    shown = []
-    for task in ("P", "A"):
-        pairs = [(r, t) for r, t in zip(records, texts) if r["task"] == task][:3]
-        for r, t in pairs:
-            reward = score_record(r, t, cfg.reward_mode)
-            shown.append(f"{r['prompt']}|{t}\n    target:{r['target']}\n    reward {reward:.2f}")
-    return metrics, "\n".join(shown)
+    return metrics, "\n".join(shown["P"] + shown["A"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1039,38 +998,28 @@ def resolve_clip(cfg):
 
 
 def validate(cfg):
-    for name in ("batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"):
+    positive = ["batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"]
+    positive += ["save_every", "sf_workers", "lr", "target_kl", "kl_horizon", "clip_eps", "clip_eps_value"]
+    non_negative = ["eval_size", "make_data", "sf_depth", "sf_nodes", "min_lr", "beta_kl", "entropy_coef", "vf_coef"]
+    non_negative += ["clip_eps_high", "grad_clip", "weight_decay", "warmup_steps", "top_k"]
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    check(cfg.save_every > 0 and cfg.eval_size >= 0, "--save_every must be positive and --eval_size >= 0")
-    check(cfg.make_data >= 0, f"--make_data must be >= 0 (got {cfg.make_data})")
-    check(cfg.group_size >= 1, f"--group_size must be >= 1 (got {cfg.group_size})")
+    for name in non_negative:
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    for name in ("task_mix", "random_move_frac", "illegal_frac", "gamma", "lam"):
+        check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
+    check(0 < cfg.ema_decay < 1, f"--ema_decay must be in (0, 1) (got {cfg.ema_decay})")
+    check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     check(
-        cfg.group_size >= 2 or cfg.adv == "ema" or cfg.value_head,
+        cfg.group_size >= 2 or (cfg.group_size == 1 and (cfg.adv == "ema" or cfg.value_head)),
         f"--group_size must be >= 2 for group advantages, which compare a group's completions (got {cfg.group_size})",
     )
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
-    check(0 <= cfg.task_mix <= 1, f"--task_mix must be in [0, 1] (got {cfg.task_mix})")
-    check(0 <= cfg.random_move_frac <= 1 and 0 <= cfg.illegal_frac <= 1, "--random_move_frac, --illegal_frac in [0, 1]")
-    check(
-        cfg.sf_depth >= 0 and cfg.sf_nodes >= 0 and cfg.sf_workers >= 1,
-        "--sf_depth, --sf_nodes >= 0, --sf_workers >= 1",
-    )
     check(cfg.sf_depth > 0 or cfg.sf_nodes > 0, "Stockfish needs a limit: --sf_depth or --sf_nodes > 0")
-    check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
-    check(
-        cfg.beta_kl >= 0 and cfg.entropy_coef >= 0 and cfg.vf_coef >= 0, "negative --beta_kl/--entropy_coef/--vf_coef"
-    )
-    check(cfg.target_kl > 0 and cfg.kl_horizon > 0, "--target_kl and --kl_horizon must be positive")
-    check(0 < cfg.ema_decay < 1, f"--ema_decay must be in (0, 1) (got {cfg.ema_decay})")
-    check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
-    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
-    check(cfg.top_k >= 0 and cfg.clip_eps_value > 0, "--top_k must be >= 0 and --clip_eps_value > 0")
     check(
         not (cfg.top_k and cfg.kl_type != "forward" and (cfg.beta_kl > 0 or cfg.adaptive_kl)),
         f"--kl_type {cfg.kl_type} with --top_k: KL(ref || pi) is infinite where top_k leaves pi no mass; use forward",
     )
-    check(0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "--gamma and --lam must be in [0, 1]")
     choices = {
         "best_move": ("stockfish", "rookworld"),
         "reward_mode": ("ladder", "continuous"),
@@ -1084,21 +1033,8 @@ def validate(cfg):
     check(not (cfg.value_head and cfg.parallel == "fsdp"), "--value_head runs in one process or under DDP, not FSDP")
 
 
-def main():
-    cfg = resolve_clip(parse_config(Config))
-    validate(cfg)
-    if cfg.make_data:
-        run_make_data(cfg)
-        return
-    rt = setup_runtime(cfg)
-    out_dir = prepare_out_dir(cfg, "rookworld_grpo", rt)
-    stop = GracefulExit()
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    K = cfg.group_size
-
-    # data: P: and A: records with their prompts' token ids; a fixed held-out set
-    stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
+def load_data(cfg, rt, stockfish):
+    """The P: and A: training records and a fixed held-out set (with --stockfish, its P: targets from Stockfish)."""
     if cfg.data_path:
         records = read_records(cfg.data_path, cfg.best_move, rt.master)
     else:  # the same 1000 lines on every rank and after a resume
@@ -1114,26 +1050,20 @@ def main():
     check(train_a or cfg.task_mix == 1, f"--task_mix {cfg.task_mix} needs A: lines; the data has none")
     if stockfish:
         set_stockfish_targets(held, stockfish, cfg.best_move)
+    return train_p, train_a, held
 
-    # policy: a resumed run, or --init_from (hub, Hugging Face folder, ckpt.pt); GPT-2 BPE only
+
+def load_models(cfg, rt, ckpt):
+    """The policy (a resumed run's, or --init_from: hub, Hugging Face folder, ckpt.pt; GPT-2 BPE only), the actor
+    that trains (the policy, with a value head under --value_head) and the frozen reference: the starting policy
+    (reloaded from --init_from on --resume, and checked against the checksum the run stored at its start), never
+    wrapped, never trained. Returns (model, actor, reference or None, its checksum or None)."""
     if ckpt is not None:
         model, spec = GPT(GPTConfig(**ckpt["model_config"])), ckpt["tokenizer"]
         model.load_state_dict(ckpt["model"])
     else:
         model, spec, _ = load_model(cfg.init_from)
     check(spec == "gpt2", f"--init_from {cfg.init_from}: its tokenizer is not the GPT-2 BPE the RookWorld tasks need")
-    tok = BPETokenizer()
-    stop_ids = [tok.eot_id, *tok.encode("\n")]
-    for record in [*train, *held]:
-        record["ids"] = tok.encode(record["prompt"])
-    longest = max(len(r["ids"]) for r in [*train, *held]) + cfg.horizon
-    check(
-        longest <= model.config.block_size,
-        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
-    )
-
-    # frozen reference: the starting policy (reloaded from --init_from on --resume, and checked against the checksum
-    # the run stored at its start), never wrapped, never trained
     ref, ref_checksum = None, None
     if cfg.beta_kl > 0 or cfg.adaptive_kl:
         ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
@@ -1146,253 +1076,260 @@ def main():
     actor = ValueHeadGPT(model) if cfg.value_head else model
     if ckpt is not None and cfg.value_head:
         actor.v_head.load_state_dict(ckpt["value_head"])
-    actor.to(rt.device)
+    return model, actor.to(rt.device), ref, ref_checksum
 
-    policy = wrap_model(actor, rt, cfg.compile)
-    optimizer = make_optimizer(actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon) if cfg.adaptive_kl else None
-    baselines = torch.full((2,), float("nan"), device=rt.device)  # --adv ema: running mean reward of P:, A:
-    start_step, tokens, first_eval = 0, 0, None
+
+def setup_training(cfg):
+    """Runtime, run folder, data, models, optimizer and, with --resume, the run's state; every input is checked
+    before the run folder is written. Returns `run`, what the training loop reads and updates."""
+    rt = setup_runtime(cfg)
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "rookworld_grpo", rt), stop=GracefulExit())
+    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(run.ckpt_path) if cfg.resume else None
+    run.stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
+    run.train_p, run.train_a, run.held = load_data(cfg, rt, run.stockfish)
+    run.model, run.actor, run.ref, run.ref_checksum = load_models(cfg, rt, ckpt)
+    run.tok = BPETokenizer()
+    run.stop_ids = [run.tok.eot_id, *run.tok.encode("\n")]
+    for record in [*run.train_p, *run.train_a, *run.held]:
+        record["ids"] = run.tok.encode(record["prompt"])
+    longest = max(len(r["ids"]) for r in [*run.train_p, *run.train_a, *run.held]) + cfg.horizon
+    block_size = run.model.config.block_size
+    check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
+
+    run.policy = wrap_model(run.actor, rt, cfg.compile)
+    run.optimizer = make_optimizer(run.actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)  # fixed unless --adaptive_kl
+    run.baselines = torch.full((2,), float("nan"), device=rt.device)  # --adv ema: running mean reward of P:, A:
+    run.start_step, run.tokens, run.first_eval, run.last_eval = 0, 0, None, {}
     if ckpt is not None:
-        load_optimizer_state(actor, optimizer, ckpt["optimizer"], rt)
+        load_optimizer_state(run.actor, run.optimizer, ckpt["optimizer"], rt)
         if ckpt.get("scaler"):  # float16: the loss scale and its growth tracker (empty otherwise, absent in older runs)
-            scaler.load_state_dict(ckpt["scaler"])
+            run.scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
-        start_step, tokens, first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
-        baselines = torch.tensor(ckpt["baselines"], device=rt.device)
-        if kl_ctl is not None:
-            kl_ctl.value = ckpt["kl_coef"]
-        del ckpt
+        run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+        run.baselines = torch.tensor(ckpt["baselines"], device=rt.device)
+        if cfg.adaptive_kl:
+            run.kl_ctl.value = ckpt["kl_coef"]
     if rt.master:
         print(
-            f"{model.num_params() / 1e6:.2f}M parameters; {len(train_p)} P: and {len(train_a)} A: training prompts, "
-            f"{len(held)} held out; targets from {'Stockfish' if stockfish else 'the data'}; loss {cfg.loss_type}, "
-            f"{'value head + GAE' if cfg.value_head else cfg.adv + ' advantages'}, device {rt.device}, "
-            f"{rt.world_size} process(es), out_dir {out_dir}"
+            f"{run.model.num_params() / 1e6:.2f}M parameters; {len(run.train_p)} P: and {len(run.train_a)} A: "
+            f"training prompts, {len(run.held)} held out; targets from {'Stockfish' if run.stockfish else 'the data'}; "
+            f"loss {cfg.loss_type}, {'value head + GAE' if cfg.value_head else cfg.adv + ' advantages'}, device "
+            f"{rt.device}, {rt.world_size} process(es), out_dir {run.out_dir}"
         )
+    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
+    run.logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
+    run.samples = open(os.path.join(run.out_dir, "samples.txt"), "a") if rt.master else None
+    return run
 
-    def checkpoint(step):
-        model_sd, optim_sd = training_state(actor, optimizer, rt)
-        rngs = all_rng_states(rt)
-        if rt.master:
-            extras = {"tokens": tokens, "first_eval": first_eval, "baselines": baselines.tolist()}
-            extras["kl_coef"] = kl_ctl.value if kl_ctl is not None else cfg.beta_kl
-            extras.update(scaler=scaler.state_dict(), ref_checksum=ref_checksum)
-            if cfg.value_head:  # the actor's keys are gpt.* and v_head.*
-                extras["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
-                model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": model_sd,
-                    "model_config": dataclasses.asdict(model.config),
-                    "tokenizer": tok.spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                    **extras,
-                },
+
+def write_checkpoint(run, step):
+    """ckpt.pt: the policy as a plain GPT state dict (the value head apart), the optimizer, every rank's RNG, and
+    what the loop carries (tokens, the first evaluation, the EMA baselines, beta, the loss scale, the reference's
+    checksum). Every rank calls it (FSDP gathers shards); rank 0 writes."""
+    model_sd, optim_sd = training_state(run.actor, run.optimizer, run.rt)
+    rngs = all_rng_states(run.rt)
+    if not run.rt.master:
+        return
+    extras = {"tokens": run.tokens, "first_eval": run.first_eval, "baselines": run.baselines.tolist()}
+    extras.update(kl_coef=run.kl_ctl.value, scaler=run.scaler.state_dict(), ref_checksum=run.ref_checksum)
+    if run.cfg.value_head:  # the actor's keys are gpt.* and v_head.*
+        extras["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
+        model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
+    model_config, config = dataclasses.asdict(run.model.config), dataclasses.asdict(run.cfg)
+    ckpt = {"model": model_sd, "model_config": model_config, "tokenizer": run.tok.spec, "step": step}
+    ckpt.update(optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=config, **extras)
+    save_checkpoint(run.ckpt_path, ckpt)
+
+
+def optimize_policy(run, batch, beta, n_seqs, n_tokens):
+    """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over
+    --grad_accum micro-batches of whole groups. Returns the last iteration's sums over ranks (every share is
+    normalised by the global counts, so they sum to the step's value: loss, KL (summed over tokens), entropy,
+    clip_frac, ratio_mean, pg loss, value loss) and the gradient norm."""
+    cfg, rt = run.cfg, run.rt
+    for _ in range(cfg.num_iterations):
+        sums = torch.zeros(7, device=rt.device)
+        for i, micro in enumerate(micro_batches(batch, len(batch["seq"]) // cfg.grad_accum)):
+            grad_sync(run.policy, i == cfg.grad_accum - 1)
+            m = micro["mask"]
+            logp, values, kl_sum, entropy = policy_pass(run.policy, run.ref, micro, cfg, rt)
+            clip_eps_high = cfg.clip_eps_high or None
+            pg_loss, stats = policy_loss(
+                logp,
+                micro["old_logp"],
+                micro["adv"],
+                m,
+                cfg.loss_type,
+                cfg.clip_eps,
+                clip_eps_high,
+                cfg.horizon,
+                n_seqs,
+                n_tokens,
             )
+            entropy = (entropy * m).sum() / n_tokens
+            v_loss = torch.zeros((), device=rt.device)
+            if values is not None:
+                v_loss = value_loss(values, micro["old_values"], micro["returns"], m, cfg.clip_eps_value, n_tokens)
+            # the KL at every position (padding weighted 0), the entropy bonus, the value loss
+            loss = pg_loss + beta * kl_sum / n_tokens - cfg.entropy_coef * entropy + cfg.vf_coef * v_loss
+            run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+            # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+            share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
+            ratio_stats = [stats["clip_frac"] * share, stats["ratio_mean"] * share]
+            sums += torch.stack([loss, kl_sum, entropy, *ratio_stats, pg_loss, v_loss]).detach()
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+    return all_reduce(sums, rt), grad_norm
 
-    save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
-    t_start, last_eval = time.time(), {}
+
+def rl_step(run, step):
+    """One GRPO step: rollouts, rewards, advantages, update. Returns (metrics, whether a stop was requested)."""
+    cfg, rt = run.cfg, run.rt
+    t0 = time.time()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+
+    # ALGO LOGIC 1-3. prompts (--task_mix of them P:), rollouts, rewards, the sampling policy's log-probs
     n_p = round(cfg.task_mix * cfg.batch_size)  # P: prompts per step; the rest are A:
-    top_k = cfg.top_k or None  # the sampler's top_k: every completion log-prob is under the sampling distribution
-    for step in range(start_step, cfg.max_steps + 1):
-        if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            model.eval()
-            last_eval, text = evaluate(model, held, cfg, rt, tok, stop_ids)
-            model.train()
-            first_eval = first_eval or last_eval
-            logger.log(step, {**last_eval, "rl/tokens": tokens})
-            if samples:
-                samples.write(f"--- step {step}\n{text}\n")
-                samples.flush()
-        if step == cfg.max_steps:
-            break
-        t0 = time.time()
-        if rt.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(rt.device)
-        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    prompts = [random.choice(run.train_p) for _ in range(n_p)]
+    prompts += [random.choice(run.train_a) for _ in range(cfg.batch_size - n_p)]
+    if run.stockfish:
+        set_stockfish_targets(prompts, run.stockfish, cfg.best_move)
+    batch = sample_groups(prompts, run.model, run.actor, cfg, rt, run.tok, run.stop_ids)
+    t_rollout = time.time() - t0
+    mask, rewards, tasks = batch["mask"], batch["rewards"], batch["tasks"]
+    N = len(rewards)
+    everyone = torch.zeros(rt.world_size, N, device=rt.device)
+    everyone[rt.rank] = rewards
+    all_rewards = all_reduce(everyone, rt).flatten()  # (world * N,): every rank's rewards, rank by rank
 
-        # ALGO LOGIC 1-3. prompts (--task_mix of them P:), rollouts, rewards, the sampling policy's log-probs
-        prompts = [random.choice(train_p) for _ in range(n_p)]
-        prompts += [random.choice(train_a) for _ in range(cfg.batch_size - n_p)]
-        if stockfish:
-            set_stockfish_targets(prompts, stockfish, cfg.best_move)
-        batch = sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids)
-        t_rollout = time.time() - t0
-        seq, attn, mask, rewards, tasks = batch["seq"], batch["attn"], batch["mask"], batch["rewards"], batch["tasks"]
-        N, T = mask.shape  # T: the batch's longest completion
-        everyone = torch.zeros(rt.world_size, N, device=rt.device)
-        everyone[rt.rank] = rewards
-        all_rewards = all_reduce(everyone, rt).flatten()  # (world * N,): every rank's rewards, rank by rank
+    # 4. advantages: group-relative, a running mean per task, or GAE on a value head
+    is_task = torch.stack([tasks == 0, tasks == 1]).float()  # (2, N): P:, A:
+    task_sums = all_reduce(torch.stack([is_task @ rewards, is_task.sum(1)], 1), rt)  # (2, 2): reward sum, count
+    if cfg.value_head:
+        last = (mask.sum(1).long() - 1).clamp(min=0)  # (N,) index of the last real token
+        token_rewards = torch.zeros_like(mask).scatter(1, last[:, None], rewards[:, None])  # (N, T)
+        adv, batch["returns"] = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
+        batch["adv"] = whiten(adv, mask)
+    elif cfg.adv == "ema":
+        present = task_sums[:, 1] > 0
+        means = task_sums[:, 0] / task_sums[:, 1].clamp(min=1)
+        run.baselines = ema_update(run.baselines, means, present, cfg.ema_decay)
+        batch["adv"] = ema_advantages(rewards, tasks, run.baselines)  # (N,)
+    else:
+        # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
+        # ranks and every rank has N rows, so this rank's advantages are its rows)
+        batch["adv"] = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards)[rt.rank * N : (rt.rank + 1) * N]
+    beta = run.kl_ctl.value
+    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+    n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
 
-        # 4. advantages: group-relative, a running mean per task, or GAE on a value head
-        is_task = torch.stack([tasks == 0, tasks == 1]).float()  # (2, N): P:, A:
-        task_sums = all_reduce(torch.stack([is_task @ rewards, is_task.sum(1)], 1), rt)  # (2, 2): reward sum, count
-        if cfg.value_head:
-            last = (mask.sum(1).long() - 1).clamp(min=0)  # (N,) index of the last real token
-            token_rewards = torch.zeros_like(mask).scatter(1, last[:, None], rewards[:, None])  # (N, T)
-            adv, returns = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
-            adv = whiten(adv, mask)
-        elif cfg.adv == "ema":
-            present = task_sums[:, 1] > 0
-            baselines = ema_update(baselines, task_sums[:, 0] / task_sums[:, 1].clamp(min=1), present, cfg.ema_decay)
-            adv = ema_advantages(rewards, tasks, baselines)  # (N,)
-        else:
-            # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
-            # ranks and every rank has N rows, so this rank's advantages are its rows)
-            adv = group_advantages(all_rewards, K, cfg.scale_rewards)[rt.rank * N : (rt.rank + 1) * N]  # (N,)
-        beta = kl_ctl.value if kl_ctl is not None else cfg.beta_kl
-        n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
-        n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
-        n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
+    # 5. policy update
+    sums, grad_norm = optimize_policy(run, batch, beta, n_seqs, n_tokens)
+    if cfg.adaptive_kl:
+        run.kl_ctl.update(sums[1].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
+    run.tokens += int(all_reduce(mask.sum(), rt).item())
+    stop_requested = run.stop.requested(step + 1, rt)
+    stop_if_not_finite(sums[0].item(), step, run.ckpt_path, rt)
+    dt = time.time() - t0
+    valid = [(parse_p if r["task"] == "P" else parse_a)(t) is not None for r, t in zip(batch["rows"], batch["texts"])]
+    per_task = all_reduce(is_task @ torch.tensor(valid, device=rt.device).float(), rt)  # (2,) parsing completions
+    groups = all_rewards.view(-1, cfg.group_size)  # (world * N / K, K)
+    stats = ["train/loss", "rl/kl", "rl/entropy", "rl/clip_frac", "rl/ratio_mean", "rl/pg_loss", "rl/value_loss"]
+    metrics = {name: value.item() for name, value in zip(stats, sums)}
+    metrics["rl/kl"] = (sums[1] / n_tokens).item() if run.ref is not None else None  # per token
+    metrics["rl/value_loss"] = metrics["rl/value_loss"] if cfg.value_head else None
+    for i, task in enumerate("pa"):  # a task without rollouts in this step logs nothing
+        if task_sums[i, 1] > 0:
+            metrics[f"rl/reward_{task}"] = (task_sums[i, 0] / task_sums[i, 1]).item()
+            metrics[f"rl/valid_{task}"] = (per_task[i] / task_sums[i, 1]).item()
+        if cfg.adv == "ema" and not cfg.value_head:
+            metrics[f"rl/baseline_{task}"] = run.baselines[i].item()
+    metrics |= {
+        "rl/reward_mean": all_rewards.mean().item(),
+        "rl/reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
+        "rl/zero_std_frac": (groups == groups[:, :1]).all(1).float().mean().item(),
+        "rl/beta": beta,
+        "rl/completion_len": (n_tokens / n_seqs).item(),
+        "rl/truncated_frac": (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item(),
+        "rl/tokens": run.tokens,
+        "train/lr": lr,
+        "train/grad_norm": grad_norm.item(),
+        "perf/rollout_tokens_per_s": mask.sum().item() * rt.world_size / max(t_rollout, 1e-9),
+        "perf/rollout_ms": 1000 * t_rollout,
+        "perf/step_ms": 1000 * dt,
+        "perf/peak_mem_mb": peak_memory_mb(rt),
+    }
+    return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
 
-        # 5. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
-        for _ in range(cfg.num_iterations):
-            sums = torch.zeros(7, device=rt.device)  # loss, kl (summed), entropy, clip, ratio, pg loss, value loss
-            for i in range(0, N, n_micro):
-                rows = slice(i, i + n_micro)
-                grad_sync(policy, i + n_micro >= N)
-                m = mask[rows]
-                inputs, targets = seq[rows][:, :-1], seq[rows][:, -T:]  # the completion's tokens, after their states
-                a = None if attn is None else attn[rows][:, :-1]
-                with rt.autocast():
-                    logits, values = policy(inputs, attention_mask=a, keep_last=T)  # (n, T, V), (n, T) or None
-                kl_sum = torch.zeros((), device=rt.device)
-                if ref is not None:  # log-probs and the exact KL over the vocabulary, one pass over row chunks
-                    with torch.no_grad(), rt.autocast():
-                        ref_h = ref(inputs, attention_mask=a, keep_last=T, output="hidden")[0]  # (n, T, C)
-                    w_ref = ref.lm_head.weight  # the reference logits are made chunk by chunk
-                    logp, kl_sum = logprobs_and_kl(
-                        logits, targets, ref_h, m, cfg.kl_type, cfg.temperature, top_k, w_ref
-                    )
-                else:
-                    logp = token_logprobs(logits, targets, cfg.temperature, top_k)  # (n, T)
-                pg_loss, stats = policy_loss(
-                    logp,
-                    batch["old_logp"][rows],
-                    adv[rows],
-                    m,
-                    cfg.loss_type,
-                    cfg.clip_eps,
-                    cfg.clip_eps_high or None,
-                    max_len=cfg.horizon,
-                    num_seqs=n_seqs,
-                    num_tokens=n_tokens,
-                )
-                loss = pg_loss
-                if ref is not None:  # the KL at every position, padding weighted 0
-                    loss = loss + beta * kl_sum / n_tokens
-                with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                    entropy = (entropy_from_logits(logits, cfg.temperature, top_k) * m).sum() / n_tokens
-                del logits  # autograd keeps them for backward, which frees them as soon as it is done with them
-                loss = loss - cfg.entropy_coef * entropy
-                v_loss = torch.zeros((), device=rt.device)
-                if values is not None:
-                    v_loss = value_loss(
-                        values, batch["old_values"][rows], returns[rows], m, cfg.clip_eps_value, n_tokens
-                    )
-                    loss = loss + cfg.vf_coef * v_loss
-                scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-                with torch.no_grad():
-                    # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
-                    share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
-                    sums += torch.stack(
-                        [
-                            loss.detach(),
-                            kl_sum.detach(),
-                            entropy.detach(),
-                            stats["clip_frac"] * share,
-                            stats["ratio_mean"] * share,
-                            pg_loss.detach(),
-                            v_loss.detach(),
-                        ]
-                    )
-            scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm(policy, cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-        sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
-        if kl_ctl is not None:
-            kl_ctl.update(sums[1].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
-        tokens += int(all_reduce(mask.sum(), rt).item())
-        train_loss = sums[0].item()
-        stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train_loss, step, ckpt_path, rt)
-        dt = time.time() - t0
-        valid = [
-            (parse_p if r["task"] == "P" else parse_a)(t) is not None for r, t in zip(batch["rows"], batch["texts"])
-        ]
-        per_task = all_reduce(is_task @ torch.tensor(valid, device=rt.device).float(), rt)  # (2,) parsing completions
-        counts = task_sums[:, 1].clamp(min=1)
-        groups = all_rewards.view(-1, K)  # (world * N / K, K)
-        metrics = {
-            "rl/reward_mean": all_rewards.mean().item(),
-            "rl/reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
-            "rl/reward_p": (task_sums[0, 0] / counts[0]).item() if task_sums[0, 1] > 0 else None,
-            "rl/reward_a": (task_sums[1, 0] / counts[1]).item() if task_sums[1, 1] > 0 else None,
-            "rl/valid_p": (per_task[0] / counts[0]).item() if task_sums[0, 1] > 0 else None,
-            "rl/valid_a": (per_task[1] / counts[1]).item() if task_sums[1, 1] > 0 else None,
-            "rl/zero_std_frac": (groups == groups[:, :1]).all(1).float().mean().item(),
-            "rl/kl": (sums[1] / n_tokens).item() if ref is not None else None,
-            "rl/beta": beta,
-            "rl/entropy": sums[2].item(),
-            "rl/clip_frac": sums[3].item(),
-            "rl/ratio_mean": sums[4].item(),
-            "rl/pg_loss": sums[5].item(),
-            "rl/value_loss": sums[6].item() if cfg.value_head else None,
-            "rl/baseline_p": baselines[0].item() if cfg.adv == "ema" and not cfg.value_head else None,
-            "rl/baseline_a": baselines[1].item() if cfg.adv == "ema" and not cfg.value_head else None,
-            "rl/completion_len": (n_tokens / n_seqs).item(),
-            "rl/truncated_frac": (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item(),
-            "rl/tokens": tokens,
-            "train/loss": train_loss,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-            "perf/rollout_tokens_per_s": mask.sum().item() * rt.world_size / max(t_rollout, 1e-9),
-            "perf/rollout_ms": 1000 * t_rollout,
-            "perf/step_ms": 1000 * dt,
-            "perf/peak_mem_mb": peak_memory_mb(rt),
-        }
-        metrics = {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}  # NaN: a task not seen yet
-        logger.bar.update(1)
-        logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
-        logger.log(step, metrics, echo=step % cfg.log_every == 0)
-        if (step + 1) % cfg.save_every == 0 or stop_requested:
-            checkpoint(step + 1)
-        if stop_requested:
-            stop.exit(step + 1, out_dir, rt)
-    checkpoint(cfg.max_steps)
-    logger.close()
-    if samples:
-        samples.close()
-    if stockfish:
-        stockfish.close()
+
+def log_evaluation(run, step):
+    run.model.eval()
+    run.last_eval, text = evaluate_held_out(run.model, run.held, run.cfg, run.rt, run.tok, run.stop_ids)
+    run.model.train()
+    run.first_eval = run.first_eval or run.last_eval
+    run.logger.log(step, {**run.last_eval, "rl/tokens": run.tokens})
+    if run.samples:
+        run.samples.write(f"--- step {step}\n{text}\n")
+        run.samples.flush()
+
+
+def write_final_results(run, wall_time):
+    """The last checkpoint, the curves, and final_results.json: the evaluation before and after training."""
+    cfg, rt = run.cfg, run.rt
+    write_checkpoint(run, cfg.max_steps)
+    run.logger.close()
+    for resource_ in (run.samples, run.stockfish):
+        if resource_:
+            resource_.close()
     if rt.master:
         results = {
             "loss_type": cfg.loss_type,
             "adv": "value_head" if cfg.value_head else cfg.adv,
             "steps": cfg.max_steps,
-            "tokens": tokens,
-            "wall_time_s": time.time() - t_start,
-            "before": {k.removeprefix("eval/"): v for k, v in (first_eval or {}).items()},
-            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+            "tokens": run.tokens,
+            "wall_time_s": wall_time,
+            "before": {k.removeprefix("eval/"): v for k, v in (run.first_eval or {}).items()},
+            "after": {k.removeprefix("eval/"): v for k, v in run.last_eval.items()},
         }
-        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+        with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         summary = ", ".join(f"{k} {results['before'][k]:.3g} -> {v:.3g}" for k, v in results["after"].items())
-        print(f"rookworld ({cfg.loss_type}): {summary}; {results['wall_time_s']:.0f} s")
+        print(f"rookworld ({cfg.loss_type}): {summary}; {wall_time:.0f} s")
     cleanup(rt)
+
+
+def main():
+    cfg = resolve_clip(parse_config(Config))
+    validate(cfg)
+    if cfg.make_data:
+        run_make_data(cfg)
+        return
+    run = setup_training(cfg)
+    t_start = time.time()
+    for step in range(run.start_step, cfg.max_steps + 1):
+        if run.held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            log_evaluation(run, step)
+        if step == cfg.max_steps:
+            break
+        metrics, stop_requested = rl_step(run, step)
+        run.logger.bar.update(1)
+        run.logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
+        run.logger.log(step, metrics, echo=step % cfg.log_every == 0)
+        if (step + 1) % cfg.save_every == 0 or stop_requested:
+            write_checkpoint(run, step + 1)
+        if stop_requested:
+            run.stop.exit(step + 1, run.out_dir, run.rt)
+    write_final_results(run, time.time() - t_start)
 
 
 # ----------------------------------------------------------------------------------------------------------

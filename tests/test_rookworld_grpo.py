@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import sys
+from types import SimpleNamespace
 
 import chess
 import pytest
@@ -351,18 +352,30 @@ def test_ema_baseline_by_hand():
     assert torch.allclose(adv, torch.tensor([0.45, 0.5, 0.0]))
 
 
-def test_generate_until_with_one_stop_token_samples_what_generate_samples():
-    """The two-stop-token loop is the model block's KV-cache sampler: with one stop token, the same tokens and mask."""
+class DigitTokenizer:
+    def decode(self, ids):
+        return "".join(str(i % 10) for i in ids)
+
+
+def test_complete_prompts_under_fsdp_samples_the_whole_horizon_and_masks_as_generate_does():
+    """Under FSDP every forward pass is collective, so complete_prompts() samples the whole horizon on every rank; its
+    mask, cut after the first end token, its real tokens and its texts are those of generate() with the end tokens,
+    which stops once every row has ended. Each row's mask ends at its first end token (3 or 5), or runs the horizon."""
     torch.manual_seed(0)
     model = rw.GPT(rw.GPTConfig(block_size=32, vocab_size=11, n_layer=1, n_head=2, n_embd=16)).eval()
-    prompts = [[1, 2, 3, 4], [5], [6, 7]]
-    rt = rw.Runtime(torch.device("cpu"), torch.float32)
-    ours = rw.generate_until(model, prompts, 12, 1.0, None, [3], rt, torch.Generator().manual_seed(1))
-    theirs = rw.generate(model, prompts, 12, 1.0, None, 3, torch.Generator().manual_seed(1))
-    n = theirs[0].size(1)
-    assert torch.equal(ours[0][:, :n], theirs[0]) and torch.equal(ours[1][:, :n], theirs[1])
-    for seed in range(5):  # with two stop tokens, each row's mask ends at its first 3 or 5, or runs the horizon
-        tokens, mask = rw.generate_until(model, prompts, 12, 1.0, None, [3, 5], rt, torch.Generator().manual_seed(seed))
+    prompts, cfg = [[1, 2, 3, 4], [5], [6, 7]], SimpleNamespace(horizon=12)
+    one = rw.Runtime(torch.device("cpu"), torch.float32)
+    fsdp = rw.Runtime(torch.device("cpu"), torch.float32, world_size=2, parallel="fsdp")
+    for seed in range(5):
+        runs = []
+        for rt in (one, fsdp):
+            torch.manual_seed(seed)
+            runs.append(rw.complete_prompts(model, prompts, 1.0, None, cfg, rt, DigitTokenizer(), [3, 5]))
+        (tokens, mask, texts), (all_tokens, all_mask, all_texts) = runs
+        assert all_tokens.size(1) == 12 and texts == all_texts
+        n = mask.size(1)
+        assert torch.equal(mask, all_mask[:, :n]) and not all_mask[:, n:].any()
+        assert torch.equal(tokens[mask > 0], all_tokens[all_mask > 0])
         for row, m in zip(tokens, mask):
             real = row[m > 0].tolist()
             stops = [i for i, x in enumerate(real) if x in (3, 5)]
@@ -478,7 +491,6 @@ def spy_sample_groups(*args, **kwargs):
 
 rw.sample_groups = spy_sample_groups
 rw.policy_loss = spy("policy_loss", rw.policy_loss, "logp", "old_logp", "adv", "mask")
-rw.entropy_from_logits = spy("entropy", rw.entropy_from_logits)
 rw.logprobs_and_kl = spy("logprobs_and_kl", rw.logprobs_and_kl)
 if os.environ.get("SPY_RANDOM_REWARDS"):  # rewards with a spread, different on each rank (seeded by rank)
     rw.score_record = lambda record, text, shape="ladder": random.random()
@@ -487,7 +499,7 @@ rw.main()
 
 
 def spy_run(tmp_path, args, nproc=1, env=None):
-    """rookworld_grpo.py's main() with its rollouts and its policy_loss, entropy_from_logits and logprobs_and_kl calls
+    """rookworld_grpo.py's main() with its rollouts and its policy_loss and logprobs_and_kl calls
     recorded per rank (spy<rank>.pt: a list of (name, tensors)); returns the run's training metrics and the records
     of each rank."""
     script = tmp_path / "spy.py"
@@ -500,8 +512,10 @@ def spy_run(tmp_path, args, nproc=1, env=None):
     return [r for r in metrics(out) if "train/loss" in r], spied
 
 
-def first(calls, name):
-    return next(tensors for n, tensors in calls if n == name)
+def first(calls, name, after=None):
+    """The tensors of the first call of name (after the first call of `after`, when given)."""
+    start = 0 if after is None else next(i for i, (n, _) in enumerate(calls) if n == after)
+    return next(tensors for n, tensors in calls[start:] if n == name)
 
 
 @needs_bpe
@@ -520,7 +534,8 @@ def test_every_completion_logprob_is_of_the_sampling_distribution(
     args += ["--temperature", temperature, "--top_k", top_k, "--kl_type", kl_type, "--num_iterations", iterations]
     train, (calls,) = spy_run(tmp_path, args)
     batch, update = first(calls, "batch"), first(calls, "policy_loss")
-    entropy, kl = first(calls, "entropy")["out0"], first(calls, "logprobs_and_kl")["out1"]
+    update_pass = first(calls, "logprobs_and_kl", after="batch")  # the first update's (not the rollout's)
+    entropy, kl = update_pass["out2"], update_pass["out1"]
     seq, attn, mask = batch["seq"], batch["attn"], batch["mask"] > 0
     T = mask.size(1)
     model = rw.load_model(str(init))[0].eval()
@@ -668,10 +683,10 @@ def test_an_unreadable_stockfish_path_ends_the_command_with_one_line(tmp_path):
     assert not out.exists()
 
 
-def sampling_oracle(logits, targets, temperature, top_k, with_target=True):
+def sampling_oracle(logits, targets, temperature, top_k):
     """float64 log-probs of the sampling distribution, row by row over the tokens it can draw: the top_k largest of
     logits / temperature (ties kept) and the target (kept when an update has moved it out). Returns, per row, the
-    kept indices and their log-probs (differentiable in logits), and the target's log-prob (None without targets)."""
+    kept indices and their log-probs (differentiable in logits), and the target's log-prob."""
     z = logits.double() / temperature
     rows = []
     for zi, y in zip(z, targets.tolist()):
@@ -680,7 +695,7 @@ def sampling_oracle(logits, targets, temperature, top_k, with_target=True):
             kth = zi.detach().sort(descending=True).values[min(top_k, zi.numel()) - 1]
             kept = torch.tensor([v for v in range(zi.numel()) if zi[v] >= kth or v == y])
         lp = zi[kept] - torch.logsumexp(zi[kept], 0)
-        rows.append((kept, lp, lp[kept.tolist().index(y)] if with_target else None))
+        rows.append((kept, lp, lp[kept.tolist().index(y)]))
     return rows
 
 
@@ -711,7 +726,7 @@ def test_logprobs_and_kl_have_the_values_and_gradient_of_the_formulas(M, V, rows
 
     for kind in ("forward", "reverse", "symmetric") if top_k is None else ("forward",):
         x = logits.clone().requires_grad_(True)
-        logp, total = rw.logprobs_and_kl(x, targets, ref, weights, kind, temperature, top_k, rows=rows)
+        logp, total, _ = rw.logprobs_and_kl(x, targets, ref, weights, kind, temperature, top_k, rows=rows)
         x64 = logits.double().requires_grad_(True)
         lq = torch.log_softmax(ref.double() / temperature, -1)  # the reference: every token, same temperature
         kl, logp64 = [], []
@@ -730,17 +745,18 @@ def test_logprobs_and_kl_have_the_values_and_gradient_of_the_formulas(M, V, rows
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 9), st.integers(2, 9), st.sampled_from([(1.0, None), (0.5, None), (0.7, 3), (2.0, 1)]))
-def test_entropy_from_logits_is_the_entropy_of_the_sampling_distribution(M, V, sampling):
-    """H = -sum p log p over the tokens the sampler can draw (logits / temperature, top_k), value and gradient
-    against float64; the tokens outside the top_k add 0 to both (no NaN from 0 * log 0)."""
+def test_logprobs_and_kl_give_the_entropy_of_the_sampling_distribution(M, V, sampling):
+    """Without a reference (KL 0): H = -sum p log p over the tokens the sampler can draw (logits / temperature, top_k,
+    the target kept as for its log-prob), value and gradient against float64, over chunks of 4 rows; the tokens
+    outside the top_k add 0 to both (no NaN from 0 * log 0)."""
     temperature, top_k = sampling
     logits = (torch.randn(M, V) * 3).requires_grad_(True)
-    weights = torch.randn(M)
-    ent = rw.entropy_from_logits(logits, temperature, top_k)
+    weights, targets = torch.randn(M), torch.randint(0, V, (M,))
+    _, kl, ent = rw.logprobs_and_kl(logits, targets, temperature=temperature, top_k=top_k, rows=4)
+    assert kl.item() == 0.0
     (ent * weights).sum().backward()
     x64 = logits.detach().double().requires_grad_(True)
-    no_target = torch.full((M,), -1)  # the entropy keeps no target: the top_k set as the sampler draws it
-    rows = sampling_oracle(x64, no_target, temperature, top_k, with_target=False)
+    rows = sampling_oracle(x64, targets, temperature, top_k)
     oracle = torch.stack([-(lp.exp() * lp).sum() for _, lp, _ in rows])
     (oracle * weights.double()).sum().backward()
     torch.testing.assert_close(ent.double(), oracle.detach(), atol=1e-5, rtol=1e-5)
@@ -762,9 +778,9 @@ def test_logprobs_and_kl_keep_no_float32_tensor_of_the_vocabulary_beyond_their_i
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, total = rw.logprobs_and_kl(logits, targets, ref, weights, "symmetric", 0.7, rows=8)
+        logp, total, entropy = rw.logprobs_and_kl(logits, targets, ref, weights, "symmetric", 0.7, rows=8)
     assert max(new, default=0) <= 64
-    (logp.sum() + total).backward()
+    (logp.sum() + total + entropy.sum()).backward()
     assert torch.isfinite(logits.grad).all()
 
 
@@ -777,7 +793,7 @@ def test_logprobs_and_kl_from_reference_hidden_states_equal_those_from_its_logit
     results = []
     for ref, ref_weight in [(h @ weight.T, None), (h, weight)]:
         x = logits.clone().requires_grad_(True)
-        logp, kl = rw.logprobs_and_kl(x, targets, ref, weights, "symmetric", 0.8, ref_weight=ref_weight, rows=4)
+        logp, kl, _ = rw.logprobs_and_kl(x, targets, ref, weights, "symmetric", 0.8, ref_weight=ref_weight, rows=4)
         (logp.sum() + kl).backward()
         results.append((logp, kl, x.grad))
     for a, b in zip(*results):

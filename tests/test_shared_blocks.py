@@ -50,7 +50,8 @@ def test_scripts_import_no_project_file(script):
 
 
 # Each script's own entry points may share a name; everything else defined in several scripts is a copy.
-OWN = {"Config", "main", "validate", "train", "completion_logprobs", "make_tokenizer", "evaluate", "train_step", "save"}
+OWN = {"Config", "main", "validate", "train", "completion_logprobs", "make_tokenizer", "evaluate", "train_step"}
+OWN |= {"save", "setup", "rollout", "update"}
 
 
 def top_level_sources(path):
