@@ -109,6 +109,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tiktoken
 import torch
@@ -156,9 +157,7 @@ class Config:
     beta_kl: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
     kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
     kl_warmup_tokens: int = 0  # beta rises linearly from 0 to beta_kl over this many generated tokens (0: no warm-up)
-    reference: str = (
-        "auto"  # auto | bigram | random | init | none (auto: bigram for next_token from scratch, else init)
-    )
+    reference: str = "auto"  # auto | bigram | random | init | none (auto: bigram for scratch next_token, else init)
     entropy_coef: float = 0.0  # entropy bonus coefficient
     num_iterations: int = 1  # policy updates per batch of rollouts (the ratio uses the sampling policy's log-probs)
     mask_truncated: bool = False  # DAPO: completions without an end token within --horizon leave the loss
@@ -620,16 +619,8 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
     each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
     logits (the sampling distribution). The logits stay inside the model's linear_logprobs."""
     mask = None if attn is None else attn[:, :-1]
-    return model(
-        seq[:, :-1],
-        targets=seq[:, -H:],
-        attention_mask=mask,
-        keep_last=H,
-        output="logprobs",
-        entropy=entropy,
-        temperature=temperature,
-        top_k=top_k,
-    )
+    dist = dict(entropy=entropy, temperature=temperature, top_k=top_k)  # linear_logprobs' sampling distribution
+    return model(seq[:, :-1], seq[:, -H:], mask, keep_last=H, output="logprobs", **dist)
 
 
 def completion_logits(model, seq, attn, H):
@@ -656,7 +647,7 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
 def collect(task, raw, ref, cfg, rt, n_prompts):
     """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
     sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
-    vocabulary), then the rewards. Returns a dict of per-row tensors."""
+    vocabulary), then the rewards. Returns a dict of per-row tensors (and lists: prompts, arithmetic's answers)."""
     G, H, top_k = cfg.group_size, cfg.horizon, cfg.top_k or None
     prompts, info = task.sample(n_prompts)
     rows = [p for p in prompts for _ in range(G)]
@@ -679,33 +670,23 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
     policy_pass = cfg.num_iterations > 1 or task.needs_logits
     with torch.no_grad(), rt.autocast():
         for i in range(0, len(rows), n_micro):
-            s, a = seq[i : i + n_micro], None if attn is None else attn[i : i + n_micro]
+            cut = slice(i, i + n_micro)
+            s, a = seq[cut], None if attn is None else attn[cut]
             logits = completion_logits(raw, s, a, H) if task.needs_logits else None  # (n, H, V): the reward reads them
             if logits is not None:
-                logp = token_logprobs(logits, s[:, -H:], cfg.temperature, top_k)  # (n, H)
+                old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
             elif policy_pass:
-                logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]  # (n, H)
-            else:
-                logp = None
-            old_logp.append(logp)
+                old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
             if isinstance(ref, BigramReference):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
             elif ref is not None:
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
-            part = info[i : i + n_micro] if info is not None else None
-            rewards.append(
-                task.rewards(rows[i : i + n_micro], completion[i : i + n_micro], mask[i : i + n_micro], part, logits)
-            )
-    return {
-        "prompts": rows,
-        "completion": completion,
-        "mask": mask,
-        "truncated": truncated,
-        "old_logp": torch.cat(old_logp) if policy_pass else None,
-        "ref_logp": torch.cat(ref_logp) if ref_logp else None,
-        "rewards": torch.cat(rewards).float(),
-        "info": info,
-    }
+            part = info[cut] if info is not None else None
+            rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
+    old_logp = torch.cat(old_logp) if old_logp else None  # (N, H); None: the training pass's own, detached
+    ref_logp = torch.cat(ref_logp) if ref_logp else None  # (N, H); None without a reference
+    batch = dict(prompts=rows, completion=completion, mask=mask, truncated=truncated, info=info)
+    return dict(batch, old_logp=old_logp, ref_logp=ref_logp, rewards=torch.cat(rewards).float())
 
 
 def zero_std_groups(rewards, group_size):
@@ -714,36 +695,37 @@ def zero_std_groups(rewards, group_size):
     return (r == r[:, :1]).all(2).all(1)
 
 
-def group_rows(selected, group_size):
-    """Row indices (of a batch with contiguous groups) of the groups where the (N/G,) bool selected is True."""
-    groups = torch.nonzero(selected).flatten()  # (K,)
-    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()  # (K*G,)
-
-
-def select_rows(batch, keep):
-    """The rows of a collected batch at the (N,) indices keep."""
+def take_rows(batches, rows):
+    """The rows (N,) of collected batches put end to end: tensors indexed, lists picked, None kept."""
     out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v[keep]
-        elif isinstance(v, list):
-            out[k] = [v[i] for i in keep.tolist()]
+    for key, value in batches[0].items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.cat([b[key] for b in batches])[rows]
+        elif isinstance(value, list):
+            every = [x for b in batches for x in b[key]]
+            out[key] = [every[i] for i in rows.tolist()]
         else:
-            out[k] = v
+            out[key] = value
     return out
 
 
-def concat_batches(batches):
-    out = {}
-    for k in batches[0]:
-        vals = [b[k] for b in batches]
-        if isinstance(vals[0], torch.Tensor):
-            out[k] = torch.cat(vals)
-        elif isinstance(vals[0], list):
-            out[k] = [x for v in vals for x in v]
-        else:
-            out[k] = vals[0]
-    return out
+def sample_batch(run):
+    """ALGO LOGIC 1-3: a batch of --batch_size groups (collect). --dynamic_sampling (DAPO) samples more rounds until
+    every rank has that many groups whose rewards differ, or --max_sampling_rounds were sampled; the batch is then
+    the groups with signal in the order sampled, topped up with zero-advantage groups, so every rank keeps the same
+    batch shape. Returns (batch, the first round, the number of rounds)."""
+    cfg, G = run.cfg, run.cfg.group_size
+    rounds = [collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size)]
+    while cfg.dynamic_sampling:
+        zero = torch.cat([zero_std_groups(r["rewards"], G) for r in rounds])  # (groups so far,)
+        # every rank samples as many rounds (FSDP's forward passes are collective)
+        short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max").item()
+        if not short or len(rounds) == cfg.max_sampling_rounds:
+            groups = torch.argsort(zero.int(), stable=True)[: cfg.batch_size]  # with signal first, each in order
+            rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # (B*G,)
+            return take_rows(rounds, rows), rounds[0], len(rounds)
+        rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
+    return rounds[0], rounds[0], 1
 
 
 def gather_rows(x, rt):
@@ -786,6 +768,97 @@ def rollout_metrics(task, first, batch, group_size, rt):
     }
 
 
+# the loss's parts, summed over micro-batches and ranks (each normalised by the whole step's counts)
+STATS = ("train/loss", "rl/pg_loss", "rl/kl", "rl/entropy", "rl/clip_frac", "rl/ratio_mean")
+
+
+def update_policy(run, batch, adv, beta):
+    """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over --grad_accum
+    micro-batches of whole groups. The loss is policy_loss + beta * KL term - entropy_coef * entropy; every normaliser
+    counts the whole step (all micro-batches and ranks), so the micro-batch losses add up to the step's loss. Returns
+    the last iteration's STATS (rl/kl: the k1 estimate, whatever --kl_estimator) and its gradient norm."""
+    cfg, rt, H, top_k = run.cfg, run.rt, run.cfg.horizon, run.cfg.top_k or None
+    seq, attn = join(batch["prompts"], batch["completion"])
+    mask, ref_logp = batch["mask"].clone(), batch["ref_logp"]
+    if cfg.mask_truncated:
+        mask[batch["truncated"]] = 0.0
+    N = len(batch["prompts"])
+    n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
+    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+    n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
+    settings = dict(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or None, max_len=H)
+    settings.update(num_seqs=n_seqs, num_tokens=n_tokens)
+    for _ in range(cfg.num_iterations):
+        sums = torch.zeros(len(STATS), device=rt.device)  # this rank's share of each of STATS
+        for i in range(0, N, n_micro):
+            rows, m = slice(i, i + n_micro), mask[i : i + n_micro]
+            grad_sync(run.policy, i + n_micro >= N)
+            a = None if attn is None else attn[rows]
+            with rt.autocast():  # under the sampling distribution, as old_logp
+                logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
+            old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
+            pg_loss, stats = policy_loss(logp, old_logp, adv[rows], m, cfg.loss_type, **settings)
+            loss = pg_loss
+            if ref_logp is not None:
+                kl = (kl_penalty(logp, ref_logp[rows], cfg.kl_estimator) * m).sum() / n_tokens
+                loss = loss + beta * kl
+            entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
+            entropy = (entropies * m).sum() / n_tokens
+            loss = loss - cfg.entropy_coef * entropy
+            run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+            with torch.no_grad():
+                # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+                share = n_micro / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
+                k1 = kl_penalty(logp, ref_logp[rows], "k1") if ref_logp is not None else logp * 0
+                kl1 = (k1 * m).sum() / n_tokens
+                sums += torch.stack(
+                    [loss, pg_loss, kl1, entropy, stats["clip_frac"] * share, stats["ratio_mean"] * share]
+                )
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+    return all_reduce(sums, rt), grad_norm  # each share is normalised by global counts: their sum is the global value
+
+
+def training_step(run, step):
+    """One optimizer step, as the algorithm reads: rollouts -> rewards -> advantages -> loss -> update. Returns its
+    metrics (the docstring's list)."""
+    cfg, rt, G = run.cfg, run.rt, run.cfg.group_size
+    t0 = time.time()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batch, first, rounds = sample_batch(run)  # 1-3. rollouts, log-probs, rewards
+    t_rollout = time.time() - t0
+    rollout_tokens = rounds * len(batch["prompts"]) * cfg.horizon * rt.world_size
+    # 4. advantages, (N,) or (N, H)
+    adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt)
+    warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
+    beta = cfg.beta_kl * warm if run.ref is not None else 0.0
+    sums, grad_norm = update_policy(run, batch, adv, beta)  # 5. policy update
+    run.tokens += int(all_reduce(batch["mask"].sum(), rt).item())
+    metrics = {
+        **rollout_metrics(run.task, first, batch, G, rt),
+        **dict(zip(STATS, sums.tolist())),
+        "rl/beta": beta,
+        "rl/sampling_rounds": rounds,
+        "rl/tokens": run.tokens,
+        "train/lr": lr,
+        "train/grad_norm": grad_norm.item(),
+        "perf/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
+        "perf/rollout_ms": 1000 * t_rollout,
+        "perf/step_ms": 1000 * (time.time() - t0),
+        "perf/peak_mem_mb": peak_memory_mb(rt),
+    }
+    if run.ref is None:
+        metrics["rl/kl"] = None  # no reference, no KL
+    return metrics
+
+
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -808,30 +881,27 @@ def resolve_clip(cfg):
 
 
 def validate(cfg):
-    for name in ("horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "eval_size"):
+    """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
+    positive = (
+        "horizon batch_size max_steps num_iterations grad_accum eval_every eval_size log_every save_every n_layer "
+        "n_head n_embd block_size max_sampling_rounds context_len max_prompt_len digits lr clip_eps"
+    ).split()
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("log_every", "save_every", "max_sampling_rounds", "n_layer", "n_head", "n_embd", "block_size"):
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    check(cfg.context_len > 0 and cfg.max_prompt_len > 0, "--context_len and --max_prompt_len must be positive")
+    non_negative = (
+        "min_lr beta_kl kl_warmup_tokens entropy_coef clip_eps_high grad_clip weight_decay warmup_steps top_k"
+    )
+    for name in non_negative.split():
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(
-        cfg.group_size >= 2,
-        f"--group_size must be >= 2, GRPO compares completions within a group (got {cfg.group_size})",
+        cfg.group_size >= 2, f"--group_size must be >= 2: GRPO compares completions of a group (got {cfg.group_size})"
     )
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
-    check(
-        cfg.beta_kl >= 0 and cfg.kl_warmup_tokens >= 0 and cfg.entropy_coef >= 0,
-        "negative --beta_kl/--kl_warmup_tokens/--entropy_coef",
-    )
-    check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
-    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
-    check(cfg.top_k >= 0 and cfg.digits >= 1, "--top_k must be >= 0 and --digits >= 1")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(
-        cfg.kl_estimator != "k1",
-        "--kl_estimator k1: as a loss term k1 has zero expected gradient on-policy; k1 belongs in the reward (ppo.py)",
+        cfg.kl_estimator != "k1", "--kl_estimator k1: zero expected gradient as a loss term (k1 belongs in the reward)"
     )
     choices = {
         "task": ("next_token", "arithmetic", "reward_model"),
@@ -850,277 +920,144 @@ def validate(cfg):
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
 
 
-def main():
-    cfg = resolve_clip(parse_config(Config))
-    validate(cfg)
+def setup(cfg):
+    """Runtime and run folder; the policy and its tokenizer (a resumed run, --init_from, or a new model); the task;
+    the frozen reference; optimizer and loss scaler, restored on --resume. Returns the run's state as a namespace."""
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "grpo", rt)
-    stop = GracefulExit()
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    G, H = cfg.group_size, cfg.horizon
-    adv_kind = cfg.adv if cfg.adv != "auto" else ("process" if cfg.task == "next_token" else "group")
-    reference = cfg.reference
-    if reference == "auto":
-        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
-
-    # policy and tokenizer: a resumed run, a checkpoint or GPT-2 weights, or a new model
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit())
+    run.ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = spec = None
+    if cfg.resume:
+        model, spec, ckpt = load_model(run.ckpt_path)
+    elif cfg.init_from != "scratch":
+        model, spec, _ = load_model(cfg.init_from)
     text = path = None
     if cfg.task == "next_token":
         path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
-    spec = None
-    if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        spec = ckpt["tokenizer"]
-    elif cfg.init_from != "scratch":
-        model, spec, _ = load_model(cfg.init_from)
-    if spec is None:
-        if cfg.tokenizer == "gpt2":
-            tok = BPETokenizer()
-        else:
-            tok = CharTokenizer(sorted(set(text)) if text is not None else ARITHMETIC_CHARS)
-        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    if spec is None:  # a new model
+        chars = sorted(set(text)) if text is not None else ARITHMETIC_CHARS
+        run.tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(chars)
+        model = GPT(GPTConfig(cfg.block_size, run.tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
     else:
-        tok = get_tokenizer(spec)
-    if text is not None and isinstance(tok, CharTokenizer):
-        unknown = sorted(set(text) - set(tok.chars))
+        run.tok = get_tokenizer(spec)
+    if text is not None and isinstance(run.tok, CharTokenizer):
+        unknown = sorted(set(text) - set(run.tok.chars))
         check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
-        task = NextTokenTask(cfg, tok, text, path)
-        longest = cfg.context_len + H
+        run.task, prompt_len = NextTokenTask(cfg, run.tok, text, path), cfg.context_len
     elif cfg.task == "arithmetic":
-        task = ArithmeticTask(cfg, tok)
-        longest = 2 * cfg.digits + 2 + H
+        run.task, prompt_len = ArithmeticTask(cfg, run.tok), 2 * cfg.digits + 2
     else:
-        task = RewardModelTask(cfg, tok, rt)
-        longest = cfg.max_prompt_len + H
-    check(
-        longest <= model.config.block_size,
-        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
-    )
-    model.to(rt.device)
-    raw = model
+        run.task, prompt_len = RewardModelTask(cfg, run.tok, rt), cfg.max_prompt_len
+    longest, block_size = prompt_len + cfg.horizon, model.config.block_size
+    check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
+    run.raw = model.to(rt.device)
+    run.adv_kind = cfg.adv if cfg.adv != "auto" else ("process" if cfg.task == "next_token" else "group")
+    run.reference = cfg.reference
+    if run.reference == "auto":
+        run.reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
 
     # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
-    broadcast_weights(raw, rt)
-    ref = None
-    if reference == "bigram":
-        ref = BigramReference(task.train_ids, raw.config.vocab_size).to(rt.device)
-    elif reference in ("random", "init"):
+    broadcast_weights(model, rt)
+    run.ref = None
+    if run.reference == "bigram":
+        run.ref = BigramReference(run.task.train_ids, model.config.vocab_size).to(rt.device)
+    elif run.reference in ("random", "init"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
-            ref = GPT(raw.config)
-        if reference == "init":
-            ref.load_state_dict(ckpt["reference"] if ckpt is not None else raw.state_dict())
-        ref.to(rt.device).eval().requires_grad_(False)
+            run.ref = GPT(model.config)
+        if run.reference == "init":
+            run.ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
+        run.ref.to(rt.device).eval().requires_grad_(False)
 
-    policy = wrap_model(model, rt, cfg.compile)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step, tokens, first_eval = 0, 0, None
+    run.policy = wrap_model(model, rt, cfg.compile)
+    run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    run.start_step, run.tokens, run.first_eval = 0, 0, None
     if ckpt is not None:
-        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        load_optimizer_state(model, run.optimizer, ckpt["optimizer"], rt)
         if ckpt.get("scaler"):  # float16 runs: the loss scale and its growth tracker (older checkpoints have none)
-            scaler.load_state_dict(ckpt["scaler"])
+            run.scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
-        start_step, tokens, first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+        run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
     if rt.master:
         print(
-            f"{raw.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, task {cfg.task}, loss {cfg.loss_type}, "
-            f"adv {adv_kind}, reference {reference}, device {rt.device}, {rt.world_size} process(es), out_dir {out_dir}"
+            f"{model.num_params() / 1e6:.2f}M parameters, vocab {run.tok.vocab_size}, task {cfg.task}, loss "
+            f"{cfg.loss_type}, adv {run.adv_kind}, reference {run.reference}, device {rt.device}, {rt.world_size} "
+            f"process(es), out_dir {out_dir}"
         )
+    return run
 
-    def evaluate(step):
-        raw.eval()
-        metrics, text = task.evaluate(raw, ref if isinstance(ref, GPT) else None, rt, tok, step)
-        raw.train()
-        return metrics, text
 
-    def checkpoint(step):
-        model_sd, optim_sd = training_state(raw, optimizer, rt)
-        rngs = all_rng_states(rt)
-        if rt.master:
-            extras = {"tokens": tokens, "first_eval": first_eval}
-            if reference == "init":
-                extras["reference"] = ref.state_dict()
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": model_sd,
-                    "model_config": dataclasses.asdict(raw.config),
-                    "tokenizer": tok.spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                    "scaler": scaler.state_dict(),
-                    **extras,
-                },
-            )
+def evaluate_policy(run, step, logger):
+    """The task's evaluation of the policy, logged, and its samples appended to samples.txt."""
+    run.raw.eval()
+    ref = run.ref if isinstance(run.ref, GPT) else None
+    metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
+    run.raw.train()
+    run.first_eval = run.first_eval or metrics
+    logger.log(step, {**metrics, "rl/tokens": run.tokens})
+    if run.rt.master:
+        with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
+            f.write(f"--- step {step}\n{text}\n")
+    return metrics
 
-    save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
+
+def save(run, step):
+    """ckpt.pt (SPEC section 4) and this script's extras: tokens generated, the first evaluation, the init reference."""
+    model_sd, optim_sd = training_state(run.raw, run.optimizer, run.rt)
+    rngs = all_rng_states(run.rt)
+    if run.rt.master:
+        ckpt = {"model": model_sd, "model_config": dataclasses.asdict(run.raw.config), "tokenizer": run.tok.spec}
+        ckpt.update(step=step, optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(run.cfg))
+        ckpt.update(scaler=run.scaler.state_dict(), tokens=run.tokens, first_eval=run.first_eval)
+        if run.reference == "init":
+            ckpt["reference"] = run.ref.state_dict()
+        save_checkpoint(run.ckpt_path, ckpt)
+
+
+def write_results(run, last_eval, wall_time_s):
+    """final_results.json (the evaluation before and after training) and one summary line."""
+    cfg = run.cfg
+    results = {"task": cfg.task, "loss_type": cfg.loss_type, "adv": run.adv_kind, "steps": cfg.max_steps}
+    results.update(tokens=run.tokens, wall_time_s=wall_time_s)
+    for name, metrics in (("before", run.first_eval), ("after", last_eval)):
+        results[name] = {k.removeprefix("eval/"): v for k, v in metrics.items()}
+    with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
+    print(f"{cfg.task} ({cfg.loss_type}): {summary}; {wall_time_s:.0f} s")
+
+
+def main():
+    cfg = resolve_clip(parse_config(Config))
+    validate(cfg)
+    run = setup(cfg)
+    rt = run.rt
+    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
+    logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
     t_start, last_eval = time.time(), {}
-    for step in range(start_step, cfg.max_steps + 1):
+    for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval, text = evaluate(step)
-            first_eval = first_eval or last_eval
-            logger.log(step, {**last_eval, "rl/tokens": tokens})
-            if samples:
-                samples.write(f"--- step {step}\n{text}\n")
-                samples.flush()
+            last_eval = evaluate_policy(run, step, logger)
         if step == cfg.max_steps:
             break
-        t0 = time.time()
-        if rt.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(rt.device)
-        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-
-        # ALGO LOGIC 1-3. rollouts, log-probs, rewards; --dynamic_sampling keeps only groups with signal
-        batch, rounds, kept, spare = None, 0, [], []
-        while True:
-            rounds += 1
-            part = collect(task, raw, ref, cfg, rt, cfg.batch_size)
-            zero = zero_std_groups(part["rewards"], G)  # (B,)
-            if rounds == 1:
-                first = part
-            if not cfg.dynamic_sampling:
-                batch = part
-                break
-            kept.append(select_rows(part, group_rows(~zero, G)))
-            spare.append(select_rows(part, group_rows(zero, G)))
-            have = sum(len(b["prompts"]) for b in kept) // G
-            # every rank samples as many rounds (FSDP's forward passes are collective)
-            short = all_reduce(torch.tensor(float(have < cfg.batch_size), device=rt.device), rt, op="max").item()
-            if not short or rounds == cfg.max_sampling_rounds:
-                batch = concat_batches(kept + spare)  # groups with signal first, then zero-advantage fill
-                batch = select_rows(batch, torch.arange(cfg.batch_size * G, device=rt.device))
-                break
-        t_rollout = time.time() - t0
-        completion, mask, rewards = batch["completion"], batch["mask"].clone(), batch["rewards"]
-        seq, attn = join(batch["prompts"], completion)
-        if cfg.mask_truncated:
-            mask[batch["truncated"]] = 0.0
-
-        # 4. advantages
-        adv = compute_advantages(rewards, batch["mask"], adv_kind, G, cfg.scale_rewards, rt)  # (N,) or (N, H)
-        warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
-        beta = cfg.beta_kl * warm if ref is not None else 0.0
-        N = len(batch["prompts"])
-        n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
-        n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
-        n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
-
-        # 5. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
-        for _ in range(cfg.num_iterations):
-            sums = torch.zeros(6, device=rt.device)  # this rank's share of loss, kl, entropy, clip, ratio, pg loss
-            for i in range(0, N, n_micro):
-                rows = slice(i, i + n_micro)
-                grad_sync(policy, i + n_micro >= N)
-                a = None if attn is None else attn[rows]
-                with rt.autocast():  # under the sampling distribution, as old_logp
-                    logp, entropies = completion_logprobs(
-                        policy, seq[rows], a, H, entropy=True, temperature=cfg.temperature, top_k=cfg.top_k or None
-                    )  # (n, H) each
-                old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
-                pg_loss, stats = policy_loss(
-                    logp,
-                    old_logp,
-                    adv[rows],
-                    mask[rows],
-                    cfg.loss_type,
-                    cfg.clip_eps,
-                    cfg.clip_eps_high or None,
-                    max_len=H,
-                    num_seqs=n_seqs,
-                    num_tokens=n_tokens,
-                )
-                loss = pg_loss
-                kl = torch.zeros((), device=rt.device)
-                if batch["ref_logp"] is not None:
-                    kl_terms = kl_penalty(logp, batch["ref_logp"][rows], cfg.kl_estimator)  # (n, H)
-                    kl = (kl_terms * mask[rows]).sum() / n_tokens
-                    loss = loss + beta * kl
-                entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
-                entropy = (entropies * mask[rows]).sum() / n_tokens
-                loss = loss - cfg.entropy_coef * entropy
-                scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-                with torch.no_grad():
-                    # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
-                    share = n_micro / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
-                    k1 = kl_penalty(logp, batch["ref_logp"][rows], "k1") if batch["ref_logp"] is not None else logp * 0
-                    sums += torch.stack(
-                        [
-                            loss.detach(),
-                            (k1 * mask[rows]).sum() / n_tokens,
-                            entropy.detach(),
-                            stats["clip_frac"] * share,
-                            stats["ratio_mean"] * share,
-                            pg_loss.detach(),
-                        ]
-                    )
-            scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm(policy, cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-        sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
-        step_tokens = all_reduce(batch["mask"].sum(), rt)
-        tokens += int(step_tokens.item())
-        train_loss = sums[0].item()
-        stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train_loss, step, ckpt_path, rt)
-        dt = time.time() - t0
-        metrics = {
-            **rollout_metrics(task, first, batch, G, rt),
-            "rl/kl": sums[1].item() if ref is not None else None,
-            "rl/beta": beta,
-            "rl/entropy": sums[2].item(),
-            "rl/clip_frac": sums[3].item(),
-            "rl/ratio_mean": sums[4].item(),
-            "rl/pg_loss": sums[5].item(),
-            "rl/sampling_rounds": rounds,
-            "rl/tokens": tokens,
-            "train/loss": train_loss,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-            "perf/rollout_tokens_per_s": rounds * N * H * rt.world_size / max(t_rollout, 1e-9),
-            "perf/rollout_ms": 1000 * t_rollout,
-            "perf/step_ms": 1000 * dt,
-            "perf/peak_mem_mb": peak_memory_mb(rt),
-        }
+        metrics = training_step(run, step)
+        stop_requested = run.stop.requested(step + 1, rt)
+        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, rt)
         logger.bar.update(1)
         logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
-            checkpoint(step + 1)
+            save(run, step + 1)
         if stop_requested:
-            stop.exit(step + 1, out_dir, rt)
-    checkpoint(cfg.max_steps)
+            run.stop.exit(step + 1, run.out_dir, rt)
+    save(run, cfg.max_steps)
     logger.close()
-    if samples:
-        samples.close()
     if rt.master:
-        results = {
-            "task": cfg.task,
-            "loss_type": cfg.loss_type,
-            "adv": adv_kind,
-            "steps": cfg.max_steps,
-            "tokens": tokens,
-            "wall_time_s": time.time() - t_start,
-            "before": {k.removeprefix("eval/"): v for k, v in first_eval.items()},
-            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
-        }
-        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
-        print(f"{cfg.task} ({cfg.loss_type}): {summary}; {results['wall_time_s']:.0f} s")
+        write_results(run, last_eval, time.time() - t_start)
     cleanup(rt)
 
 

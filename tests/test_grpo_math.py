@@ -280,16 +280,17 @@ def test_copies_in_every_script_give_identical_results(name):
 
 @FAST
 @given(st.integers(1, 3), st.integers(1, 9), st.integers(2, 40), st.sampled_from([0.1, 3.0, 300.0]), st.integers(0, 99))
-def test_entropy_from_logits_matches_the_float64_definition_and_its_gradient(B, T, V, scale, seed):
+def test_entropy_of_given_logits_matches_the_float64_definition_and_its_gradient(B, T, V, scale, seed):
     """H = -sum p log p of softmax(logits) (float64 oracle), value and gradient, over several row chunks;
-    0 <= H <= log V. (rookworld_grpo.py's, for its logits; grpo.py and ppo.py take the entropy from gpt.py's
-    linear_logprobs.)"""
-    import rookworld_grpo
+    0 <= H <= log V: linear_logprobs of the model block with the logits given (weight None), the entropy
+    grpo.py, ppo.py and rookworld_grpo.py log and use as a bonus."""
+    from gpt import linear_logprobs
 
     torch.manual_seed(seed)
     logits = (torch.randn(B, T, V) * scale).requires_grad_(True)
     weights = torch.randn(B, T)
-    ent = rookworld_grpo.entropy_from_logits(logits)
+    targets = torch.randint(0, V, (B * T,))
+    ent = linear_logprobs(logits.flatten(0, 1), None, targets, entropy=True, rows=3)[1].view(B, T)
     (ent * weights).sum().backward()
     x = logits.detach().double().requires_grad_(True)
     oracle = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
