@@ -62,6 +62,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import tiktoken
 import torch
@@ -257,9 +258,7 @@ def char_rewards(rollouts, truth, mode="plus1", logp_true=None, partial_logprob=
     plus1: 1 if equal else 0; pm1: +1 / -1. Partial credit adds partial_logprob * log p(true char | prefix)."""
     match = (rollouts == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
-    if partial_logprob:
-        rewards = rewards + partial_logprob * logp_true.detach()
-    return rewards
+    return rewards + partial_logprob * logp_true.detach() if partial_logprob else rewards
 
 
 def bigram_logprobs(ids, vocab_size):
@@ -276,11 +275,12 @@ def sample_windows(ids, n, context_len, horizon):
     return windows[:, :context_len], windows[:, context_len:]
 
 
-def completion_logprobs(model, seq, context_len, targets, temperature=1.0):
-    """log p(targets) under softmax(logits / temperature) at the completion positions of seq (N, C+H): the logits at
-    C-1 .. C+H-2 predict them. Returns (token log-probs (N, H), logits (N, H, V), not divided by temperature)."""
-    logits = model(seq[:, :-1])[0][:, context_len - 1 :]  # (N, H, V)
-    return token_logprobs(logits, targets, temperature), logits
+def completion_logprobs(model, seq, targets, temperature=1.0, entropy=False):
+    """log p(targets) (N, H) under softmax(logits / temperature) at the last H positions of seq (N, C+H), whose
+    logits at C-1 .. C+H-2 predict them, and with entropy=True the entropy there (else None). The logits stay inside
+    the model's linear_logprobs (keep_last: the vocabulary projection of the context is never computed)."""
+    H = targets.size(1)  # (N, H)
+    return model(seq[:, :-1], targets, keep_last=H, output="logprobs", entropy=entropy, temperature=temperature)
 
 
 def gather_rows(x, rt):
@@ -310,348 +310,254 @@ SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dat
 
 
 def validate(cfg):
-    for name in ("context_len", "horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every"):
+    """Bad settings end the run before anything is loaded: one line on stderr, exit code 2."""
+    positive = ("context_len", "horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "lr")
+    positive += ("log_every", "save_every", "eval_size", "n_layer", "n_head", "n_embd", "block_size", "clip_eps")
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("log_every", "save_every", "eval_size", "n_layer", "n_head", "n_embd", "block_size"):
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    check(
-        cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts within a group (got {cfg.group_size})"
-    )
+    for name in ("min_lr", "beta_kl", "kl_warmup_tokens", "clip_eps_high", "grad_clip", "weight_decay", "warmup_steps"):
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    choices = {"reward_mode": ("plus1", "pm1"), "adv": ("process", "outcome"), "kl_estimator": ("k2", "k3")}
+    choices.update(scale_rewards=("group", "batch", "none"), reference=("bigram", "random", "init", "none"))
+    choices.update(loss_type=("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"))
+    check(cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts in a group (got {cfg.group_size})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(
-        cfg.temperature > 0,
-        f"--temperature must be > 0: greedy rollouts of a group are identical (got {cfg.temperature})",
+        cfg.temperature > 0, f"--temperature must be > 0: greedy rollouts of a group are alike (got {cfg.temperature})"
     )
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
-    check(cfg.beta_kl >= 0 and cfg.kl_warmup_tokens >= 0, "--beta_kl and --kl_warmup_tokens must be >= 0")
-    check(cfg.clip_eps > 0 and cfg.clip_eps_high >= 0, "--clip_eps must be > 0 and --clip_eps_high >= 0")
-    check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0 and cfg.warmup_steps >= 0, "negative --grad_clip/decay/warmup")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
-    choices = {
-        "reward_mode": ("plus1", "pm1"),
-        "adv": ("process", "outcome"),
-        "scale_rewards": ("group", "batch", "none"),
-        "reference": ("bigram", "random", "init", "none"),
-        "kl_estimator": ("k2", "k3"),
-        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
-    }
-    check(
-        cfg.kl_estimator != "k1",
-        "--kl_estimator k1: as a loss term its expected gradient on-policy is zero (E[grad log pi] = 0); use k2 or k3",
-    )
+    # k1 as a loss term: its expected gradient on-policy is zero (E[grad log pi] = 0)
+    check(cfg.kl_estimator != "k1", "--kl_estimator k1: as a loss term its expected gradient is zero; use k2 or k3")
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
     check(not (cfg.compare and cfg.supervised), "--compare already runs the supervised baseline; drop --supervised")
+
+
+def build_run(cfg, out_dir, rt):
+    """Everything a run holds (a namespace): data, tokenizer, policy (new, --init_from, or the resumed run's), the
+    frozen reference, optimizer and loss scale; a resumed run's optimizer, loss scale, RNG streams, step, tokens."""
+    run = argparse.Namespace(out_dir=out_dir, ckpt_path=os.path.join(out_dir, "ckpt.pt"), start_step=0, tokens=0)
+    resume = cfg.resume and os.path.exists(run.ckpt_path)  # --compare's baseline may not have started yet
+    source = run.ckpt_path if resume else cfg.init_from
+    model, spec, ckpt = load_model(source) if source != "scratch" else (None, None, None)
+    path = (cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)) if cfg.data == "shakespeare" else cfg.data
+    text = read_text(path)
+    check(spec != "gpt2", f"--init_from {cfg.init_from}: a GPT-2 BPE model; char_grpo.py needs a char vocabulary")
+    run.tok = CharTokenizer(sorted(set(text)) if spec is None else spec["chars"])
+    unknown = sorted(set(text) - set(run.tok.chars))  # none in a new vocabulary
+    check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the checkpoint's vocabulary")
+    if spec is None:
+        model = GPT(GPTConfig(cfg.block_size, run.tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+    C, H, block_size = cfg.context_len, cfg.horizon, model.config.block_size
+    check(C + H <= block_size, f"--context_len + --horizon ({C + H}) exceeds the model's block_size {block_size}")
+    ids = torch.tensor(run.tok.encode(text))
+    run.train_ids, val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to validate
+    for name, split in (("train", run.train_ids), ("val", val_ids)):
+        check(len(split) > C + H, f"{path}: the {name} split has {len(split)} characters, <= --context_len + --horizon")
+
+    # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
+    broadcast_weights(model.to(rt.device), rt)
+    run.ref_table = run.ref_model = None
+    if cfg.reference == "bigram":
+        run.ref_table = bigram_logprobs(run.train_ids, model.config.vocab_size).to(rt.device)  # (V, V)
+    if cfg.reference in ("random", "init"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
+            run.ref_model = GPT(model.config).to(rt.device).eval().requires_grad_(False)
+        if cfg.reference == "init":
+            run.ref_model.load_state_dict(ckpt["reference"] if resume else model.state_dict())
+
+    run.raw, run.policy = model, wrap_model(model, rt, cfg.compile)
+    run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    if resume:
+        load_optimizer_state(model, run.optimizer, ckpt["optimizer"], rt)
+        # float16 runs' loss scale; a checkpoint without one (older, or another dtype) keeps the fresh scaler's
+        run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
+        restore_rng(ckpt, rt)
+        run.start_step, run.tokens = ckpt["step"], ckpt["tokens"]
+    with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+        torch.manual_seed(0)
+        run.eval_x = torch.cat(sample_windows(val_ids, cfg.eval_size, C, H), 1)  # (E, C+H)
+    return run
+
+
+def step_optimizer(cfg, run):
+    """Unscale (float16), clip, step, zero the gradients; returns the gradient norm before clipping."""
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def grpo_step(cfg, run, rt):
+    """One GRPO step: rollouts -> rewards -> advantages -> --num_iterations policy updates on them.
+    Returns (loss, grad norm, rl/ metrics over every rank's rollouts)."""
+    C, H, G, N = cfg.context_len, cfg.horizon, cfg.group_size, cfg.batch_size * cfg.group_size
+    # ALGO LOGIC 1. rollouts: G continuations of each context, groups contiguous; prompts (N, C), truth (N, H)
+    t_rollout = time.time()
+    ctx, truth = sample_windows(run.train_ids, cfg.batch_size, C, H)
+    prompts, truth = ctx.repeat_interleave(G, 0).to(rt.device), truth.repeat_interleave(G, 0).to(rt.device)
+    with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode samples as eval mode would
+        completion, mask = generate(run.raw, prompts, H, cfg.temperature)  # (N, H), (N, H)
+        seq = torch.cat([prompts, completion], 1)  # (N, C+H)
+        # 2. old log-probs, log p(true char) for partial credit, and the reference's log-probs
+        old_logp, _ = completion_logprobs(run.raw, seq, completion, cfg.temperature)  # (N, H)
+        # a reward, not a policy log-prob: the model's own (temperature 1) prediction of the true text, the quantity
+        # eval/bpc measures, so --temperature changes how rollouts are drawn, not what earns reward
+        logp_true = completion_logprobs(run.raw, seq, truth)[0] if cfg.partial_logprob else None  # (N, H)
+        ref_logp = old_logp  # --reference none: rl/kl is 0
+        if run.ref_table is not None:  # the previous character's bigram row serves as the reference's logits
+            ref_logp = token_logprobs(run.ref_table[seq[:, C - 1 : -1]], completion, cfg.temperature)  # (N, H)
+        if run.ref_model is not None:
+            ref_logp, _ = completion_logprobs(run.ref_model, seq, completion, cfg.temperature)
+    t_rollout = time.time() - t_rollout
+    # 3. rewards and advantages
+    rewards = char_rewards(completion, truth, cfg.reward_mode, logp_true, cfg.partial_logprob)  # (N, H)
+    if cfg.adv == "process":
+        adv = process_advantages(rewards, mask, G)  # (N, H)
+    else:  # over every rank's rollouts (groups never span ranks: --scale_rewards batch takes the std of the global
+        # batch); this rank keeps its own rows (N,)
+        adv = group_advantages(gather_rows(rewards.mean(1), rt), G, cfg.scale_rewards).view(rt.world_size, N)[rt.rank]
+    warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
+    beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
+    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+    n_tokens = all_reduce(mask.sum(), rt)
+    loss_args = (cfg.loss_type, cfg.clip_eps, cfg.clip_eps_high or None, H, n_seqs, n_tokens)  # H: max_len
+    # 4. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
+    n_micro = cfg.batch_size // cfg.grad_accum * G  # rows per micro-batch: whole groups
+    for _ in range(cfg.num_iterations):
+        sums = torch.zeros(5, device=rt.device)  # this rank's share of loss, kl, entropy, clip_frac, ratio
+        for i in range(0, N, n_micro):
+            rows = slice(i, i + n_micro)
+            grad_sync(run.policy, i + n_micro >= N)
+            with rt.autocast():
+                logp, entropy = completion_logprobs(run.policy, seq[rows], completion[rows], cfg.temperature, True)
+            pg_loss, stats = policy_loss(logp, old_logp[rows], adv[rows], mask[rows], *loss_args)
+            kl = (kl_penalty(logp, ref_logp[rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
+            loss = pg_loss + beta * kl
+            run.scaler.scale(loss * rt.world_size).backward()
+            # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+            share = n_micro / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
+            entropy = (entropy * mask[rows]).sum() / n_tokens  # this share of the mean entropy of the sampler
+            sums += torch.stack([loss, kl, entropy, stats["clip_frac"] * share, stats["ratio_mean"] * share]).detach()
+        grad_norm = step_optimizer(cfg, run)
+    sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
+    # the rollouts of every rank; a group without signal: all its rollouts got the same rewards
+    rewards, match = gather_rows(rewards, rt), gather_rows((completion == truth).float(), rt)  # (world * N, H)
+    groups = rewards.view(-1, G, H) if cfg.adv == "process" else rewards.mean(1).view(-1, G, 1)
+    zero_std = (groups == groups[:, :1]).all(2).all(1).float().mean().item()
+    metrics = {"rl/reward_mean": rewards.mean().item(), "rl/reward_std": rewards.std().item(), "rl/beta": beta}
+    metrics.update({"rl/char_match": match.mean().item(), "rl/zero_std_frac": zero_std})
+    metrics.update({f"rl/{k}": v.item() for k, v in zip(("kl", "entropy", "clip_frac", "ratio_mean"), sums[1:])})
+    return sums[0].item(), grad_norm, {**metrics, "perf/rollout_ms": 1000 * t_rollout}
+
+
+def supervised_step(cfg, run, rt):
+    """The baseline: cross-entropy on true continuations, as many target characters as GRPO generates (temperature
+    1: the baseline samples nothing). Returns (loss, grad norm, metrics)."""
+    N, n_micro = cfg.batch_size * cfg.group_size, cfg.batch_size // cfg.grad_accum * cfg.group_size
+    ctx, truth = sample_windows(run.train_ids, N, cfg.context_len, cfg.horizon)
+    seq, truth = torch.cat([ctx, truth], 1).to(rt.device), truth.to(rt.device)  # (N, C+H), (N, H)
+    loss_sum = torch.zeros((), device=rt.device)
+    for i in range(0, N, n_micro):
+        grad_sync(run.policy, i + n_micro >= N)
+        with rt.autocast():
+            loss = -completion_logprobs(run.policy, seq[i : i + n_micro], truth[i : i + n_micro])[0].sum()
+        run.scaler.scale(loss / truth.numel()).backward()  # the global mean: every rank holds as many characters
+        loss_sum += loss.detach()
+    train_loss = (all_reduce(loss_sum, rt) / (truth.numel() * rt.world_size)).item()
+    return train_loss, step_optimizer(cfg, run), {"perf/rollout_ms": 0.0}  # nothing sampled
+
+
+def evaluate_chars(cfg, run, rt, step):
+    """Teacher-forced next-character accuracy and bits per character on the fixed val windows, and how often greedy
+    rollouts match the true continuation; appends one sampled continuation to samples.txt."""
+    C, H, raw, x = cfg.context_len, cfg.horizon, run.raw, run.eval_x.to(rt.device)  # x: (E, C+H)
+    with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode is eval mode
+        logits, nll = raw(x[:, :-1], x[:, 1:])  # (E, C+H-1, V), mean cross-entropy
+        greedy, _ = generate(raw, x[:, :C], H, temperature=0)
+        gen = torch.Generator(rt.device).manual_seed(step)  # its own stream: training randomness stays as is
+        sample, _ = generate(raw, x[:1, :C], min(4 * H, raw.config.block_size - C), cfg.temperature, generator=gen)
+    text = run.tok.decode(x[0, :C].tolist()) + "|" + run.tok.decode(sample[0].tolist())
+    if rt.master:
+        with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
+            f.write(f"--- step {step} (context|sample)\n{text}\n")
+    acc = (logits.argmax(-1) == x[:, 1:]).float().mean().item()
+    greedy_match = (greedy == x[:, C:]).float().mean().item()
+    return {"eval/next_char_acc": acc, "eval/bpc": nll.item() / math.log(2), "eval/greedy_match": greedy_match}
+
+
+def save_char_run(cfg, run, rt, step):
+    """ckpt.pt (SPEC section 4, plus tokens, the loss scale and an "init" reference); rank 0 writes it."""
+    model_sd, optim_sd = training_state(run.raw, run.optimizer, rt)  # under FSDP every rank gathers
+    rngs = all_rng_states(rt)
+    ckpt = dict(model=model_sd, model_config=dataclasses.asdict(run.raw.config), tokenizer=run.tok.spec, step=step)
+    ckpt.update(optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(cfg), tokens=run.tokens)
+    ckpt.update(supervised=cfg.supervised, scaler=run.scaler.state_dict())
+    if cfg.reference == "init":
+        ckpt["reference"] = run.ref_model.state_dict()
+    if rt.master:
+        save_checkpoint(run.ckpt_path, ckpt)
 
 
 def train(cfg, out_dir, rt):
     """One run (GRPO, or the supervised baseline with cfg.supervised) into out_dir; returns its final results."""
     seed_everything(cfg.seed + rt.rank)
     stop = GracefulExit()
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None
-
-    # data, tokenizer and policy: a resumed run, a checkpoint with a char vocabulary, or a new model
-    if cfg.data == "shakespeare":
-        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
-    else:
-        path = cfg.data
-    text = read_text(path)
-    spec = None
-    if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        spec = ckpt["tokenizer"]
-    elif cfg.init_from != "scratch":
-        model, spec, _ = load_model(cfg.init_from)
-    if spec is None:
-        tok = CharTokenizer(sorted(set(text)))
-        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
-    else:
-        check(spec != "gpt2", f"--init_from {cfg.init_from}: a GPT-2 BPE model; char_grpo.py needs a char vocabulary")
-        tok = CharTokenizer(spec["chars"])
-        unknown = sorted(set(text) - set(tok.chars))
-        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the checkpoint's vocabulary")
-    C, H, G = cfg.context_len, cfg.horizon, cfg.group_size
-    check(
-        C + H <= model.config.block_size,
-        f"--context_len + --horizon ({C + H}) exceeds the model's block_size {model.config.block_size}",
-    )
-    ids = torch.tensor(tok.encode(text))
-    n_train = int(0.9 * len(ids))
-    train_ids, val_ids = ids[:n_train], ids[n_train:]
-    for name, split in (("train", train_ids), ("val", val_ids)):
-        check(
-            len(split) > C + H,
-            f"the {name} split of {path} has {len(split)} characters; it needs > --context_len + --horizon",
-        )
-    model.to(rt.device)
-    raw = model
-
-    # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
-    broadcast_weights(raw, rt)
-    ref_table = ref_model = None
-    if cfg.reference == "bigram":
-        ref_table = bigram_logprobs(train_ids, raw.config.vocab_size).to(rt.device)  # (V, V)
-    elif cfg.reference in ("random", "init"):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
-            ref_model = GPT(raw.config)
-        if cfg.reference == "init":
-            ref_model.load_state_dict(ckpt["reference"] if ckpt is not None else raw.state_dict())
-        ref_model.to(rt.device).eval().requires_grad_(False)
-
-    policy = wrap_model(model, rt, cfg.compile)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step, tokens = 0, 0
-    if ckpt is not None:
-        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
-        if ckpt.get("scaler"):  # float16 runs' loss scale; older checkpoints and other dtypes have none
-            scaler.load_state_dict(ckpt["scaler"])
-        restore_rng(ckpt, rt)
-        start_step, tokens = ckpt["step"], ckpt["tokens"]
-
-    with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
-        torch.manual_seed(0)
-        eval_ctx, eval_truth = sample_windows(val_ids, cfg.eval_size, C, H)
-
-    @torch.no_grad()
-    def evaluate(step):
-        raw.eval()
-        x = torch.cat([eval_ctx, eval_truth], 1).to(rt.device)  # (E, C+H)
-        with rt.autocast():
-            logits = raw(x[:, :-1])[0].float()  # (E, C+H-1, V)
-            greedy, _ = generate(raw, x[:, :C], H, temperature=0)
-            gen = torch.Generator(rt.device).manual_seed(step)  # its own stream: training randomness stays as is
-            sample, _ = generate(raw, x[:1, :C], min(4 * H, raw.config.block_size - C), cfg.temperature, generator=gen)
-        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        raw.train()
-        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(sample[0].tolist())
-        return {
-            "eval/next_char_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
-            "eval/bpc": nll.item() / math.log(2),
-            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
-        }, text
-
-    def checkpoint(step):
-        model_sd, optim_sd = training_state(raw, optimizer, rt)
-        rngs = all_rng_states(rt)
-        if rt.master:
-            extras = {"tokens": tokens, "supervised": cfg.supervised, "scaler": scaler.state_dict()}
-            if cfg.reference == "init":
-                extras["reference"] = ref_model.state_dict()
-            save_checkpoint(
-                ckpt_path,
-                {
-                    "model": model_sd,
-                    "model_config": dataclasses.asdict(raw.config),
-                    "tokenizer": tok.spec,
-                    "step": step,
-                    "optimizer": optim_sd,
-                    "rng": rngs[0],
-                    "rng_ranks": rngs,
-                    "config": dataclasses.asdict(cfg),
-                    **extras,
-                },
-            )
-
+    run = build_run(cfg, out_dir, rt)
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    samples = open(os.path.join(out_dir, "samples.txt"), "a") if rt.master else None
-    n_micro = cfg.batch_size // cfg.grad_accum * G  # rows per micro-batch: whole groups
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
     t_start, last_eval = time.time(), {}
-    for step in range(start_step, cfg.max_steps + 1):
+    for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval, text = evaluate(step)
-            logger.log(step, {**last_eval, "rl/tokens": tokens})
-            if samples:
-                samples.write(f"--- step {step} (context|sample)\n{text}\n")
-                samples.flush()
+            last_eval = evaluate_chars(cfg, run, rt, step)
+            logger.log(step, {**last_eval, "rl/tokens": run.tokens})
         if step == cfg.max_steps:
             break
         t0 = time.time()
         lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        for group in optimizer.param_groups:
+        for group in run.optimizer.param_groups:
             group["lr"] = lr
-        N = cfg.batch_size * G
-        n_global = all_reduce(torch.tensor(float(N * H), device=rt.device), rt)  # target tokens of the step
-        metrics = {}
-        if cfg.supervised:
-            # the baseline: cross-entropy on true continuations, as many target characters as GRPO generates
-            ctx, truth = sample_windows(train_ids, N, C, H)
-            seq, target = torch.cat([ctx, truth], 1).to(rt.device), truth.to(rt.device)
-            t_rollout = 0.0
-            loss_sum = torch.zeros((), device=rt.device)
-            for i in range(0, N, n_micro):
-                grad_sync(policy, i + n_micro >= N)
-                with rt.autocast():
-                    # temperature 1: plain cross-entropy, the baseline samples nothing
-                    logp, _ = completion_logprobs(policy, seq[i : i + n_micro], C, target[i : i + n_micro])
-                    loss = -logp.sum()
-                scaler.scale(loss * rt.world_size / n_global).backward()
-                loss_sum += loss.detach()
-            train_loss = all_reduce(loss_sum, rt) / n_global
-        else:
-            # ALGO LOGIC 1. rollouts: G continuations of each context, groups contiguous
-            t_roll = time.time()
-            ctx, truth = sample_windows(train_ids, cfg.batch_size, C, H)
-            prompts = ctx.repeat_interleave(G, 0).to(rt.device)  # (N, C)
-            truth = truth.repeat_interleave(G, 0).to(rt.device)  # (N, H)
-            raw.eval()
-            with rt.autocast():
-                completion, mask = generate(raw, prompts, H, cfg.temperature)  # (N, H), (N, H)
-            raw.train()
-            seq = torch.cat([prompts, completion], 1)  # (N, C+H)
-            # 2. one no-grad pass: old log-probs, log p(true char) for partial credit, and the reference
-            with torch.no_grad(), rt.autocast():
-                old_logp, logits = completion_logprobs(raw, seq, C, completion, cfg.temperature)  # (N, H)
-                # a reward, not a policy log-prob: the model's own (temperature 1) prediction of the true text, the
-                # quantity eval/bpc measures, so --temperature changes how rollouts are drawn, not what earns reward
-                logp_true = token_logprobs(logits, truth)  # (N, H)
-                if ref_table is not None:  # the previous character's bigram row serves as the reference's logits
-                    ref_logp = token_logprobs(ref_table[seq[:, C - 1 : -1]], completion, cfg.temperature)  # (N, H)
-                elif ref_model is not None:
-                    ref_logp, _ = completion_logprobs(ref_model, seq, C, completion, cfg.temperature)
-                else:
-                    ref_logp = old_logp
-            t_rollout = time.time() - t_roll
-            # 3. rewards and advantages
-            rewards = char_rewards(completion, truth, cfg.reward_mode, logp_true, cfg.partial_logprob)  # (N, H)
-            if cfg.adv == "process":
-                adv = process_advantages(rewards, mask, G)  # (N, H)
-            else:
-                # every rank's rollouts (groups never span ranks): --scale_rewards batch takes the std of the
-                # global batch; this rank keeps its own rows
-                every = group_advantages(gather_rows(rewards.mean(1), rt), G, cfg.scale_rewards)  # (world * N,)
-                adv = every.view(rt.world_size, N)[rt.rank]  # (N,)
-            warm = min(1.0, tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
-            beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
-            n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
-            n_tokens = all_reduce(mask.sum(), rt)
-            # 4. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
-            for iteration in range(cfg.num_iterations):
-                sums = torch.zeros(5, device=rt.device)  # this rank's share of loss, kl, entropy, clip_frac, ratio
-                for i in range(0, N, n_micro):
-                    rows = slice(i, i + n_micro)
-                    grad_sync(policy, i + n_micro >= N)
-                    with rt.autocast():
-                        logp, logits = completion_logprobs(policy, seq[rows], C, completion[rows], cfg.temperature)
-                    pg_loss, stats = policy_loss(
-                        logp,
-                        old_logp[rows],
-                        adv[rows],
-                        mask[rows],
-                        cfg.loss_type,
-                        cfg.clip_eps,
-                        cfg.clip_eps_high or None,
-                        max_len=H,
-                        num_seqs=n_seqs,
-                        num_tokens=n_tokens,
-                    )
-                    kl = (kl_penalty(logp, ref_logp[rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
-                    loss = pg_loss + beta * kl
-                    scaler.scale(loss * rt.world_size).backward()
-                    with torch.no_grad():
-                        z = sampling_logits(logits, cfg.temperature)  # (n, H, V): the distribution sampled from
-                        entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)  # (n, H)
-                        # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
-                        share = len(seq[rows]) / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
-                        sums += torch.stack(
-                            [
-                                loss.detach(),
-                                kl.detach(),
-                                (entropy * mask[rows]).sum() / n_tokens,
-                                stats["clip_frac"] * share,
-                                stats["ratio_mean"] * share,
-                            ]
-                        )
-                if iteration < cfg.num_iterations - 1:
-                    scaler.unscale_(optimizer)
-                    clip_grad_norm(policy, cfg.grad_clip)
-                    scaler.step(optimizer)
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-            sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
-            train_loss = sums[0]
-            # the rollouts of every rank; a group without signal: all its rollouts got the same rewards
-            rewards, match = gather_rows(rewards, rt), gather_rows((completion == truth).float(), rt)  # (world * N, H)
-            groups = rewards.view(-1, G, H) if cfg.adv == "process" else rewards.mean(1).view(-1, G, 1)
-            metrics = {
-                "rl/reward_mean": rewards.mean().item(),
-                "rl/reward_std": rewards.std().item(),
-                "rl/char_match": match.mean().item(),
-                "rl/zero_std_frac": (groups == groups[:, :1]).all(2).all(1).float().mean().item(),
-                "rl/kl": sums[1].item(),
-                "rl/beta": beta,
-                "rl/entropy": sums[2].item(),
-                "rl/clip_frac": sums[3].item(),
-                "rl/ratio_mean": sums[4].item(),
-            }
-        scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(policy, cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += int(n_global.item())
-        train_loss = train_loss.item()
+        train_loss, grad_norm, metrics = (supervised_step if cfg.supervised else grpo_step)(cfg, run, rt)
+        n_global = cfg.batch_size * cfg.group_size * cfg.horizon * rt.world_size  # characters of the step
+        run.tokens += n_global
         stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train_loss, step, ckpt_path, rt)
+        stop_if_not_finite(train_loss, step, run.ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{last_eval.get('eval/next_char_acc', 0):.3f}")
-        metrics.update(
-            {
-                "train/loss": train_loss,
-                "train/lr": lr,
-                "train/grad_norm": grad_norm.item(),
-                "rl/tokens": tokens,
-                "perf/tokens_per_s": n_global.item() / dt,
-                "perf/rollout_ms": 1000 * t_rollout,
-                "perf/step_ms": 1000 * dt,
-            }
-        )
+        metrics.update({"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm.item()})
+        metrics.update({"rl/tokens": run.tokens, "perf/tokens_per_s": n_global / dt, "perf/step_ms": 1000 * dt})
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
-            checkpoint(step + 1)
+            save_char_run(cfg, run, rt, step + 1)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
-    checkpoint(cfg.max_steps)
+    save_char_run(cfg, run, rt, cfg.max_steps)
     logger.close()
-    if samples:
-        samples.close()
-    results = {
-        "mode": "supervised" if cfg.supervised else "grpo",
-        "steps": cfg.max_steps,
-        "tokens": tokens,
-        "wall_time_s": time.time() - t_start,
-        **{k.removeprefix("eval/"): v for k, v in last_eval.items()},
-    }
+    results = {"mode": "supervised" if cfg.supervised else "grpo", "steps": cfg.max_steps, "tokens": run.tokens}
+    results.update(wall_time_s=time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()})
     if rt.master:
-        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))
     return results
 
 
 def plot_compare(out_dir, runs):
-    """compare.png: val next-char accuracy against characters generated (GRPO) or trained on (supervised)."""
-    import matplotlib
+    """compare.png: val next-char accuracy and greedy match against characters generated (GRPO) or trained on
+    (supervised)."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for name, folder in runs.items():
-        with open(os.path.join(folder, "metrics.jsonl")) as f:
-            rows = [r for r in map(json.loads, f) if "eval/next_char_acc" in r]
-        for ax, key in zip(axes, ("eval/next_char_acc", "eval/greedy_match")):
+    fig = Figure(figsize=(10, 3.5), layout="tight")
+    for ax, key in zip(fig.subplots(1, 2), ("eval/next_char_acc", "eval/greedy_match")):
+        for name, folder in runs.items():
+            rows = [r for r in read_metrics(os.path.join(folder, "metrics.jsonl")) if key in r]
             ax.plot([r["rl/tokens"] for r in rows], [r[key] for r in rows], marker=".", label=name)
-            ax.set_title(key, fontsize=9)
-            ax.set_xlabel("characters (generated or trained on)", fontsize=8)
-            ax.legend()
-    fig.tight_layout()
+        ax.set(title=key, xlabel="characters (generated or trained on)")
+        ax.legend()
     fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
-    plt.close(fig)
 
 
 def main():
@@ -663,19 +569,14 @@ def main():
         train(cfg, out_dir, rt)
     else:
         runs = {"grpo": out_dir, "supervised": os.path.join(out_dir, "supervised")}
-        results = {
-            name: train(dataclasses.replace(cfg, supervised=name == "supervised", compare=False), folder, rt)
-            for name, folder in runs.items()
-        }
+        results = {}
+        for name, folder in runs.items():
+            results[name] = train(dataclasses.replace(cfg, supervised=name == "supervised", compare=False), folder, rt)
         if rt.master:
-            with open(os.path.join(out_dir, "final_results.json"), "w") as f:
-                json.dump(results, f, indent=2)
+            Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))
             plot_compare(out_dir, runs)
-            for name, r in results.items():
-                print(
-                    f"{name}: val next-char accuracy {r['next_char_acc']:.3f}, bpc {r['bpc']:.3f}, "
-                    f"greedy match {r['greedy_match']:.3f}, {r['tokens']} characters, {r['wall_time_s']:.0f} s"
-                )
+            for name, r in results.items():  # val next-char accuracy, bpc, greedy match, characters, seconds
+                print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k != "mode"))
     cleanup(rt)
 
 
