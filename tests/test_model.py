@@ -14,16 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from gpt import (
-    GPT,
-    GPTConfig,
-    KVCache,
-    generate,
-    linear_logprobs,
-    sample_next,
-    sampling_logits,
-    token_logprobs,
-)
+from gpt import GPT, GPTConfig, KVCache, generate, linear_logprobs, sample_next, sampling_logits, token_logprobs
 
 FAST = settings(max_examples=25, deadline=None)
 ATOL = 1e-5  # float32 logits of the tiny model, computed along two different paths
