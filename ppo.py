@@ -610,20 +610,6 @@ class PolicyWithValueHead(nn.Module):
         return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
 
 
-def wrap_module(module, gpt, rt, compile=False):
-    """wrap_model for a module built around a GPT (the value model, the policy with a value head): under FSDP each
-    transformer block of gpt is sharded, then the module as the root; DDP and torch.compile as wrap_model."""
-    if rt.distributed and rt.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        broadcast_weights(module, rt)  # as wrap_model does: FSDP2 shards each rank's own weights
-        for block in gpt.transformer.h:
-            fully_shard(block)
-        fully_shard(module)
-        return torch.compile(module) if compile else module
-    return wrap_model(module, rt, compile)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Rollouts
 
@@ -1022,8 +1008,8 @@ def main():
     ref, reference = reference_model(cfg, rt, model, task, ckpt)
 
     # the trained models are wrapped (DDP / FSDP); the raw ones sample, evaluate and are saved
-    critic_train = None if critic is None else wrap_module(critic, critic.body, rt, cfg.compile)
-    wrapped = (wrap_module(actor, model, rt, cfg.compile), critic_train)
+    critic_train = None if critic is None else wrap_model(critic, rt, cfg.compile)
+    wrapped = (wrap_model(actor, rt, cfg.compile), critic_train)
     peak_lrs = [cfg.lr, cfg.value_lr or cfg.lr]
     optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, peak_lrs)]
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
@@ -1517,15 +1503,16 @@ def broadcast_weights(model, rt):
 
 
 def wrap_model(model, rt, compile=False):
-    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    """DDP or FSDP2 (fully_shard per transformer Block, then the root) under torchrun; optional torch.compile.
+    model is a GPT or any module built around GPTs (a value or reward head, a separate value model).
     Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
     broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.transformer.h:
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
-        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
         model = nn.parallel.DistributedDataParallel(

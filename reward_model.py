@@ -572,19 +572,6 @@ def build_reward_model(cfg, ckpt_path, texts):
     return model, tok, source if cfg.resume else None
 
 
-def wrap_reward_model(model, rt, compile):
-    """wrap_model for a RewardModel: under FSDP each block of the body is sharded, then the root (embeddings, ln_f
-    and the head); DDP and torch.compile as wrap_model does them."""
-    if rt.distributed and rt.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.body.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
-        return torch.compile(model) if compile else model
-    return wrap_model(model, rt, compile)
-
-
 @torch.no_grad()
 def held_out_metrics(model, eval_data, cfg, rt):
     """Held-out metrics; the examples are dealt out over ranks, which all run the same number of batches (under
@@ -673,7 +660,7 @@ def main():
         check(longest <= max_len, f"prm chains take up to {longest} tokens; raise --max_len (now {max_len})")
     eval_data = val_data[: cfg.eval_size or len(val_data)]
 
-    model = wrap_reward_model(raw.to(rt.device), rt, cfg.compile)
+    model = wrap_model(raw.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     start_step = 0 if ckpt is None else ckpt["step"]
@@ -1155,15 +1142,16 @@ def broadcast_weights(model, rt):
 
 
 def wrap_model(model, rt, compile=False):
-    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    """DDP or FSDP2 (fully_shard per transformer Block, then the root) under torchrun; optional torch.compile.
+    model is a GPT or any module built around GPTs (a value or reward head, a separate value model).
     Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
     broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.transformer.h:
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
-        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
         model = nn.parallel.DistributedDataParallel(

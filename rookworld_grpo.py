@@ -1753,15 +1753,16 @@ def broadcast_weights(model, rt):
 
 
 def wrap_model(model, rt, compile=False):
-    """DDP or FSDP2 (fully_shard per block, then the root) under torchrun; optional torch.compile.
+    """DDP or FSDP2 (fully_shard per transformer Block, then the root) under torchrun; optional torch.compile.
+    model is a GPT or any module built around GPTs (a value or reward head, a separate value model).
     Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
     broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.transformer.h:
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
-        fully_shard(model)  # the root holds the embeddings (tied to lm_head) and ln_f
+        fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
         model = nn.parallel.DistributedDataParallel(
