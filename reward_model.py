@@ -769,7 +769,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, attn_mask, layer, cache):
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
         # attn_mask None: plain causal attention over this chunk (a single query after a cache sees every key)
@@ -931,19 +931,21 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
     """(log p(targets), entropy or None) per row, each (N,) float32, under the sampling distribution
     softmax(sampling_logits(h @ weight.T, temperature, top_k)); with weight None, h already holds the logits
     (N, V). One chunk of rows at a time; with a gradient each chunk is recomputed in backward
-    (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V."""
+    (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V. The two outputs stay
+    separate tensors: an entropy that is only logged (detached) adds nothing to the backward pass."""
 
-    def chunk(x, y):  # (n, C) or (n, V), (n,) -> (n,) or (2, n)
+    def chunk(x, y):  # (n, C) or (n, V), (n,) -> ((n,),) or ((n,), (n,))
         logq = torch.log_softmax(sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, y), -1)
         logp = logq.gather(1, y[:, None])[:, 0]
         if not entropy:
-            return logp
+            return (logp,)
         finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
-        return torch.stack([logp, -(logq.exp() * finite).sum(-1)])
+        return logp, -(logq.exp() * finite).sum(-1)
 
     split = zip(h.split(rows), targets.split(rows))
-    out = torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in split], -1)
-    return (out[0], out[1]) if entropy else (out, None)
+    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in split]
+    out = [torch.cat(p) for p in zip(*parts)]
+    return out[0], out[1] if entropy else None
 
 
 def token_logprobs(logits, targets, temperature=1.0, top_k=None):
@@ -1430,8 +1432,7 @@ class Logger:
     mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
 
     def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
-        self.master, self.out_dir, self.wandb = rt.master, out_dir, None
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.master, self.wandb, self.path = rt.master, None, os.path.join(out_dir, "metrics.jsonl")
         if self.master:  # lines past the checkpoint (all, in a new run) are dropped
             rows = read_metrics(self.path) if os.path.exists(self.path) else []
             with open(self.path, "w") as f:
@@ -1461,7 +1462,7 @@ class Logger:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
-        plot_curves(self.path, os.path.join(self.out_dir, "training_curves.png"))
+        plot_curves(self.path, os.path.join(os.path.dirname(self.path), "training_curves.png"))
 
 
 def json_or_none(line):
