@@ -326,7 +326,8 @@ def logprobs_and_kl(
 
     def chunk(x, r, y, w):  # (n, V), (n, V) or None, (n,), (n,) -> (n,), scalar, (n,)
         logp = torch.log_softmax(sampling_logits(x, temperature, top_k, keep=y), -1)  # (n, V)
-        entropy = -(logp.exp() * logp.masked_fill(logp.isinf(), 0)).sum(-1)  # top_k's p = 0 tokens add 0, not NaN
+        finite = logp.masked_fill(logp.isinf(), 0) if top_k else logp  # top_k's p = 0 tokens add 0, not NaN
+        entropy = -(logp.exp() * finite).sum(-1)
         if r is None:
             return logp.gather(1, y[:, None])[:, 0], torch.zeros((), device=x.device), entropy
         ref_logp = torch.log_softmax(sampling_logits(r, temperature), -1)  # (n, V)
@@ -334,12 +335,13 @@ def logprobs_and_kl(
 
     grad = torch.is_grad_enabled() and flat.requires_grad
     parts = []
-    for i in range(0, len(flat), rows):
+    # split, not flat[i : i + rows]: the backward of a slice is a zero tensor the size of all the logits, per chunk
+    for i, x in zip(range(0, len(flat), rows), flat.split(rows)):
         r = w = None
         if ref is not None:
             r, w = ref[i : i + rows], weights.detach().flatten()[i : i + rows]
             r = r if ref_weight is None else r @ ref_weight.detach().T  # (n, V)
-        args = (flat[i : i + rows], r, y[i : i + rows], w)
+        args = (x, r, y[i : i + rows], w)
         parts.append(torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
     logp, kl, entropy = zip(*parts)
     return torch.cat(logp).view(targets.shape), torch.stack(kl).sum(), torch.cat(entropy).view(targets.shape)
@@ -1169,6 +1171,7 @@ def optimize_policy(run, batch, beta, n_seqs, n_tokens):
                 n_seqs,
                 n_tokens,
             )
+            entropy = entropy if cfg.entropy_coef > 0 else entropy.detach()  # a bonus, or only logged
             entropy = (entropy * m).sum() / n_tokens
             v_loss = torch.zeros((), device=rt.device)
             if values is not None:
