@@ -609,7 +609,7 @@ class GPT(nn.Module):
             return logits, None
         y = targets.flatten()
         h, w = (x.flatten(0, 1), self.lm_head.weight) if logits is None else (logits.flatten(0, 1), None)
-        logp, _ = linear_logprobs(h, w, y.clamp(min=0), entropy=False)
+        logp, _ = linear_logprobs(h, w, y.clamp(min=0), entropy=False, recompute=False)
         return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
@@ -657,12 +657,14 @@ def sampling_logits(logits, temperature=1.0, top_k=None, keep=None):
     return z
 
 
-def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=None, rows=1024):
+def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=None, rows=1024, recompute=True):
     """(log p(targets), entropy or None) per row, each (N,) float32, under the sampling distribution
     softmax(sampling_logits(h @ weight.T, temperature, top_k)); with weight None, h already holds the logits
-    (N, V). One chunk of rows at a time; with a gradient each chunk is recomputed in backward
-    (torch.utils.checkpoint), so only one chunk's (rows, V) logits exist at a time, not N x V. The two outputs stay
-    separate tensors: an entropy that is only logged (detached) adds nothing to the backward pass."""
+    (N, V). One chunk of rows at a time. With recompute, each chunk is recomputed in backward
+    (torch.utils.checkpoint), so only one chunk's (rows, V) tensors exist at a time, not N x V (RL: many long
+    completions); without it, autograd keeps each chunk's log-softmax, as F.cross_entropy does (training: no second
+    vocabulary projection). The two outputs stay separate tensors: an entropy that is only logged (detached) adds
+    nothing to the backward pass."""
 
     def chunk(x, y):  # (n, C) or (n, V), (n,) -> ((n,),) or ((n,), (n,))
         logq = torch.log_softmax(sampling_logits(x if weight is None else x @ weight.T, temperature, top_k, y), -1)
@@ -672,8 +674,8 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
         finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
         return logp, -(logq.exp() * finite).sum(-1)
 
-    split = zip(h.split(rows), targets.split(rows))
-    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in split]
+    run = (lambda x, y: torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)) if recompute else chunk
+    parts = [run(x, y) for x, y in zip(h.split(rows), targets.split(rows))]
     out = [torch.cat(p) for p in zip(*parts)]
     return out[0], out[1] if entropy else None
 
