@@ -281,7 +281,7 @@ def sampling_logits(logits, temperature=1.0, top_k=None, keep=None):
     """The float32 logits of the distribution the sampler draws from: logits / temperature, and -inf below the
     top_k-th largest (ties kept). keep (...,) token ids stay in the set even if below it: a token that the policy
     sampled before an update is scored, not excluded (at the sampling policy itself it is always inside)."""
-    z = logits.float() / temperature  # (..., V)
+    z = logits.float() if temperature == 1 else logits.float() / temperature  # (..., V); no copy at temperature 1
     if top_k:
         drop = z < torch.topk(z, min(top_k, z.size(-1)), dim=-1).values[..., -1:]
         if keep is not None:
