@@ -1188,11 +1188,11 @@ def load_model(init_from, dropout=0.0):
     hub id. Returns (GPT, tokenizer spec, checkpoint dict or None)."""
     if os.path.isfile(init_from):
         ckpt = load_checkpoint(init_from)
-        model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": dropout}))
-        try:
+        try:  # TypeError: a model_config with fields GPTConfig lacks (gpt.py's --attention mla, --objective denoise)
+            model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": dropout}))
             model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
-        except RuntimeError as e:
-            die(f"--init_from {init_from}: weights do not fit GPT: {str(e).splitlines()[0]}")
+        except (RuntimeError, TypeError) as e:
+            die(f"--init_from {init_from}: not a checkpoint of this script's GPT ({str(e).splitlines()[0]})")
         return model, ckpt["tokenizer"], ckpt
     if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
         die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
