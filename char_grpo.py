@@ -902,12 +902,9 @@ def parse_config(cls, argv=None):
     check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
     path = os.path.join(cfg.out_dir, "config.json")
     check(os.path.isfile(path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        die(f"--resume: cannot read {path} ({type(e).__name__}); restore it or start a new run")
-    check(isinstance(saved, dict), f"--resume: {path} does not hold the settings of a run")
+    with open(path, errors="replace") as f:  # a file cut short or not text: no settings, not a traceback
+        saved = json_or_none(f.read())
+    check(saved, f"--resume: {path} does not hold the settings of a run; restore it or start a new run")
     names = {f.name for f in dataclasses.fields(cls)}
     foreign = sorted(set(saved) - names)
     check(not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})")
@@ -1327,7 +1324,8 @@ class Logger:
 
 
 def json_or_none(line):
-    """The JSON object of a line, or {} for a malformed one (a line cut short by a killed process)."""
+    """The JSON object of a text (a line of metrics.jsonl, a config.json), or {} for a malformed one (cut short by a
+    killed process)."""
     try:
         rec = json.loads(line)
     except ValueError:

@@ -375,8 +375,7 @@ class NextTokenTask:
         self.train_ids, self.val_ids, self.cfg = ids[:n_train], ids[n_train:], cfg
         C, H = cfg.context_len, cfg.horizon
         for name, split in (("train", self.train_ids), ("val", self.val_ids)):
-            need = C + H
-            check(len(split) > need, f"the {name} split of {path} has {len(split)} tokens; it needs > {need}")
+            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
         with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
             torch.manual_seed(0)
             self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
@@ -516,12 +515,12 @@ class RewardModelTask:
             cfg.max_prompt_len + cfg.horizon <= self.rm.body.config.block_size,
             f"--max_prompt_len + --horizon exceeds the reward model's block_size {self.rm.body.config.block_size}",
         )
-        self.rm.to(rt.device).eval().requires_grad_(False)
+        self.rm.to(rt.device)
         if cfg.data_path:
             records = read_jsonl(cfg.data_path, ["chosen"])
-            order = random.Random(0).sample(range(len(records)), len(records))  # gpt.py's hh_sft split
-            n_val = max(1, len(records) // 20)
-            parts = [[records[i]["chosen"] for i in order[n_val:]], [records[i]["chosen"] for i in order[:n_val]]]
+            chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
+            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
+            parts = [chosen[n_val:], chosen[:n_val]]
         else:
             try:
                 import datasets
@@ -530,28 +529,20 @@ class RewardModelTask:
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
                 die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        self.train_prompts, self.val_prompts = (
+        self.train_prompts, val_prompts = (
             [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None] for texts in parts
         )
-        check(self.train_prompts and self.val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
-        self.eval_set = self.val_prompts[: cfg.eval_size]
+        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
+        self.eval_set = val_prompts[: cfg.eval_size]
 
     def sample(self, n):
         return [random.choice(self.train_prompts) for _ in range(n)], None
 
     @torch.no_grad()
-    def score(self, prompts, completion, mask):
-        """Reward model scores (N,) of prompt + completion (its real tokens), right-padded in one batch."""
+    def rewards(self, prompts, completion, mask, info=None, logits=None):
+        """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
         rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-        lengths = torch.tensor([len(r) for r in rows])
-        idx = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
-        for i, r in enumerate(rows):
-            idx[i, : len(r)] = torch.tensor(r)
-        scores = self.rm(idx.to(completion.device))  # (N, T)
-        return scores.gather(1, (lengths - 1)[:, None].to(completion.device)).squeeze(1)  # (N,)
-
-    def rewards(self, prompts, completion, mask, info, logits):
-        return self.score(prompts, completion, mask)
+        return self.rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
 
     def correct(self, completion, truth, rewards):
         return None
@@ -564,7 +555,7 @@ class RewardModelTask:
             completion, mask = sample_completions(
                 model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
             )
-            scores = self.score(prompts, completion, mask)
+            scores = self.rewards(prompts, completion, mask)
             seq, attn = join(prompts, completion)
             H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
             logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
@@ -1404,12 +1395,9 @@ def parse_config(cls, argv=None):
     check(cfg.out_dir, "--resume needs --out_dir, the folder of the run to continue")
     path = os.path.join(cfg.out_dir, "config.json")
     check(os.path.isfile(path), f"--resume: no run at {cfg.out_dir} (config.json is missing)")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        die(f"--resume: cannot read {path} ({type(e).__name__}); restore it or start a new run")
-    check(isinstance(saved, dict), f"--resume: {path} does not hold the settings of a run")
+    with open(path, errors="replace") as f:  # a file cut short or not text: no settings, not a traceback
+        saved = json_or_none(f.read())
+    check(saved, f"--resume: {path} does not hold the settings of a run; restore it or start a new run")
     names = {f.name for f in dataclasses.fields(cls)}
     foreign = sorted(set(saved) - names)
     check(not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})")
@@ -1829,7 +1817,8 @@ class Logger:
 
 
 def json_or_none(line):
-    """The JSON object of a line, or {} for a malformed one (a line cut short by a killed process)."""
+    """The JSON object of a text (a line of metrics.jsonl, a config.json), or {} for a malformed one (cut short by a
+    killed process)."""
     try:
         rec = json.loads(line)
     except ValueError:
