@@ -69,7 +69,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -187,33 +186,24 @@ def kl_penalty(logp, ref_logp, kind="k3"):
 
 
 def policy_loss(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    loss_type="grpo",
-    clip_eps=0.2,
-    clip_eps_high=None,
-    max_len=None,
-    num_seqs=None,
-    num_tokens=None,
+    logp, old_logp, adv, mask, loss_type="grpo", clip_eps=0.2, eps_high=None, max_len=None, n_seqs=None, num_tokens=None
 ):
     """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high or clip_eps.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = eps_high or clip_eps.
       grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
       dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
       dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
       gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    n_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
-    num_seqs = N if num_seqs is None else num_seqs
+    n_seqs = N if n_seqs is None else n_seqs
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    eps_high = clip_eps if eps_high is None else eps_high
     adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
     log_ratio = logp - old_logp.detach()  # (N, T)
     if loss_type == "gspo":
@@ -221,7 +211,7 @@ def policy_loss(
         ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
         seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
-        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / n_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
         return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
@@ -239,9 +229,9 @@ def policy_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+        loss = (per_token * mask).sum() / (n_seqs * (max_len or T))
     else:
         loss = (per_token * mask).sum() / num_tokens
     n = mask.sum().clamp(min=1)
@@ -322,9 +312,7 @@ def validate(cfg):
     choices.update(loss_type=("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"))
     check(cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts in a group (got {cfg.group_size})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
-    check(
-        cfg.temperature > 0, f"--temperature must be > 0: greedy rollouts of a group are alike (got {cfg.temperature})"
-    )
+    check(cfg.temperature > 0, f"--temperature must be > 0: greedy rollouts of a group are alike ({cfg.temperature})")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     # k1 as a loss term: its expected gradient on-policy is zero (E[grad log pi] = 0)
     check(cfg.kl_estimator != "k1", "--kl_estimator k1: as a loss term its expected gradient is zero; use k2 or k3")
@@ -569,9 +557,8 @@ def main():
         train(cfg, out_dir, rt)
     else:
         runs = {"grpo": out_dir, "supervised": os.path.join(out_dir, "supervised")}
-        results = {}
-        for name, folder in runs.items():
-            results[name] = train(dataclasses.replace(cfg, supervised=name == "supervised", compare=False), folder, rt)
+        settings = {name: dataclasses.replace(cfg, supervised=name == "supervised", compare=False) for name in runs}
+        results = {name: train(settings[name], folder, rt) for name, folder in runs.items()}
         if rt.master:
             Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))
             plot_compare(out_dir, runs)
@@ -743,33 +730,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

@@ -43,11 +43,31 @@ Data: HH-RLHF dialogues {"chosen": ..., "rejected": ...} split into (prompt, cho
 the last "\\n\\nAssistant:", from the hub (`--data`, its train and test splits) or a local `--data_path`
 .jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's, so an SFT checkpoint never saw them.
 
+`--data arithmetic` (--digits, --ops as grpo.py's): RLHF with a known gold reward. Before training, the starting policy
+(an SFT model of `gpt.py --data arithmetic`; its tokenizer must have a single newline token) samples --pair_samples
+answers (temperature 1, 2 * --digits + 2 tokens, cut after the first newline) to each of --pair_prompts training
+problems (drawn with random.Random(--seed)); arithmetic_reward, the gold checker, picks a right answer as chosen and a
+wrong one as rejected (the first of each). With `--judge PATH` a reward_model.py checkpoint ranks them instead: chosen
+is the answer it scores highest, rejected the lowest, and the run reports how often that agrees with gold (chosen
+right, rejected wrong). Problems whose answers all score the same (all right, all wrong, a tie) give no pair. Held-out
+pairs come the same way from the --eval_size held-out problems of grpo.py and ppo.py (random.Random(1234)), and
+eval/accuracy is the share of those problems whose greedy answer is exactly right, as grpo.py's. Rank 0 builds the
+pairs and shares them with the other ranks; they are written to pairs.jsonl in the run folder (prompt, answer, chosen,
+rejected, split) before training, and --resume reads them back. With 1 digit the 300 distinct problems recur between
+the training and held-out sets (as in grpo.py): eval/accuracy measures the answers, not generalisation. A BPE policy
+gets <|endoftext|> after both responses (encode_pair), as in HH.
+
 Commands:
     python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
     python dpo.py --init_from out/sft/ckpt.pt --data_path hh.jsonl.gz --lr 2e-4 --max_steps 40   # CPU, ~5 min
     python dpo.py --init_from gpt2 --device cuda --batch_size 32 --max_len 512 --max_steps 2000   # one GPU, hub
     torchrun --standalone --nproc_per_node=8 dpo.py --init_from gpt2-medium --loss_type ipo --beta 0.5 --parallel fsdp
+    python gpt.py --data arithmetic --tokenizer char --digits 1 --n_layer 2 --n_head 2 --n_embd 64 --block_size 32 \\
+        --batch_size 32 --max_steps 400 --eval_every 400 --eval_iters 2 --lr 3e-3 --warmup_steps 10 --out_dir out/arith1
+    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --max_len 32 --lr 3e-4 --sft_weight 1   # CPU, ~20 s
+    python reward_model.py --task orm --init_from out/arith1/ckpt.pt --out_dir out/orm   # a judge, then judged pairs:
+    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --max_len 32 --lr 3e-4 --sft_weight 1 \\
+        --judge out/orm/ckpt.pt
 
 Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs; all ranks together):
     train/loss, eval/loss                   the --loss_type loss, mean over pairs (with the --sft_weight term)
@@ -59,11 +79,14 @@ Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs;
     */chosen_logp, */rejected_logp          mean summed response log-probs under the policy (DPO can lower both)
     eval/logratio_acc, eval/logratio_margin DPO's accuracy (h > 0, ties 1/2) and mean h in nats, for every loss type,
                                             so runs of different losses compare
+    eval/accuracy                           arithmetic: share of held-out problems answered exactly right (greedy)
     eval/win_rate                           --judge: share of held-out prompts whose greedy policy response the
                                             reward model scores above the reference's (ties 1/2); at the end
     train/kto_kl, train/bco_delta           kto's reference point z0; bco_pair's reward shift delta
     train/lr, train/grad_norm, train/pairs  learning rate, gradient norm before clipping, pairs trained on so far
     perf/pairs_per_s, perf/step_ms
+final_results.json holds the last evaluation (without eval/), and for arithmetic accuracy_before (step 0),
+heldout_problems and gold_agreement (the share of training and held-out pairs with chosen right and rejected wrong).
 """
 
 import argparse
@@ -83,13 +106,13 @@ import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tiktoken
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -99,8 +122,12 @@ from tqdm import tqdm
 @dataclass
 class Config:
     out_dir: str = ""  # run folder; default out/dpo-<YYYYmmdd-HHMMSS>
-    data: str = "Anthropic/hh-rlhf"  # hub dataset of chosen/rejected dialogues (train and test splits)
+    data: str = "Anthropic/hh-rlhf"  # hub dataset of chosen/rejected dialogues (train, test), or arithmetic
     data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --data (1 in 20 held out)
+    digits: int = 1  # arithmetic: most digits per operand
+    ops: str = "+-*"  # arithmetic: operators to draw from
+    pair_prompts: int = 256  # arithmetic: training problems whose sampled answers give the pairs
+    pair_samples: int = 8  # arithmetic: answers sampled per problem (temperature 1); a pair is two of them
     init_from: str = "gpt2"  # policy: ckpt.pt of gpt.py (SFT) or any script, Hugging Face GPT-2 folder, or hub id
     reference: str = ""  # reference model (same forms); default: a frozen copy of the starting policy
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
@@ -125,8 +152,8 @@ class Config:
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     dropout: float = 0.0  # dropout of the policy (DPO usually trains without)
     eval_every: int = 25  # steps between evaluations on the held-out pairs
-    eval_size: int = 256  # held-out pairs per evaluation (0: all)
-    judge: str = ""  # ckpt.pt of reward_model.py: score greedy responses of policy and reference at the end
+    eval_size: int = 256  # held-out pairs per evaluation (0: all); arithmetic: held-out problems (> 0)
+    judge: str = ""  # ckpt.pt of reward_model.py: scores greedy responses at the end; arithmetic: also ranks pairs
     judge_prompts: int = 64  # held-out prompts the judge scores
     num_samples: int = 4  # greedy held-out responses written to samples.txt
     sample_tokens: int = 64  # longest greedy response (tokens)
@@ -169,6 +196,7 @@ PAIR_LOSSES = tuple(
 )
 LOSS_TYPES = (*PAIR_LOSSES, "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # trained without the reference
+PAIR_FIELDS = ("split", "prompt", "answer", "chosen", "rejected")  # a line of pairs.jsonl (--data arithmetic)
 STATS = ("loss", "reward_acc", "margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
 
 
@@ -404,6 +432,27 @@ def load_pairs(cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Data: arithmetic problems and their gold reward, copied verbatim from grpo.py (pairs: arithmetic_pairs, below).
+
+
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
+    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    op = rng.choice(ops)
+    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
+    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
+    horizon, anything else before the end, not a number)."""
+    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    return 1.0 if m.group(1) == answer.strip() else format_reward
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The judge: reward_model.py's model and loader, copied so that this file stands alone.
 
 
@@ -436,6 +485,7 @@ def load_reward_model(path):
 def validate(cfg):
     positive = ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens")
     positive += ("lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight")
+    positive += ("digits", "pair_prompts")
     non_negative = ("eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay", "grad_clip")
     for name in positive:
         check(0 < getattr(cfg, name) < math.inf, f"--{name} must be positive (got {getattr(cfg, name)})")
@@ -450,6 +500,9 @@ def validate(cfg):
     check(kto_batch, "--loss_type kto needs --batch_size >= 2: its reference point pairs prompts with other pairs")
     check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
     check(not cfg.judge or os.path.isfile(cfg.judge), f"--judge {cfg.judge}: no such checkpoint")
+    check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators of +-*")
+    check(cfg.pair_samples >= 2, "--pair_samples must be >= 2: a pair is two answers to one problem")
+    check(cfg.data != "arithmetic" or cfg.eval_size > 0, "--data arithmetic needs --eval_size > 0: held-out problems")
 
 
 def weights_checksum(model):
@@ -472,7 +525,8 @@ def load_policy_and_reference(cfg, ckpt_path, rt):
     check(not cfg.resume or ckpt["ref_checksum"] == ref_checksum, f"--resume: the reference {reference} changed")
     block = min(model.config.block_size, ref.config.block_size)
     check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
-    check(cfg.sample_tokens < block, f"--sample_tokens {cfg.sample_tokens} leaves no room for a prompt in {block}")
+    n = response_tokens(cfg)
+    check(n < block, f"responses of {n} tokens (--sample_tokens or 2 --digits + 2) leave no prompt in {block}")
     ref.to(rt.device).eval().requires_grad_(False)
     return model.to(rt.device), ref, get_tokenizer(spec), ckpt if cfg.resume else None, ref_checksum
 
@@ -542,51 +596,113 @@ def kto_reference_point(model, ref, pairs, tok, cfg, rt):
 
 
 @torch.no_grad()
-def evaluate_pairs(model, ref, ref_table, pairs, tok, cfg, rt, bco_delta):
+def evaluate(run):
     """eval/ metrics of the held-out pairs, each rank scoring a share; the reference's log-probs for every loss type
-    (eval/logratio_* compare runs of different losses)."""
+    (eval/logratio_* compare runs of different losses). Arithmetic adds eval/accuracy: the share of the held-out
+    problems whose greedy answer is exactly right (arithmetic_reward), grpo.py's eval/accuracy."""
+    cfg, rt, model, tok = run.cfg, run.rt, run.model, run.tok
     model.eval()
-    idx, weight = shard(len(pairs), rt)
-    mine = [pairs[i] for i in idx]
-    kl_ref = kto_reference_point(model, ref, mine, tok, cfg, rt) if cfg.loss_type == "kto" else None
+    idx, weight = shard(len(run.eval_pairs), rt)
+    mine = [run.eval_pairs[i] for i in idx]
+    kl_ref = kto_reference_point(model, run.ref, mine, tok, cfg, rt) if cfg.loss_type == "kto" else None
     sums = torch.zeros(9, device=rt.device)
     for rows, batch, w in micro_slices(cfg, idx, mine, weight):
         logp, n_tokens = pair_logprobs(model, batch, tok, cfg, rt)
-        ref_logp = reference_logprobs(ref, ref_table, rows, batch, tok, cfg, rt)
-        stats = pair_stats(*pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, bco_delta), logp, ref_logp)
+        ref_logp = reference_logprobs(run.ref, run.eval_table, rows, batch, tok, cfg, rt)
+        stats = pair_stats(*pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0]), logp, ref_logp)
         sums += (stats * w[:, None]).sum(0)
-    sums = all_reduce(sums, rt) / len(pairs)
+    sums = all_reduce(sums, rt) / len(run.eval_pairs)
+    metrics = {f"eval/{k}": v for k, v in zip((*STATS, "logratio_acc", "logratio_margin"), sums.tolist())}
+    if run.problems:
+        idx, weight = shard(len(run.problems), rt)
+        answers = respond(model, [run.problems[i][0] for i in idx], tok, cfg, rt)
+        right = torch.tensor([arithmetic_reward(t, run.problems[i][1]) for t, i in zip(answers, idx)], device=rt.device)
+        metrics["eval/accuracy"] = (all_reduce((right * weight).sum(), rt) / len(run.problems)).item()
     model.train()
-    return {f"eval/{k}": v for k, v in zip((*STATS, "logratio_acc", "logratio_margin"), sums.tolist())}
+    return metrics
 
 
-def greedy_responses(net, prompts, tok, cfg, rt):
-    """Greedy responses (text, up to <|endoftext|>) of a model to prompts, in batches of --batch_size. Always
-    --sample_tokens steps, no early stop at <|endoftext|>: under FSDP every rank must run as many forwards."""
+def response_tokens(cfg):
+    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer (a product of two --digits
+    numbers), its newline and one more."""
+    return 2 * cfg.digits + 2 if cfg.data == "arithmetic" else cfg.sample_tokens
+
+
+def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0):
+    """Responses (text) of a model to prompts, in batches of `batch` (default --batch_size): greedy, or sampled at
+    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the first newline
+    (arithmetic). No early stop at the end: under FSDP every rank must run as many forwards. Leaves the model in eval
+    mode."""
     net.eval()
-    keep = net.config.block_size - cfg.sample_tokens
-    texts = []
-    for i in range(0, len(prompts), cfg.batch_size):
-        ids = [tok.encode(p)[-keep:] for p in prompts[i : i + cfg.batch_size]]
+    n_tokens = response_tokens(cfg)
+    keep = net.config.block_size - n_tokens
+    texts, batch = [], batch or cfg.batch_size
+    for i in range(0, len(prompts), batch):
+        ids = [tok.encode(p)[-keep:] for p in prompts[i : i + batch]]
         with rt.autocast():
-            out, _ = generate(net, ids, cfg.sample_tokens, temperature=0)
+            out, _ = generate(net, ids, n_tokens, temperature, generator=generator)
         texts += [tok.decode(row[: row.index(tok.eot_id)] if tok.eot_id in row else row) for row in out.tolist()]
-    return texts
+    return [re.match(r"[^\n]*\n?", t).group() for t in texts] if cfg.data == "arithmetic" else texts
 
 
-def judge_margins(judge, judge_tok, prompts, responses, ref_responses, cfg, rt):
-    """The judge's reward of the policy's response minus the reference's, per prompt (n,): each is the score at
-    its last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
-    pairs = [encode_pair(judge_tok, *t, judge.body.config.block_size) for t in zip(prompts, responses, ref_responses)]
-    margins = []
+def judge_scores(judge, judge_tok, triples, cfg, rt):
+    """The judge's rewards (n, 2) of both responses of (prompt, response, response) triples: each the score at its
+    last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
+    pairs = [encode_pair(judge_tok, *t, judge.body.config.block_size) for t in triples]
+    scores = []
     for i in range(0, len(pairs), cfg.batch_size):
-        rows = [row for a, b, _ in pairs[i : i + cfg.batch_size] for row in (a, b)]  # policy, reference, ...
+        rows = [row for a, b, _ in pairs[i : i + cfg.batch_size] for row in (a, b)]  # first, second, ...
         ids, _ = collate([(row, 0) for row in rows])
         last = torch.tensor([len(row) - 1 for row in rows])
         with rt.autocast():
-            scores = judge(ids.to(rt.device)).cpu()[torch.arange(len(rows)), last]  # (2b,)
-        margins.append(scores[0::2] - scores[1::2])
-    return torch.cat(margins)
+            scores.append(judge(ids.to(rt.device)).cpu()[torch.arange(len(rows)), last].view(-1, 2))  # (b, 2)
+    return torch.cat(scores)
+
+
+@torch.no_grad()
+def answer_pairs(run):
+    """pairs.jsonl's records: --pair_samples answers of the starting policy (temperature 1) to each of --pair_prompts
+    training problems (random.Random(--seed)) and each held-out problem; chosen is the answer scored highest, rejected
+    the lowest (the first of equals), by arithmetic_reward or, with --judge, by the reward model. Problems whose
+    answers all score the same (all right, all wrong, a tie of the judge) give none."""
+    cfg, G, rng = run.cfg, run.cfg.pair_samples, random.Random(run.cfg.seed)
+    train = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
+    rows = [row for row in train + [("heldout", *p) for p in run.problems] for _ in range(G)]  # (split, prompt, answer)
+    generator = torch.Generator(run.rt.device).manual_seed(cfg.seed)
+    texts = respond(run.model, [p for _, p, _ in rows], run.tok, cfg, run.rt, 1.0, generator, G)  # a problem a batch
+    scores = [arithmetic_reward(t, a) for t, (_, _, a) in zip(texts, rows)]  # gold
+    if run.judge is not None:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
+        triples = [(p, t, t) for (_, p, _), t in zip(rows, texts)]
+        scores = judge_scores(run.judge, run.judge_tok, triples, cfg, run.rt)[:, 0].tolist()
+    records = []
+    for group in (range(i, i + G) for i in range(0, len(rows), G)):
+        best, worst = max(group, key=scores.__getitem__), min(group, key=scores.__getitem__)
+        if scores[best] > scores[worst]:
+            records.append(dict(zip(PAIR_FIELDS, (*rows[best], texts[best], texts[worst]))))
+    return records
+
+
+def arithmetic_pairs(run, out_dir):
+    """--data arithmetic: (train, held-out) pairs (prompt, chosen, rejected). Rank 0 builds them (answer_pairs) and
+    writes them to pairs.jsonl before training, or on --resume reads that file back; every rank gets rank 0's. Sets
+    run.agreement: the share of pairs whose chosen answer is right and rejected wrong (1 without --judge)."""
+    cfg, tok, path, records = run.cfg, run.tok, os.path.join(out_dir, "pairs.jsonl"), None
+    lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(tok.chars))) if isinstance(tok, CharTokenizer) else ""
+    check(not lacking, f"--data arithmetic: the policy's char vocabulary lacks {lacking!r} (a newline ends answers)")
+    if run.rt.master:
+        records = read_jsonl(path, PAIR_FIELDS) if cfg.resume else answer_pairs(run)
+    records = broadcast_object(records, run.rt)
+    train, val = (
+        [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == s] for s in ("train", "heldout")
+    )
+    check(train and val, "--data arithmetic: a split without pairs: every problem's answers all right or all wrong")
+    gold = [[arithmetic_reward(r[k], r["answer"]) for k in ("chosen", "rejected")] for r in records]
+    run.agreement = sum(chosen > rejected for chosen, rejected in gold) / len(gold)  # chosen right, rejected wrong
+    if run.rt.master and not cfg.resume:  # before training: nothing after this can fail on bad input
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return train, val
 
 
 def write_pair_samples(path, pairs, responses, ref_responses):
@@ -600,146 +716,169 @@ def write_pair_samples(path, pairs, responses, ref_responses):
             f.write(f"--- chosen in the data\n{chosen}\n\n")
 
 
-def train(cfg, out_dir, rt):
-    """One DPO-family run into out_dir; returns its final results."""
-    seed_everything(cfg.seed + rt.rank)
-    stop = GracefulExit()
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    model, ref, tok, ckpt, ref_checksum = load_policy_and_reference(cfg, ckpt_path, rt)
-    judge, judge_tok = load_judge(cfg.judge, tok, rt) if cfg.judge else (None, None)
+@functools.lru_cache(maxsize=2)
+def epoch_order(n, seed, epoch):
+    """The order of n training pairs in an epoch: a fixed shuffle per epoch, independent of --resume."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def setup(cfg, out_dir, rt):
+    """The run as a namespace: policy (raw and wrapped), reference, tokenizer, judge, pairs, optimizer, loss scaler, and
+    what --resume restores (step, pairs seen, BCO's running mean, cached reference log-probs)."""
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, ckpt_path=os.path.join(out_dir, "ckpt.pt"), problems=[])
+    run.model, ref, run.tok, ckpt, run.ref_checksum = load_policy_and_reference(cfg, run.ckpt_path, rt)
+    run.judge, run.judge_tok = load_judge(cfg.judge, run.tok, rt) if cfg.judge else (None, None)
 
     # data: pairs as text, tokenized per batch (encode_pair truncates to --max_len)
-    train_pairs, val_pairs, skipped = load_pairs(cfg)
-    if rt.master and skipped:
-        note(f"skipped records: {skipped}; kept {len(train_pairs)} train, {len(val_pairs)} held-out pairs")
-    if isinstance(tok, CharTokenizer):
-        unknown = set().union(*(set("".join(t)) for t in train_pairs + val_pairs)) - set(tok.chars)
+    if cfg.data == "arithmetic":  # held-out problems: grpo.py's and ppo.py's, whatever --seed
+        rng = random.Random(1234)
+        run.problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+        run.train_pairs, run.val_pairs = arithmetic_pairs(run, out_dir)
+    else:
+        run.train_pairs, run.val_pairs, skipped = load_pairs(cfg)
+        if rt.master and skipped:
+            note(f"skipped records: {skipped}; kept {len(run.train_pairs)} train, {len(run.val_pairs)} held-out pairs")
+    if isinstance(run.tok, CharTokenizer):
+        unknown = set().union(*(set("".join(t)) for t in run.train_pairs + run.val_pairs)) - set(run.tok.chars)
         check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the model's vocabulary")
-    eval_pairs = val_pairs[: cfg.eval_size or None]
+    run.eval_pairs = run.val_pairs[: cfg.eval_size or None]
 
     # state: optimizer, step, BCO's running mean of rewards, cached reference log-probs
-    policy = wrap_model(model, rt, cfg.compile)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step, pairs_seen, bco, ref_cache = 0, 0, [0.0, 0], {}  # bco: [mean reward, rewards counted]
+    run.policy = wrap_model(run.model, rt, cfg.compile)
+    run.optimizer = make_optimizer(run.model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    run.start_step, run.pairs_seen, run.bco, run.ref_cache = 0, 0, [0.0, 0], {}  # bco: [mean reward, rewards counted]
     if ckpt is not None:
-        load_optimizer_state(model, optimizer, ckpt["optimizer"], rt)
+        load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"], rt)
         if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
-            scaler.load_state_dict(ckpt["scaler"])
+            run.scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
-        start_step, pairs_seen, bco, ref_cache = ckpt["step"], ckpt["pairs"], ckpt["bco"], ckpt["ref_logps"] or {}
-    if cfg.precompute_ref and not ref_cache:
-        t0 = time.time()
-        ref_cache = {"train": reference_table(ref, train_pairs, tok, cfg, rt)}
-        ref_cache["eval"] = reference_table(ref, eval_pairs, tok, cfg, rt)
-        if rt.master:
-            print(f"reference log-probs of {len(train_pairs) + len(eval_pairs)} pairs in {time.time() - t0:.0f} s")
-    train_table, eval_table = ref_cache.get("train"), ref_cache.get("eval")  # None without --precompute_ref
-    if cfg.precompute_ref and cfg.loss_type != "kto" and judge is None:
-        ref = None  # every reference log-prob is cached: free its memory
-
-    def checkpoint(step):
-        model_sd, optim_sd = training_state(model, optimizer, rt)
-        rngs = all_rng_states(rt)
-        if rt.master:
-            state = dict(model=model_sd, model_config=dataclasses.asdict(model.config), tokenizer=tok.spec)
-            state.update(step=step, optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
-            extras = dict(pairs=pairs_seen, bco=bco, ref_checksum=ref_checksum, ref_logps=ref_cache)
-            save_checkpoint(ckpt_path, {**state, "config": dataclasses.asdict(cfg), **extras})
-
-    # the order of training pairs: epochs of a fixed shuffle, independent of --resume; ranks take disjoint slices
-    @functools.lru_cache(maxsize=2)
-    def epoch_order(epoch):
-        return torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-
-    def step_indices(step):
-        n, start = len(train_pairs), (step * rt.world_size + rt.rank) * cfg.batch_size
-        return [epoch_order(pos // n)[pos % n] for pos in range(start, start + cfg.batch_size)]
-
+        run.start_step, run.pairs_seen, run.bco = ckpt["step"], ckpt["pairs"], ckpt["bco"]
+        run.ref_cache = ckpt["ref_logps"] or {}
+    if cfg.precompute_ref and not run.ref_cache:
+        run.ref_cache = {"train": reference_table(ref, run.train_pairs, run.tok, cfg, rt)}
+        run.ref_cache["eval"] = reference_table(ref, run.eval_pairs, run.tok, cfg, rt)
+    run.train_table, run.eval_table = run.ref_cache.get("train"), run.ref_cache.get("eval")  # None: no --precompute_ref
+    keep_ref = not cfg.precompute_ref or cfg.loss_type == "kto" or run.judge is not None
+    run.ref = ref if keep_ref else None  # every reference log-prob is cached: free its memory
     if rt.master:
-        print(
-            f"{model.num_params() / 1e6:.2f}M parameters, {len(train_pairs)} train and {len(eval_pairs)} held-out "
-            f"pairs, loss {cfg.loss_type}, device {rt.device}, {rt.world_size} process(es), out_dir {out_dir}"
+        n_params, n_train, n_eval = run.model.num_params() / 1e6, len(run.train_pairs), len(run.eval_pairs)
+        print(f"{n_params:.2f}M parameters, {n_train} train and {n_eval} held-out pairs, {rt.world_size} x {rt.device}")
+    return run
+
+
+def train_step(run, step):
+    """One optimizer step on the step's pairs (--batch_size per rank); returns its train/ metrics."""
+    cfg, rt, model, tok = run.cfg, run.rt, run.model, run.tok
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    # ALGO LOGIC 1. the step's pairs (ranks take disjoint slices); KTO's reference point from mismatched pairs
+    n, start = len(run.train_pairs), (step * rt.world_size + rt.rank) * cfg.batch_size
+    indices = [epoch_order(n, cfg.seed, pos // n)[pos % n] for pos in range(start, start + cfg.batch_size)]
+    pairs = [run.train_pairs[i] for i in indices]
+    kl_ref = kto_reference_point(model, run.ref, pairs, tok, cfg, rt) if cfg.loss_type == "kto" else None
+    n_pairs = cfg.batch_size * rt.world_size  # the loss normaliser: the pairs of the step, on all ranks
+    sums = torch.zeros(9, device=rt.device)
+    batches = micro_slices(cfg, indices, pairs)
+    for k, (rows, batch) in enumerate(batches):
+        grad_sync(run.policy, k == len(batches) - 1)
+        # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
+        # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
+        # its gradient, as it is the embedding's (tied) weight.
+        logp, n_tokens = pair_logprobs(run.policy, batch, tok, cfg, rt, head=model.lm_head)  # (2b,), (2b,)
+        reference_free = cfg.loss_type in REFERENCE_FREE
+        ref_logp = None if reference_free else reference_logprobs(run.ref, run.train_table, rows, batch, tok, cfg, rt)
+        # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
+        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])
+        run.scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
+        sums += pair_stats(losses, chosen_r, rejected_r, logp, ref_logp).sum(0)
+    # 4. update
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    sums = all_reduce(sums, rt) / n_pairs
+    metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())}
+    if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
+        metrics["train/bco_delta"], (mean, count), n_new = run.bco[0], run.bco, 2 * n_pairs
+        run.bco = [(mean * count + (sums[3] + sums[4]).item() * n_pairs) / (count + n_new), count + n_new]
+    if kl_ref is not None:
+        metrics["train/kto_kl"] = kl_ref.item()
+    run.pairs_seen += n_pairs
+    return {**metrics, "train/lr": lr, "train/grad_norm": grad_norm.item(), "train/pairs": run.pairs_seen}
+
+
+def save(run, step):
+    """ckpt.pt (SPEC section 4) and this script's extras: pairs seen, BCO's running mean, the reference's checksum and
+    its cached log-probs."""
+    model_sd, optim_sd = training_state(run.model, run.optimizer, run.rt)
+    rngs = all_rng_states(run.rt)
+    if run.rt.master:
+        state = dict(model=model_sd, model_config=dataclasses.asdict(run.model.config), tokenizer=run.tok.spec)
+        state.update(step=step, optimizer=optim_sd, scaler=run.scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
+        extras = dict(pairs=run.pairs_seen, bco=run.bco, ref_checksum=run.ref_checksum, ref_logps=run.ref_cache)
+        save_checkpoint(run.ckpt_path, {**state, "config": dataclasses.asdict(run.cfg), **extras})
+
+
+def finish(run, logger, last_eval, t_start):
+    """Greedy responses of policy and reference to held-out prompts (every rank takes part: under FSDP the forward is
+    collective), the judge's win rate, then final_results.json and samples.txt; returns the results."""
+    cfg, rt, tok, judge = run.cfg, run.rt, run.tok, run.judge
+    prompts = [p for p, _, _ in run.val_pairs[: max(cfg.num_samples, cfg.judge_prompts if judge is not None else 0)]]
+    responses = respond(run.model, prompts, tok, cfg, rt)
+    ref_responses = respond(run.ref, prompts, tok, cfg, rt) if run.ref is not None else None
+    if judge is not None:
+        scores = judge_scores(judge, run.judge_tok, list(zip(prompts, responses, ref_responses)), cfg, rt)  # (n, 2)
+        last_eval["eval/win_rate"] = win_score(scores[:, 0] - scores[:, 1]).mean().item()
+        logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
+    logger.close()
+    results = {"loss_type": cfg.loss_type, "steps": cfg.max_steps, "pairs": run.pairs_seen}
+    results.update({"train_pairs": len(run.train_pairs), "heldout_pairs": len(run.eval_pairs)})
+    results.update({"wall_time_s": time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}})
+    if rt.master and run.problems:  # arithmetic: greedy accuracy at step 0 (first line of metrics.jsonl), pairs
+        before = read_metrics(logger.path)[0]["eval/accuracy"]
+        results.update(accuracy_before=before, heldout_problems=len(run.problems), gold_agreement=run.agreement)
+    if rt.master:
+        write_pair_samples(
+            os.path.join(run.out_dir, "samples.txt"), run.val_pairs[: cfg.num_samples], responses, ref_responses
         )
+        with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        keys = ("accuracy_before", "accuracy", "gold_agreement", "reward_acc", "margin", "logratio_acc", "win_rate")
+        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {run.out_dir}")
+    return results
+
+
+def train(cfg, out_dir, rt):
+    """One DPO-family run into out_dir; returns its final results."""
+    stop = GracefulExit()
+    run = setup(cfg, out_dir, rt)
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    t_start, last_eval, reference_free = time.time(), {}, cfg.loss_type in REFERENCE_FREE
-    for step in range(start_step, cfg.max_steps + 1):
+    logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
+    t_start, last_eval = time.time(), {}
+    for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = evaluate_pairs(model, ref, eval_table, eval_pairs, tok, cfg, rt, bco[0])
+            last_eval = evaluate(run)
             logger.log(step, last_eval)
         if step == cfg.max_steps:
             break
         t0 = time.time()
-        lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # ALGO LOGIC 1. the step's pairs; KTO's reference point from mismatched pairs (no grad)
-        indices = step_indices(step)
-        pairs = [train_pairs[i] for i in indices]
-        kl_ref = kto_reference_point(model, ref, pairs, tok, cfg, rt) if cfg.loss_type == "kto" else None
-        n_pairs = cfg.batch_size * rt.world_size  # the loss normaliser: the pairs of the step, on all ranks
-        sums = torch.zeros(9, device=rt.device)
-        batches = micro_slices(cfg, indices, pairs)
-        for k, (rows, batch) in enumerate(batches):
-            grad_sync(policy, k == len(batches) - 1)
-            # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
-            # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
-            # its gradient, as it is the embedding's (tied) weight.
-            logp, n_tokens = pair_logprobs(policy, batch, tok, cfg, rt, head=model.lm_head)  # (2b,), (2b,)
-            ref_logp = None if reference_free else reference_logprobs(ref, train_table, rows, batch, tok, cfg, rt)
-            # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
-            losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, bco[0])
-            scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
-            sums += pair_stats(losses, chosen_r, rejected_r, logp, ref_logp).sum(0)
-        # 4. update
-        scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(policy, cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        sums = all_reduce(sums, rt) / n_pairs
-        metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())}
-        if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
-            metrics["train/bco_delta"] = bco[0]
-            n_new = 2 * n_pairs
-            bco = [(bco[0] * bco[1] + (sums[3] + sums[4]).item() * n_pairs) / (bco[1] + n_new), bco[1] + n_new]
-        if kl_ref is not None:
-            metrics["train/kto_kl"] = kl_ref.item()
-        pairs_seen += n_pairs
+        metrics = train_step(run, step)
         stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(metrics["train/loss"], step, ckpt_path, rt)
+        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{last_eval.get('eval/reward_acc', 0):.3f}")
-        metrics.update({"train/lr": lr, "train/grad_norm": grad_norm.item(), "train/pairs": pairs_seen})
-        metrics.update({"perf/pairs_per_s": n_pairs / dt, "perf/step_ms": 1000 * dt})
+        metrics.update({"perf/pairs_per_s": cfg.batch_size * rt.world_size / dt, "perf/step_ms": 1000 * dt})
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
-            checkpoint(step + 1)
+            save(run, step + 1)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
-    checkpoint(cfg.max_steps)
-
-    # greedy responses to held-out prompts (every rank takes part: under FSDP the forward is collective); the judge
-    prompts = [p for p, _, _ in val_pairs[: max(cfg.num_samples, cfg.judge_prompts if judge is not None else 0)]]
-    responses = greedy_responses(model, prompts, tok, cfg, rt)
-    ref_responses = greedy_responses(ref, prompts, tok, cfg, rt) if ref is not None else None
-    if judge is not None:
-        margins = judge_margins(judge, judge_tok, prompts, responses, ref_responses, cfg, rt)  # (n,)
-        last_eval["eval/win_rate"] = win_score(margins).mean().item()
-        logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
-    logger.close()
-    results = {"loss_type": cfg.loss_type, "steps": cfg.max_steps, "pairs": pairs_seen}
-    results.update({"train_pairs": len(train_pairs), "heldout_pairs": len(eval_pairs)})
-    results.update({"wall_time_s": time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}})
-    if rt.master:
-        write_pair_samples(os.path.join(out_dir, "samples.txt"), val_pairs[: cfg.num_samples], responses, ref_responses)
-        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        keys = ("reward_acc", "margin", "logratio_acc", "win_rate")
-        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {out_dir}")
-    return results
+    save(run, cfg.max_steps)
+    return finish(run, logger, last_eval, t_start)
 
 
 def main():
@@ -914,33 +1053,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

@@ -12,11 +12,27 @@ position ids counted from each row's first real token, a preallocated KV cache a
 sampler. The code between the SHARED BLOCK markers is copied verbatim into every script of this project
 (tests/test_shared_blocks.py checks it), so each script can be forked on its own.
 
+Two variants of the model, to compare with the standard GPT on the same data and budget (gpt.py only; see
+VariantAttention, make_model and the README's comparison):
+    --attention mla       multi-head latent attention (DeepSeek-V2): keys and values come from a latent c_kv of
+                          --kv_latent_dim numbers per token, and the KV cache stores only c_kv (no decoupled RoPE:
+                          GPT-2's positions are learned). Same objective, same sampler.
+    --objective denoise   masked diffusion language modelling in miniature (MDLM, LLaDA): a mask token is added
+                          to the vocabulary and attention is bidirectional; each sequence draws a mask rate
+                          t ~ U(0, 1] and the loss is the cross-entropy on the masked positions only, plain (every
+                          masked token counts once), not MDLM's 1/t weighting, so train/loss and eval/ losses are
+                          masked-token NLLs. Sampling starts fully masked and unmasks the most confident draws over
+                          --denoise_steps steps (denoise_generate).
+Their checkpoints record the variant in model_config; gpt.py resumes, fine-tunes and samples from them, the other
+scripts refuse them with one line (exit code 2).
+
 Commands:
     python gpt.py                                                    # char-level tiny Shakespeare, ~5 min on a CPU
     python gpt.py --data shakespeare --init_from gpt2 --device cuda  # fine-tune GPT-2 124M on one GPU
     torchrun --standalone --nproc_per_node=8 gpt.py --data hh_sft --init_from gpt2 --parallel fsdp
     python gpt.py --data arithmetic --digits 2                       # warm start for grpo.py --task arithmetic
+    python gpt.py --attention mla                                    # the variants, each a few minutes on a CPU
+    python gpt.py --objective denoise
 
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
@@ -27,7 +43,7 @@ Metrics (metrics.jsonl, one object per logged step):
     train/lr          learning rate of the step
     train/grad_norm   gradient norm before clipping
     eval/train_loss   mean loss on --eval_iters fixed train batches
-    eval/val_loss     the same on the validation split
+    eval/val_loss     the same on the validation split (denoise: on fixed masked batches, the masked-token NLL)
     perf/tokens_per_s target tokens processed per second (all ranks)
     perf/step_ms      wall time of the optimizer step
     perf/mfu          model FLOPs utilisation (CUDA only)
@@ -54,7 +70,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -77,6 +92,10 @@ class Config:
     block_size: int = 128  # context length in tokens
     dropout: float = 0.0  # dropout probability
     bias: bool = True  # biases in Linear and LayerNorm layers (scratch only)
+    attention: str = "mha"  # mha (GPT-2's multi-head attention) | mla (multi-head latent attention) (scratch only)
+    kv_latent_dim: int = 0  # mla: latent numbers per token and layer (0: 2*n_embd//3, the parameters of mha)
+    objective: str = "causal"  # causal (next token) | denoise (masked diffusion: bidirectional) (scratch only)
+    denoise_steps: int = 60  # denoise: unmasking steps of the sampler
     batch_size: int = 32  # sequences per micro-batch per rank
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int = 1500  # optimizer steps
@@ -148,6 +167,88 @@ def mfu(model, seq_len, tokens, seconds, rt):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Two variants of the model, for comparison with the standard GPT on the same data and budget. Each is the block's GPT
+# with every block's attention swapped once it is built, so the RL scripts do not carry them. A variant's checkpoint
+# records it in model_config, in fields GPTConfig lacks: other scripts refuse it (load_model), make_model builds it.
+
+VARIANT_FIELDS = ("attention", "kv_latent_dim", "objective")
+
+
+class VariantAttention(nn.Module):
+    """The block's attention in either variant (or both), same signature and role as CausalSelfAttention.
+
+    --attention mla: multi-head latent attention (DeepSeek-V2, arXiv:2405.04434). Keys and values are up-projected
+    from one compressed latent per token, c_kv = W_DKV x (kv_latent_dim numbers), k = W_UK c_kv, v = W_UV c_kv, and
+    the KV cache stores only c_kv: kv_latent_dim numbers per token and layer instead of the 2 * n_embd of k and v.
+    That is what bounds RL rollouts: more and longer sequences fit in memory. GPT-2's positions are learned and
+    added to the input, so no decoupled RoPE key is needed (DeepSeek-V2 adds one because a rotation between W_UK and
+    the query would stop W_UK from being absorbed). Queries are not compressed (in DeepSeek-V2 that saves training
+    activations, not cache). The cached latents are up-projected again at every step, which reads best; absorbing
+    W_UK into the query and W_UV into c_proj would attend in the latent space directly, the same numbers.
+    kv_latent_dim 0: no compression (c_kv is x, W_UK and W_UV are the k and v parts of GPT-2's c_attn).
+
+    --objective denoise: causal=False, every position sees the whole sequence (the denoiser never pads nor caches)."""
+
+    def __init__(self, config, kv_latent_dim, causal):
+        super().__init__()
+        self.n_head, self.n_layer, self.dropout, self.causal = config.n_head, config.n_layer, config.dropout, causal
+        C, L = config.n_embd, kv_latent_dim
+        self.q_proj, self.c_proj = nn.Linear(C, C, bias=config.bias), nn.Linear(C, C, bias=config.bias)
+        self.kv_down = nn.Linear(C, L, bias=config.bias) if L else nn.Identity()  # W_DKV
+        self.kv_up = nn.Linear(L or C, 2 * C, bias=config.bias)  # W_UK and W_UV side by side
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask, layer, cache):
+        B, T, C = x.size()
+        c_kv = self.kv_down(x)  # (B, T, L)
+        if cache is not None:  # the block's KVCache keeps positions and padding; its k and v are never allocated
+            if not hasattr(cache, "latent"):
+                cache.latent = c_kv.new_empty(self.n_layer, B, cache.real.size(1), c_kv.size(-1))  # (nl, B, max, L)
+            cache.latent[layer, :, cache.pos : cache.pos + T] = c_kv
+            c_kv = cache.latent[layer, :, : cache.pos + T]  # (B, past+T, L)
+        q = self.q_proj(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.view(B, -1, self.n_head, C // self.n_head).transpose(1, 2) for t in self.kv_up(c_kv).split(C, 2))
+        causal = self.causal and attn_mask is None and k.size(2) == T and T > 1  # as in CausalSelfAttention
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))  # (B, T, C)
+
+
+def make_model(model_config):
+    """A GPT from a model_config dict. Its variant fields swap every block's attention for a VariantAttention,
+    initialised as GPT-2 initialises the block's; model.variant keeps them for the checkpoint. A standard
+    model_config builds exactly the block's GPT."""
+    variant = {k: v for k, v in model_config.items() if k in VARIANT_FIELDS}
+    model = GPT(GPTConfig(**{k: v for k, v in model_config.items() if k not in VARIANT_FIELDS}))
+    for block in model.transformer.h if variant else []:
+        causal = variant.get("objective", "causal") == "causal"
+        block.attn = VariantAttention(model.config, variant.get("kv_latent_dim", 0), causal)
+        block.attn.apply(model._init_weights)
+        nn.init.normal_(block.attn.c_proj.weight, std=0.02 / math.sqrt(2 * model.config.n_layer))
+    model.variant = variant
+    return model
+
+
+@torch.no_grad()
+def denoise_generate(model, prompts, n_new, steps, temperature=1.0, top_k=None, generator=None):
+    """Masked-diffusion sampling (MDLM, with LLaDA's low-confidence remasking). The n_new positions after each
+    prompt (token-id lists of one length) start as the mask token, the vocabulary's last id. Each of `steps` steps
+    predicts every position at once, draws a token for each masked one (sample_next: temperature, top_k) and keeps
+    the most confident draws (by the model's probability of the drawn token), a fixed share of n_new per step; the
+    rest stay masked. The last step unmasks what is left. Returns (tokens (B, n_new), mask of ones) as generate()."""
+    mask_id, device = model.config.vocab_size - 1, next(model.parameters()).device
+    x = torch.tensor([list(p) + [mask_id] * n_new for p in prompts], device=device)  # (B, T + n_new)
+    for step in range(steps):
+        logits, _ = model(x)  # (B, T + n_new, V)
+        logits[..., mask_id] = float("-inf")  # never draw the mask token itself
+        draw = sample_next(logits.flatten(0, 1), temperature, top_k, generator).view(x.shape)  # (B, T + n_new)
+        p = torch.softmax(logits.float(), -1).gather(-1, draw[..., None])[..., 0]  # (B, T + n_new) confidence
+        keep = p.masked_fill(x != mask_id, -1.0).topk(n_new * (step + 1) // steps - n_new * step // steps).indices
+        x = x.scatter(1, keep, draw.gather(1, keep))  # only masked positions compete: p of the others is -1
+    return x[:, -n_new:], torch.ones_like(x[:, -n_new:], dtype=torch.float)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Data: every dataset becomes one token stream per split, with a mask of the tokens that are targets.
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -168,15 +269,24 @@ def arithmetic_problem(rng, digits, ops):
 def hh_dialogue(text, tok):
     """Token ids of one HH-RLHF dialogue and the mask of its Assistant turns (the SFT targets), then <eot>."""
     ids, mask, speaker = [], [], None
-    for part in re.split(r"(\n\nHuman:|\n\nAssistant:)", text):
-        if not part:
-            continue
-        if part in ("\n\nHuman:", "\n\nAssistant:"):
-            speaker = part
+    for part in filter(None, re.split(r"(\n\nHuman:|\n\nAssistant:)", text)):
+        speaker = part if part in ("\n\nHuman:", "\n\nAssistant:") else speaker
         piece = tok.encode(part)
         ids += piece
-        mask += [part not in ("\n\nHuman:", "\n\nAssistant:") and speaker == "\n\nAssistant:"] * len(piece)
+        mask += [part != speaker and speaker == "\n\nAssistant:"] * len(piece)  # a turn's text, not its marker
     return ids + [tok.eot_id], mask + [True]
+
+
+def text_path(cfg):
+    """The text file of --data: tiny Shakespeare (downloaded once, or --data_path) or the file named."""
+    if cfg.data in ("shakespeare_char", "shakespeare"):
+        return cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
+    return cfg.data
+
+
+def stream(examples):
+    """One token stream and its target mask from (ids, mask) examples laid end to end."""
+    return torch.tensor([t for ids, _ in examples for t in ids]), torch.tensor([m for _, ms in examples for m in ms])
 
 
 def load_splits(cfg, tok):
@@ -185,13 +295,9 @@ def load_splits(cfg, tok):
         check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
         splits = []
         for seed, n in ((cfg.seed, 20000), (cfg.seed + 1, 1000)):
-            rng, ids, mask = random.Random(seed), [], []
-            for _ in range(n):
-                prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
-                p, a = tok.encode(prompt), tok.encode(answer)
-                ids += p + a
-                mask += [False] * len(p) + [True] * len(a)
-            splits.append((torch.tensor(ids), torch.tensor(mask)))
+            rng = random.Random(seed)
+            pairs = [[tok.encode(s) for s in arithmetic_problem(rng, cfg.digits, cfg.ops)] for _ in range(n)]
+            splits.append(stream([(p + a, [False] * len(p) + [True] * len(a)) for p, a in pairs]))
         return splits
     if cfg.data == "hh_sft":
         if cfg.data_path:
@@ -207,19 +313,8 @@ def load_splits(cfg, tok):
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
                 die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        splits = []
-        for texts in parts:
-            ids, mask = [], []
-            for text in texts:
-                i, m = hh_dialogue(text, tok)
-                ids += i
-                mask += m
-            splits.append((torch.tensor(ids), torch.tensor(mask)))
-        return splits
-    if cfg.data in ("shakespeare_char", "shakespeare"):
-        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
-    else:
-        path = cfg.data
+        return [stream([hh_dialogue(text, tok) for text in texts]) for texts in parts]
+    path = text_path(cfg)
     text = read_text(path)
     if isinstance(tok, CharTokenizer):
         unknown = sorted(set(text) - set(tok.chars))
@@ -231,42 +326,38 @@ def load_splits(cfg, tok):
 
 def make_tokenizer(cfg, model_spec):
     """The tokenizer of the model being trained (model_spec from a checkpoint), else the data's default."""
-    wanted = cfg.tokenizer
-    if wanted == "auto":
-        text_data = cfg.data not in ("shakespeare", "hh_sft", "arithmetic")
-        wanted = "char" if text_data else "gpt2"
+    default = "gpt2" if cfg.data in ("shakespeare", "hh_sft", "arithmetic") else "char"
+    wanted = default if cfg.tokenizer == "auto" else cfg.tokenizer
     check(wanted in ("char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
     if model_spec is not None:
-        model_kind = "gpt2" if model_spec == "gpt2" else "char"
-        check(
-            cfg.tokenizer in ("auto", model_kind),
-            f"--tokenizer {cfg.tokenizer} does not match the model's {model_kind} tokenizer",
-        )
-        check(
-            model_kind == "char" or wanted == "gpt2" or cfg.tokenizer == "auto",
-            "the model uses GPT-2 BPE; this data needs --tokenizer gpt2",
-        )
+        kind = "gpt2" if model_spec == "gpt2" else "char"
+        check(cfg.tokenizer in ("auto", kind), f"--tokenizer {cfg.tokenizer}: the model's tokenizer is {kind}")
         return get_tokenizer(model_spec)
     if wanted == "gpt2":
         return BPETokenizer()
     if cfg.data == "arithmetic":
         return CharTokenizer(ARITHMETIC_CHARS)
     check(cfg.data != "hh_sft", "--data hh_sft needs --tokenizer gpt2 (its <|endoftext|> ends each dialogue)")
-    if cfg.data in ("shakespeare_char", "shakespeare"):
-        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
-    else:
-        path = cfg.data
-    return CharTokenizer(sorted(set(read_text(path))))
+    return CharTokenizer(sorted(set(read_text(text_path(cfg)))))
 
 
-def get_batch(data, batch_size, block_size, device, generator=None):
-    """Random windows of the stream: inputs x and next-token targets y, with -1 where y is not a target."""
+def get_batch(data, batch_size, block_size, device, generator=None, mask_id=None):
+    """Random windows of the stream: inputs x and next-token targets y, with -1 where y is not a target.
+
+    With mask_id (--objective denoise), MDLM's forward process on the window instead: each row draws a mask rate
+    t ~ U(0, 1], each token is replaced by mask_id with probability t, and the targets are the original tokens at
+    the masked positions only (y = -1 elsewhere, so the loss ignores them). SFT target masks do not apply here: the
+    denoiser learns the whole text."""
     ids, mask = data
     ix = torch.randint(len(ids) - block_size - 1, (batch_size,), generator=generator)
     x = torch.stack([ids[i : i + block_size] for i in ix])  # (B, T)
     y = torch.stack([ids[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
     if mask is not None:
         y = y.masked_fill(~torch.stack([mask[i + 1 : i + 1 + block_size] for i in ix]), -1)
+    if mask_id is not None:
+        t = 1 - torch.rand(batch_size, 1, generator=generator)  # (B, 1) mask rate in (0, 1]
+        noised = torch.rand(x.shape, generator=generator) < t  # (B, T)
+        x, y = x.masked_fill(noised, mask_id), x.masked_fill(~noised, -1)
     return x.to(device), y.to(device)
 
 
@@ -274,29 +365,41 @@ def get_batch(data, batch_size, block_size, device, generator=None):
 
 
 def validate(cfg):
-    for name in ("batch_size", "grad_accum", "max_steps", "block_size", "eval_every", "eval_iters", "log_every"):
+    positive = ("batch_size", "grad_accum", "max_steps", "block_size", "eval_every", "eval_iters", "log_every")
+    for name in (*positive, "save_every", "denoise_steps"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    check(cfg.save_every > 0, f"--save_every must be positive (got {cfg.save_every})")
     check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.warmup_steps >= 0 and cfg.lr_decay_steps >= 0, "--warmup_steps and --lr_decay_steps must be >= 0")
     check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
-    check(cfg.temperature >= 0 and cfg.top_k >= 0, "--temperature and --top_k must be >= 0")
+    check(min(cfg.temperature, cfg.top_k, cfg.kv_latent_dim) >= 0, "--temperature, --top_k, --kv_latent_dim: >= 0")
+    check(cfg.attention in ("mha", "mla"), f"--attention {cfg.attention!r}: use mha or mla")
+    check(cfg.objective in ("causal", "denoise"), f"--objective {cfg.objective!r}: use causal or denoise")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
 
 
 def model_and_tokenizer(cfg, ckpt):
-    """(model, tokenizer): a resumed run's, a checkpoint's or GPT-2 weights (--init_from), or a new model."""
+    """(model, tokenizer): a resumed run's, a checkpoint's (--init_from ckpt.pt, gpt.py's variants too), GPT-2 weights
+    (--init_from gpt2 or a folder), or a new model (the flags; --attention, --objective)."""
+    if ckpt is None and os.path.isfile(cfg.init_from):  # here, not load_model: that refuses gpt.py's variants
+        ckpt = load_checkpoint(cfg.init_from)
     if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+        try:  # TypeError: model_config fields neither GPTConfig nor the variants know; RuntimeError: other weights
+            model = make_model({**ckpt["model_config"], "dropout": cfg.dropout})
+            model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+        except (RuntimeError, TypeError) as e:
+            die(f"--init_from {cfg.init_from}: not a checkpoint of gpt.py's GPT ({str(e).splitlines()[0]})")
         return model, make_tokenizer(cfg, ckpt["tokenizer"])
     if cfg.init_from != "scratch":
         model, spec, _ = load_model(cfg.init_from, cfg.dropout)
+        model.variant = {}
         return model, make_tokenizer(cfg, spec)
     tok = make_tokenizer(cfg, None)
-    sizes = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
-    return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size, **sizes)), tok
+    sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")}
+    latent = cfg.kv_latent_dim or 2 * cfg.n_embd // 3  # MLA's 2C^2 + 3CL weights: about mha's 4C^2
+    mla = dict(attention="mla", kv_latent_dim=latent) if cfg.attention == "mla" else {}
+    denoise = dict(objective="denoise") if cfg.objective == "denoise" else {}  # its mask token: one more id
+    return make_model({**sizes, "vocab_size": tok.vocab_size + len(denoise), **mla, **denoise}), tok
 
 
 @torch.no_grad()
@@ -340,20 +443,26 @@ def train_step(model, optimizer, scaler, batches, rt, grad_clip):
 
 def write_samples(model, tok, cfg, rt, out_dir):
     """samples.txt: --num_samples continuations of --sample_prompt (every rank takes part: under FSDP the forward
-    is collective). Returns the texts."""
+    is collective), by generate() or, for a denoiser, denoise_generate(). Returns the texts and the sampling speed
+    (generated tokens per second)."""
     prompt = tok.encode(cfg.sample_prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
     prompt = prompt[-(model.config.block_size // 2) :]
     n_new = min(cfg.sample_tokens, model.config.block_size - len(prompt))
     gen = torch.Generator(rt.device).manual_seed(cfg.seed)
     model.eval()
+    t0, top_k = time.time(), cfg.top_k or None
     with rt.autocast():
-        top_k = cfg.top_k or None
-        tokens, mask = generate(model, [prompt] * cfg.num_samples, n_new, cfg.temperature, top_k, tok.eot_id, gen)
+        if model.variant.get("objective") == "denoise":
+            prompts = [prompt] * cfg.num_samples
+            tokens, mask = denoise_generate(model, prompts, n_new, cfg.denoise_steps, cfg.temperature, top_k, gen)
+        else:
+            tokens, mask = generate(model, [prompt] * cfg.num_samples, n_new, cfg.temperature, top_k, tok.eot_id, gen)
+    speed = mask.sum().item() / (time.time() - t0)
     texts = [tok.decode(prompt + t[m > 0].tolist()) for t, m in zip(tokens.cpu(), mask.cpu())]
     if rt.master:
         with open(os.path.join(out_dir, "samples.txt"), "w") as f:
             f.write("\n\n==========\n\n".join(texts) + "\n")
-    return texts
+    return texts, speed
 
 
 def main():
@@ -368,36 +477,37 @@ def main():
     block_size = raw_model.config.block_size
     check(cfg.block_size <= block_size, f"--block_size {cfg.block_size} is longer than the model's {block_size}")
     check(tok.vocab_size <= raw_model.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
-    train_data, val_data = load_splits(cfg, tok)
-    for name, (ids, _) in (("train", train_data), ("val", val_data)):
+    splits = dict(zip(("train", "val"), load_splits(cfg, tok)))
+    for name, (ids, _) in splits.items():
         check(len(ids) > cfg.block_size + 1, f"the {name} split has {len(ids)} tokens; it needs > --block_size + 1")
     model = wrap_model(raw_model.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw_model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step = 0
+    start_step = 0 if ckpt is None else ckpt["step"]
     if ckpt is not None:
         load_optimizer_state(raw_model, optimizer, ckpt["optimizer"], rt)
         restore_rng(ckpt, rt)
         if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again
             scaler.load_state_dict(ckpt["scaler"])
-        start_step = ckpt["step"]
         del ckpt
-    eval_gen = torch.Generator().manual_seed(0)  # the same evaluation batches at every evaluation
-    eval_batches = {
-        split: [get_batch(data, cfg.batch_size, cfg.block_size, "cpu", eval_gen) for _ in range(cfg.eval_iters)]
-        for split, data in (("train", train_data), ("val", val_data))
-    }
+    # --objective denoise: masked batches (get_batch), the mask token being the vocabulary's last id
+    mask_id = raw_model.config.vocab_size - 1 if raw_model.variant.get("objective") == "denoise" else None
+    batch = lambda data, device, gen=None: get_batch(data, cfg.batch_size, cfg.block_size, device, gen, mask_id)
+    fixed = torch.Generator().manual_seed(0)  # the same evaluation batches at every evaluation
+    eval_batches = {name: [batch(data, "cpu", fixed) for _ in range(cfg.eval_iters)] for name, data in splits.items()}
     if rt.master:
         print(
             f"{raw_model.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, device {rt.device}, "
             f"{rt.world_size} process(es), out_dir {out_dir}"
         )
 
+    model_config = {**dataclasses.asdict(raw_model.config), **raw_model.variant}  # a variant's fields: see make_model
+
     def checkpoint(step):
         model_sd, optim_sd = training_state(raw_model, optimizer, rt)
         rngs = all_rng_states(rt)
         if rt.master:
-            state = dict(model=model_sd, model_config=dataclasses.asdict(raw_model.config), tokenizer=tok.spec)
+            state = dict(model=model_sd, model_config=model_config, tokenizer=tok.spec)
             state.update(step=step, optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
             save_checkpoint(ckpt_path, {**state, "config": dataclasses.asdict(cfg)})
 
@@ -416,7 +526,7 @@ def main():
         lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batches = [get_batch(train_data, cfg.batch_size, cfg.block_size, rt.device) for _ in range(cfg.grad_accum)]
+        batches = [batch(splits["train"], rt.device) for _ in range(cfg.grad_accum)]
         train_loss, grad_norm = train_step(model, optimizer, scaler, batches, rt, cfg.grad_clip)
         stop_requested = stop.requested(step + 1, rt)
         stop_if_not_finite(train_loss, step, ckpt_path, rt)
@@ -433,7 +543,7 @@ def main():
             stop.exit(step + 1, out_dir, rt)
     checkpoint(cfg.max_steps)
     logger.close()
-    texts = write_samples(raw_model, tok, cfg, rt, out_dir)
+    texts, sample_speed = write_samples(raw_model, tok, cfg, rt, out_dir)
     if rt.master:
         results = {
             "final_val_loss": last_eval["eval/val_loss"],
@@ -443,6 +553,7 @@ def main():
             "wall_time_s": time.time() - t_start,
             "params": raw_model.num_params(),
             "tokens_per_step": n_tokens,
+            "sample_tokens_per_s": sample_speed,
         }
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
@@ -614,33 +725,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

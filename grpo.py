@@ -50,7 +50,11 @@ Tasks (--task):
     arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
                   by a newline, --format_reward for another well-formed integer followed by a newline, 0 otherwise;
                   start from `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out
-                  set is reported before and after training
+                  set is reported before and after training. With --reward_model (reward_model.py --task orm or prm
+                  on the same tokenizer) the policy is trained on that learned reward instead, scored at the last
+                  token of prompt + completion, and the exact-answer reward is only measured (rl/gold_reward): RLHF
+                  with a known gold reward. The run folder then also holds overoptimization.png, the proxy and the
+                  gold reward against sqrt(KL to the initial policy) (Gao et al. 2022's axes)
     reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
                   through `datasets`, or --data_path .jsonl/.jsonl.gz); the reference is the starting policy
 Where we depart from the papers, on purpose:
@@ -73,12 +77,15 @@ Commands:
     python grpo.py                                                        # next_token on tiny Shakespeare, CPU
     python gpt.py --data arithmetic --digits 1 --out_dir out/arith                 # a warm start, then
     python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --loss_type dapo --clip_eps_high 0.28
+    python reward_model.py --task orm --init_from out/arith/ckpt.pt --digits 1 --out_dir out/orm   # a learned reward
+    python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt  # RLHF, gold known
     python grpo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --device cuda
     torchrun --standalone --nproc_per_node=8 grpo.py --horizon 70         # 8 GPUs, one process each
 
 Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     rl/reward_mean, rl/reward_std  rewards of the step's first sampling round (per sequence; per token for next_token)
     rl/accuracy                    the same rollouts: arithmetic exact answers; next_token tokens equal to the truth
+    rl/gold_reward                 arithmetic with --reward_model: the exact-answer reward of the same rollouts
     rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
     rl/kl, rl/beta                 mean k1 estimate of KL(pi || pi_ref) per token, and the coefficient in use
     rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration); per sequence for gspo
@@ -89,7 +96,8 @@ Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     rl/pg_loss                     the policy-gradient part of the loss (train/loss adds the KL and entropy terms)
     train/loss, train/lr, train/grad_norm
     eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
-                                   format_rate; reward_model: rm_score, kl (per sequence, k1), completion_len
+                                   format_rate, and rm_score with --reward_model (the learned reward of the same
+                                   greedy answers); reward_model: rm_score, kl (per sequence, k1), completion_len
     perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
 """
 
@@ -116,7 +124,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -132,7 +139,7 @@ class Config:
     init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
     tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE; see the docstring)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    reward_model: str = ""  # reward_model task: ckpt.pt written by reward_model.py
+    reward_model: str = ""  # ckpt.pt of reward_model.py: the reward_model task's scorer, or arithmetic's learned reward
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
@@ -262,33 +269,24 @@ def kl_penalty(logp, ref_logp, kind="k3"):
 
 
 def policy_loss(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    loss_type="grpo",
-    clip_eps=0.2,
-    clip_eps_high=None,
-    max_len=None,
-    num_seqs=None,
-    num_tokens=None,
+    logp, old_logp, adv, mask, loss_type="grpo", clip_eps=0.2, eps_high=None, max_len=None, n_seqs=None, num_tokens=None
 ):
     """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high or clip_eps.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = eps_high or clip_eps.
       grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
       dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
       dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
       gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    n_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
-    num_seqs = N if num_seqs is None else num_seqs
+    n_seqs = N if n_seqs is None else n_seqs
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    eps_high = clip_eps if eps_high is None else eps_high
     adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
     log_ratio = logp - old_logp.detach()  # (N, T)
     if loss_type == "gspo":
@@ -296,7 +294,7 @@ def policy_loss(
         ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
         seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
-        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / n_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
         return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
@@ -314,9 +312,9 @@ def policy_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+        loss = (per_token * mask).sum() / (n_seqs * (max_len or T))
     else:
         loss = (per_token * mask).sum() / num_tokens
     n = mask.sum().clamp(min=1)
@@ -350,12 +348,6 @@ class BigramReference:
         self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
         self.pair_counts = counts.float()
         self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
-
-    def to(self, device):
-        self.keys, self.pair_counts, self.prev_counts = (
-            t.to(device) for t in (self.keys, self.pair_counts, self.prev_counts)
-        )
-        return self
 
     def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
         key = prev * self.vocab_size + nxt
@@ -408,7 +400,7 @@ class NextTokenTask:
         logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
         return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
 
-    def correct(self, completion, truth, rewards):
+    def correct(self, completion, mask, truth, rewards):
         return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
 
     @torch.no_grad()
@@ -420,11 +412,8 @@ class NextTokenTask:
             greedy, _ = generate(model, x[:, :C], H, temperature=0)
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        return {
-            "eval/next_token_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
-            "eval/loss": nll.item(),
-            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
-        }, text
+        acc, match = (logits.argmax(-1) == x[:, 1:]).float().mean(), (greedy == x[:, C:]).float().mean()
+        return {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}, text
 
 
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
@@ -445,17 +434,20 @@ def sample_windows(ids, n, context_len, horizon):
 
 
 class ArithmeticTask:
-    """Generated problems; the reward checks the decoded answer (arithmetic_reward)."""
+    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
+    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched."""
 
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
-    def __init__(self, cfg, tok):
+    def __init__(self, cfg, tok, rt):
         self.cfg, self.tok = cfg, tok
         newline = tok.encode("\n")
         check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
         self.eos_id = newline[0]
         rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
         self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+        self.rm = frozen_reward_model(cfg, tok, rt, 2 * cfg.digits + 2 + cfg.horizon) if cfg.reward_model else None
 
     def sample(self, n):
         problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
@@ -464,24 +456,34 @@ class ArithmeticTask:
     def texts(self, completion, mask):
         return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
 
-    def rewards(self, prompts, completion, mask, answers, logits):
+    def gold(self, completion, mask, answers):
+        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
         texts = self.texts(completion, mask)
         r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(texts, answers)]
         return torch.tensor(r, device=completion.device)  # (N,)
 
-    def correct(self, completion, truth, rewards):
-        return (rewards == 1.0).float()
+    def rewards(self, prompts, completion, mask, answers, logits):
+        if self.rm is None:
+            return self.gold(completion, mask, answers)
+        return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+
+    def correct(self, completion, mask, answers, rewards):
+        return (self.gold(completion, mask, answers) == 1.0).float()
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
         with rt.autocast():
             completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+            rm_scores = None if self.rm is None else reward_model_scores(self.rm, prompts, completion, mask)
         texts = self.texts(completion, mask)
         scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
         well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
         shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
-        return {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}, shown
+        metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
+        if self.rm is not None:  # the proxy's view of the same greedy answers
+            metrics["eval/rm_score"] = rm_scores.mean().item()
+        return metrics, shown
 
 
 HH_TURN = "\n\nAssistant:"
@@ -510,6 +512,48 @@ class RewardModel(nn.Module):
         return self.head(h).squeeze(-1).float()
 
 
+@torch.no_grad()
+def reward_model_scores(rm, prompts, completion, mask):
+    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
+    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+
+
+def frozen_reward_model(cfg, tok, rt, longest):
+    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
+    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+    size = rm.body.config.block_size
+    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+    return rm.to(rt.device)
+
+
+def plot_overoptimization(metrics_path, png_path, kl_per_token):
+    """overoptimization.png, Gao et al. 2022's axes: the proxy (the learned reward) and the gold reward of each step's
+    rollouts against sqrt(KL to the initial policy), KL per completion in nats (a per-token rl/kl times the mean
+    completion length). Dots are steps, lines the means of tenths of them in KL order. Over-optimisation: the proxy
+    keeps rising while the gold reward falls."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
+
+    rows = [r for r in read_metrics(metrics_path) if "rl/gold_reward" in r and "rl/kl" in r]
+    kl = [max(r["rl/kl"] * (r["rl/completion_len"] if kl_per_token else 1), 0.0) for r in rows]  # k1 can dip < 0
+    rows = [(math.sqrt(k), r) for k, r in sorted(zip(kl, rows), key=lambda pair: pair[0])]
+    fig = Figure(figsize=(6, 4), layout="tight")
+    gold_ax = fig.subplots()
+    proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
+    n = max(1, len(rows) // 10)
+    bins = lambda v: [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]  # means of tenths
+    for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
+        x, y = [d for d, _ in rows], [r[key] for _, r in rows]
+        color = "tab:green" if ax is gold_ax else "tab:blue"
+        ax.plot(x, y, ".", color=color, alpha=0.3)
+        ax.plot(bins(x), bins(y), "-", color=color, label=name)
+        ax.set_ylabel(name + (" (exact answer)" if ax is gold_ax else " (reward model score)"))
+    gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
+    fig.legend(loc="upper left")
+    fig.savefig(png_path, dpi=100)
+
+
 def load_reward_model(path):
     """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
     ckpt = load_checkpoint(path)
@@ -528,13 +572,7 @@ class RewardModelTask:
     def __init__(self, cfg, tok, rt):
         self.cfg, self.tok, self.eos_id = cfg, tok, tok.eot_id
         check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm, rm_tok, _ = load_reward_model(cfg.reward_model)
-        check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-        check(
-            cfg.max_prompt_len + cfg.horizon <= self.rm.body.config.block_size,
-            f"--max_prompt_len + --horizon exceeds the reward model's block_size {self.rm.body.config.block_size}",
-        )
-        self.rm.to(rt.device)
+        self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
         if cfg.data_path:
             records = read_jsonl(cfg.data_path, ["chosen"])
             chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
@@ -557,13 +595,10 @@ class RewardModelTask:
     def sample(self, n):
         return [random.choice(self.train_prompts) for _ in range(n)], None
 
-    @torch.no_grad()
-    def rewards(self, prompts, completion, mask, info=None, logits=None):
-        """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
-        rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-        return self.rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+    def rewards(self, prompts, completion, mask, info, logits):
+        return reward_model_scores(self.rm, prompts, completion, mask)
 
-    def correct(self, completion, truth, rewards):
+    def correct(self, completion, mask, truth, rewards):
         return None
 
     @torch.no_grad()
@@ -574,7 +609,7 @@ class RewardModelTask:
             completion, mask = sample_completions(
                 model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
             )
-            scores = self.rewards(prompts, completion, mask)
+            scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
             H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
             logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
@@ -584,12 +619,8 @@ class RewardModelTask:
             f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
             for p, t, m, s in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4]
         )
-        metrics = {
-            "eval/rm_score": scores.mean().item(),
-            "eval/kl": kl.mean().item(),
-            "eval/completion_len": mask.sum(1).mean().item(),
-        }
-        return metrics, shown
+        metrics = {"eval/rm_score": scores.mean().item(), "eval/kl": kl.mean().item()}
+        return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -628,38 +659,33 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     if collective and eos_id is not None:
         is_end = (tokens == eos_id).float()
         mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
-    pad = horizon - tokens.size(1)
-    if pad:
-        tokens = F.pad(tokens, (0, pad), value=eos_id if eos_id is not None else 0)
-        mask = F.pad(mask, (0, pad))
-    return tokens, mask
+    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
+    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
 
 
 def collect(task, raw, ref, cfg, rt, n_prompts):
     """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
     sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
-    vocabulary), then the rewards. Returns a dict of per-row tensors (and lists: prompts, arithmetic's answers)."""
+    vocabulary), then the rewards. Returns a dict of per-row tensors (and lists: prompts, arithmetic's answers).
+    The policy samples in train mode: it has no dropout, so train and eval modes compute the same."""
     G, H, top_k = cfg.group_size, cfg.horizon, cfg.top_k or None
     prompts, info = task.sample(n_prompts)
     rows = [p for p in prompts for _ in range(G)]
-    raw.eval()
     with torch.no_grad(), rt.autocast():
         completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt)  # (N, H), (N, H)
-    raw.train()
-    truncated = torch.zeros(len(rows), dtype=torch.bool, device=rt.device)
-    if task.eos_id is not None:
-        truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
-    if isinstance(info, torch.Tensor):
-        info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
-    elif info is not None:
-        info = [x for x in info for _ in range(G)]
-    seq, attn = join(rows, completion)
-    old_logp, ref_logp, rewards = [], [], []
-    n_micro = len(rows) // cfg.grad_accum
-    # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-    # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
-    policy_pass = cfg.num_iterations > 1 or task.needs_logits
-    with torch.no_grad(), rt.autocast():
+        truncated = torch.zeros(len(rows), dtype=torch.bool, device=rt.device)
+        if task.eos_id is not None:
+            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+        if isinstance(info, torch.Tensor):
+            info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
+        elif info is not None:
+            info = [x for x in info for _ in range(G)]
+        seq, attn = join(rows, completion)
+        old_logp, ref_logp, rewards = [], [], []
+        n_micro = len(rows) // cfg.grad_accum
+        # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
+        # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
+        policy_pass = cfg.num_iterations > 1 or task.needs_logits
         for i in range(0, len(rows), n_micro):
             cut = slice(i, i + n_micro)
             s, a = seq[cut], None if attn is None else attn[cut]
@@ -688,15 +714,13 @@ def zero_std_groups(rewards, group_size):
 
 def take_rows(batches, rows):
     """The rows (N,) of collected batches put end to end: tensors indexed, lists picked, None kept."""
-    out = {}
-    for key, value in batches[0].items():
+    out = dict(batches[0])  # None stays None
+    for key, value in out.items():
         if isinstance(value, torch.Tensor):
             out[key] = torch.cat([b[key] for b in batches])[rows]
         elif isinstance(value, list):
             every = [x for b in batches for x in b[key]]
             out[key] = [every[i] for i in rows.tolist()]
-        else:
-            out[key] = value
     return out
 
 
@@ -743,20 +767,20 @@ def compute_advantages(rewards, mask, kind, group_size, scale, rt):
 def rollout_metrics(task, first, batch, group_size, rt):
     """rl/ metrics of the step's rollouts over every rank's rows (each rank holds as many): rewards, accuracy and
     groups without signal of the first sampling round, lengths of the batch trained on."""
-    correct = task.correct(first["completion"], first["info"], first["rewards"])  # (N,) or None
+    correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
+    learned = isinstance(task, ArithmeticTask) and task.rm is not None  # a proxy reward: measure the gold one too
+    gold = task.gold(first["completion"], first["mask"], first["info"]) if learned else None
     rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
     if rewards.dim() == 2:  # per token: the real ones
         rewards = rewards[gather_rows(first["mask"], rt) > 0]
     zero = gather_rows(zero_std_groups(first["rewards"], group_size).float(), rt)
     lengths = gather_rows(torch.stack([batch["mask"].sum(1), batch["truncated"].float()], 1), rt).mean(0)
-    return {
-        "rl/reward_mean": rewards.mean().item(),
-        "rl/reward_std": rewards.std().item(),
-        "rl/accuracy": None if correct is None else gather_rows(correct, rt).mean().item(),
-        "rl/zero_std_frac": zero.mean().item(),
-        "rl/completion_len": lengths[0].item(),
-        "rl/truncated_frac": lengths[1].item() if task.eos_id is not None else None,
-    }
+    metrics = {"rl/reward_mean": rewards.mean().item(), "rl/reward_std": rewards.std().item()}
+    metrics["rl/accuracy"] = None if correct is None else gather_rows(correct, rt).mean().item()
+    metrics["rl/gold_reward"] = None if gold is None else gather_rows(gold, rt).mean().item()
+    metrics.update({"rl/zero_std_frac": zero.mean().item(), "rl/completion_len": lengths[0].item()})
+    metrics["rl/truncated_frac"] = lengths[1].item() if task.eos_id is not None else None
+    return metrics
 
 
 # the loss's parts, summed over micro-batches and ranks (each normalised by the whole step's counts)
@@ -770,15 +794,14 @@ def update_policy(run, batch, adv, beta):
     the last iteration's STATS (rl/kl: the k1 estimate, whatever --kl_estimator) and its gradient norm."""
     cfg, rt, H, top_k = run.cfg, run.rt, run.cfg.horizon, run.cfg.top_k or None
     seq, attn = join(batch["prompts"], batch["completion"])
-    mask, ref_logp = batch["mask"].clone(), batch["ref_logp"]
-    if cfg.mask_truncated:
-        mask[batch["truncated"]] = 0.0
+    mask = batch["mask"] * ~batch["truncated"][:, None] if cfg.mask_truncated else batch["mask"]  # DAPO's filter
     N = len(batch["prompts"])
     n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
     n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
-    settings = dict(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or None, max_len=H)
-    settings.update(num_seqs=n_seqs, num_tokens=n_tokens)
+    token_mean = lambda x, m: (x * m).sum() / n_tokens  # a micro-batch's share of a token mean over the whole step
+    settings = dict(clip_eps=cfg.clip_eps, eps_high=cfg.clip_eps_high or None, max_len=H)
+    settings.update(n_seqs=n_seqs, num_tokens=n_tokens)
     for _ in range(cfg.num_iterations):
         sums = torch.zeros(len(STATS), device=rt.device)  # this rank's share of each of STATS
         for i in range(0, N, n_micro):
@@ -789,22 +812,17 @@ def update_policy(run, batch, adv, beta):
                 logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
             old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
             pg_loss, stats = policy_loss(logp, old_logp, adv[rows], m, cfg.loss_type, **settings)
-            loss = pg_loss
-            if ref_logp is not None:
-                kl = (kl_penalty(logp, ref_logp[rows], cfg.kl_estimator) * m).sum() / n_tokens
-                loss = loss + beta * kl
-            entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
-            entropy = (entropies * m).sum() / n_tokens
-            loss = loss - cfg.entropy_coef * entropy
+            # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
+            ref = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
+            kl = token_mean(kl_penalty(logp, ref, cfg.kl_estimator), m)
+            entropy = token_mean(entropies if cfg.entropy_coef > 0 else entropies.detach(), m)  # a bonus, or logged
+            loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
             with torch.no_grad():
-                # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
-                share = n_micro / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
-                k1 = kl_penalty(logp, ref_logp[rows], "k1") if ref_logp is not None else logp * 0
-                kl1 = (k1 * m).sum() / n_tokens
-                sums += torch.stack(
-                    [loss, pg_loss, kl1, entropy, stats["clip_frac"] * share, stats["ratio_mean"] * share]
-                )
+                # the stats' part of the step: its tokens, or for gspo (per-sequence stats) its sequences
+                part = n_micro / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
+                k1 = token_mean(kl_penalty(logp, ref, "k1"), m)  # rl/kl, whatever --kl_estimator
+                sums += torch.stack([loss, pg_loss, k1, entropy, stats["clip_frac"] * part, stats["ratio_mean"] * part])
         run.scaler.unscale_(run.optimizer)
         grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
         run.scaler.step(run.optimizer)
@@ -825,26 +843,18 @@ def training_step(run, step):
         group["lr"] = lr
     batch, first, rounds = sample_batch(run)  # 1-3. rollouts, log-probs, rewards
     t_rollout = time.time() - t0
-    rollout_tokens = rounds * len(batch["prompts"]) * cfg.horizon * rt.world_size
     # 4. advantages, (N,) or (N, H)
     adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt)
     warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
     beta = cfg.beta_kl * warm if run.ref is not None else 0.0
     sums, grad_norm = update_policy(run, batch, adv, beta)  # 5. policy update
     run.tokens += int(all_reduce(batch["mask"].sum(), rt).item())
-    metrics = {
-        **rollout_metrics(run.task, first, batch, G, rt),
-        **dict(zip(STATS, sums.tolist())),
-        "rl/beta": beta,
-        "rl/sampling_rounds": rounds,
-        "rl/tokens": run.tokens,
-        "train/lr": lr,
-        "train/grad_norm": grad_norm.item(),
-        "perf/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
-        "perf/rollout_ms": 1000 * t_rollout,
-        "perf/step_ms": 1000 * (time.time() - t0),
-        "perf/peak_mem_mb": peak_memory_mb(rt),
-    }
+    metrics = {**rollout_metrics(run.task, first, batch, G, rt), **dict(zip(STATS, sums.tolist()))}
+    metrics.update({"rl/beta": beta, "rl/sampling_rounds": rounds, "rl/tokens": run.tokens, "train/lr": lr})
+    metrics.update({"train/grad_norm": grad_norm.item(), "perf/rollout_ms": 1000 * t_rollout})
+    rollout_tokens = rounds * batch["mask"].numel() * rt.world_size
+    metrics["perf/rollout_tokens_per_s"] = rollout_tokens / max(t_rollout, 1e-9)
+    metrics.update({"perf/peak_mem_mb": peak_memory_mb(rt), "perf/step_ms": 1000 * (time.time() - t0)})
     if run.ref is None:
         metrics["rl/kl"] = None  # no reference, no KL
     return metrics
@@ -873,41 +883,27 @@ def resolve_clip(cfg):
 
 def validate(cfg):
     """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
-    positive = (
-        "horizon batch_size max_steps num_iterations grad_accum eval_every eval_size log_every save_every n_layer "
-        "n_head n_embd block_size max_sampling_rounds context_len max_prompt_len digits lr clip_eps"
-    ).split()
-    for name in positive:
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    non_negative = (
-        "min_lr beta_kl kl_warmup_tokens entropy_coef clip_eps_high grad_clip weight_decay warmup_steps top_k"
-    )
-    for name in non_negative.split():
-        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
-    check(
-        cfg.group_size >= 2, f"--group_size must be >= 2: GRPO compares completions of a group (got {cfg.group_size})"
-    )
+    positive = "horizon batch_size max_steps num_iterations grad_accum eval_every eval_size log_every save_every"
+    positive += " n_layer n_head n_embd block_size max_sampling_rounds context_len max_prompt_len digits lr clip_eps"
+    zero_ok = "min_lr beta_kl kl_warmup_tokens entropy_coef clip_eps_high grad_clip weight_decay warmup_steps top_k"
+    for name in f"{positive} {zero_ok}".split():
+        value, can_be_zero = getattr(cfg, name), name in zero_ok.split()
+        bound = ">= 0" if can_be_zero else "positive"
+        check(value > 0 or (can_be_zero and value == 0), f"--{name} must be {bound} (got {value})")
+    check(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO compares the completions of a group (at least 2)")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
-    check(
-        cfg.kl_estimator != "k1", "--kl_estimator k1: zero expected gradient as a loss term (k1 belongs in the reward)"
-    )
-    choices = {
-        "task": ("next_token", "arithmetic", "reward_model"),
-        "tokenizer": ("gpt2", "char"),
-        "reward_mode": ("plus1", "pm1"),
-        "adv": ("auto", "group", "rloo", "process"),
-        "scale_rewards": ("group", "batch", "none"),
-        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
-        "kl_estimator": ("k2", "k3"),
-        "reference": ("auto", "bigram", "random", "init", "none"),
-    }
+    check(cfg.kl_estimator != "k1", "--kl_estimator k1: zero expected gradient as a loss term (it belongs in a reward)")
+    choices = dict(task="next_token arithmetic reward_model", tokenizer="gpt2 char", reward_mode="plus1 pm1")
+    choices.update(adv="auto group rloo process", scale_rewards="group batch none", kl_estimator="k2 k3")
+    choices.update(loss_type="grpo dapo dr_grpo gspo cispo reinforce", reference="auto bigram random init none")
     for name, allowed in choices.items():
-        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+        check(getattr(cfg, name) in allowed.split(), f"--{name} {getattr(cfg, name)!r}: use one of {allowed}")
     check(cfg.adv != "process" or cfg.task == "next_token", "--adv process needs per-token rewards (--task next_token)")
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
+    check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
 
 
@@ -918,11 +914,9 @@ def setup(cfg):
     out_dir = prepare_out_dir(cfg, "grpo", rt)
     run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit())
     run.ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = spec = None
-    if cfg.resume:
-        model, spec, ckpt = load_model(run.ckpt_path)
-    elif cfg.init_from != "scratch":
-        model, spec, _ = load_model(cfg.init_from)
+    source = run.ckpt_path if cfg.resume else cfg.init_from
+    model, spec, ckpt = load_model(source) if source != "scratch" else (None, None, None)
+    ckpt = ckpt if cfg.resume else None  # a ckpt.pt given to --init_from gives its weights, not its state
     text = path = None
     if cfg.task == "next_token":
         path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
@@ -939,22 +933,21 @@ def setup(cfg):
     if cfg.task == "next_token":
         run.task, prompt_len = NextTokenTask(cfg, run.tok, text, path), cfg.context_len
     elif cfg.task == "arithmetic":
-        run.task, prompt_len = ArithmeticTask(cfg, run.tok), 2 * cfg.digits + 2
+        run.task, prompt_len = ArithmeticTask(cfg, run.tok, rt), 2 * cfg.digits + 2
     else:
         run.task, prompt_len = RewardModelTask(cfg, run.tok, rt), cfg.max_prompt_len
     longest, block_size = prompt_len + cfg.horizon, model.config.block_size
     check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
     run.raw = model.to(rt.device)
     run.adv_kind = cfg.adv if cfg.adv != "auto" else ("process" if cfg.task == "next_token" else "group")
-    run.reference = cfg.reference
-    if run.reference == "auto":
-        run.reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
+    text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
+    run.reference = cfg.reference if cfg.reference != "auto" else ("bigram" if text_from_scratch else "init")
 
     # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
     broadcast_weights(model, rt)
     run.ref = None
     if run.reference == "bigram":
-        run.ref = BigramReference(run.task.train_ids, model.config.vocab_size).to(rt.device)
+        run.ref = BigramReference(run.task.train_ids.to(rt.device), model.config.vocab_size)
     elif run.reference in ("random", "init"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
@@ -975,19 +968,17 @@ def setup(cfg):
         run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
     if rt.master:
         print(
-            f"{model.num_params() / 1e6:.2f}M parameters, vocab {run.tok.vocab_size}, task {cfg.task}, loss "
-            f"{cfg.loss_type}, adv {run.adv_kind}, reference {run.reference}, device {rt.device}, {rt.world_size} "
-            f"process(es), out_dir {out_dir}"
+            f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}, {cfg.task}, loss {cfg.loss_type}, "
+            f"adv {run.adv_kind}, reference {run.reference}, {rt.world_size} x {rt.device}, out_dir {out_dir}"
         )
     return run
 
 
 def evaluate_policy(run, step, logger):
-    """The task's evaluation of the policy, logged, and its samples appended to samples.txt."""
-    run.raw.eval()
+    """The task's evaluation of the policy, logged, and its samples appended to samples.txt. The policy stays in
+    train mode: it has no dropout, so both modes compute the same."""
     ref = run.ref if isinstance(run.ref, GPT) else None
     metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
-    run.raw.train()
     run.first_eval = run.first_eval or metrics
     logger.log(step, {**metrics, "rl/tokens": run.tokens})
     if run.rt.master:
@@ -1004,8 +995,7 @@ def save(run, step):
         ckpt = {"model": model_sd, "model_config": dataclasses.asdict(run.raw.config), "tokenizer": run.tok.spec}
         ckpt.update(step=step, optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(run.cfg))
         ckpt.update(scaler=run.scaler.state_dict(), tokens=run.tokens, first_eval=run.first_eval)
-        if run.reference == "init":
-            ckpt["reference"] = run.ref.state_dict()
+        ckpt["reference"] = run.ref.state_dict() if run.reference == "init" else None  # a resume reloads it
         save_checkpoint(run.ckpt_path, ckpt)
 
 
@@ -1020,6 +1010,9 @@ def write_results(run, last_eval, wall_time_s):
         json.dump(results, f, indent=2)
     summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
     print(f"{cfg.task} ({cfg.loss_type}): {summary}; {wall_time_s:.0f} s")
+    if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
+        metrics_path = os.path.join(run.out_dir, "metrics.jsonl")
+        plot_overoptimization(metrics_path, os.path.join(run.out_dir, "overoptimization.png"), kl_per_token=True)
 
 
 def main():
@@ -1029,12 +1022,10 @@ def main():
     rt = run.rt
     save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
-    t_start, last_eval = time.time(), {}
-    for step in range(run.start_step, cfg.max_steps + 1):
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = evaluate_policy(run, step, logger)
-        if step == cfg.max_steps:
-            break
+    t_start = time.time()
+    for step in range(run.start_step, cfg.max_steps):
+        if step % cfg.eval_every == 0:
+            evaluate_policy(run, step, logger)
         metrics = training_step(run, step)
         stop_requested = run.stop.requested(step + 1, rt)
         stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, rt)
@@ -1045,6 +1036,7 @@ def main():
             save(run, step + 1)
         if stop_requested:
             run.stop.exit(step + 1, run.out_dir, rt)
+    last_eval = evaluate_policy(run, cfg.max_steps, logger)
     save(run, cfg.max_steps)
     logger.close()
     if rt.master:
@@ -1215,33 +1207,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

@@ -46,7 +46,10 @@ Tasks (--task), as in grpo.py:
     arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
                   by a newline, --format_reward for another well-formed integer so ended, 0 otherwise; start from
                   `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out set is
-                  reported before and after training
+                  reported before and after training. With --reward_model (reward_model.py --task orm or prm on the
+                  same tokenizer) the policy is trained on that learned reward instead and the exact-answer reward is
+                  only measured (rl/gold_reward); the run folder then also holds overoptimization.png, the proxy and
+                  gold rewards against sqrt(KL to the initial policy per completion) (Gao et al. 2022's axes)
     reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
                   through `datasets`, or --data_path .jsonl/.jsonl.gz)
 The reference of the KL penalty (--reference): the starting policy (init), a bigram model of the training text
@@ -61,6 +64,7 @@ Commands:
     python ppo.py                                                         # next_token on tiny Shakespeare, CPU
     python gpt.py --data arithmetic --digits 1 --out_dir out/arith                 # a warm start, then
     python ppo.py --task arithmetic --init_from out/arith/ckpt.pt --batch_size 256 --horizon 4
+    python ppo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt --horizon 4  # RLHF
     python ppo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --value_init \
         reward_model --device cuda                                        # RLHF: one GPU
     torchrun --standalone --nproc_per_node=8 ppo.py --task reward_model --init_from out/sft/ckpt.pt \
@@ -76,12 +80,14 @@ Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, a
                                    fewer than --ppo_epochs after an early stop)
     rl/reward_mean, rl/reward_std  task rewards before the KL penalty (per sequence; per token for next_token)
     rl/accuracy                    arithmetic exact answers; next_token tokens equal to the truth
+    rl/gold_reward                 arithmetic with --reward_model: the exact-answer reward of the same rollouts
     rl/kl, rl/kl_coef              mean per-sequence KL to the reference (k1 summed over tokens), the coefficient used
     rl/returns_mean, rl/value_mean mean G_t and V_old(s_t) over completion tokens
     rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end token;
                                    completion tokens generated so far, all ranks
     eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
-                                   format_rate; reward_model: rm_score, kl (per sequence, k1), completion_len
+                                   format_rate, and rm_score with --reward_model (the learned reward of the same
+                                   greedy answers); reward_model: rm_score, kl (per sequence, k1), completion_len
     perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
 """
 
@@ -101,13 +107,13 @@ import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tiktoken
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,7 +129,7 @@ class Config:
     init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
     tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    reward_model: str = ""  # ckpt.pt written by reward_model.py: the reward_model task's scorer, or --value_init
+    reward_model: str = ""  # ckpt.pt of reward_model.py: reward_model task scorer, arithmetic learned reward, --value_init
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
@@ -272,8 +278,7 @@ def ppo_policy_loss(logp, old_logp, adv, mask, clip_eps=0.2, dual_clip=None, num
     mask = mask.float()
     log_ratio = logp - old_logp.detach()  # (N, T)
     ratio = log_ratio.exp()
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (N, T) each: plain and clipped
     per_token = torch.max(pg1, pg2)  # (N, T)
     dual = torch.zeros_like(per_token, dtype=torch.bool)
     if dual_clip is not None:
@@ -332,12 +337,6 @@ class BigramReference:
         self.pair_counts = counts.float()
         self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
 
-    def to(self, device):
-        self.keys, self.pair_counts, self.prev_counts = (
-            t.to(device) for t in (self.keys, self.pair_counts, self.prev_counts)
-        )
-        return self
-
     def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
         key = prev * self.vocab_size + nxt
         i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
@@ -389,7 +388,7 @@ class NextTokenTask:
         logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
         return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
 
-    def correct(self, completion, truth, rewards):
+    def correct(self, completion, mask, truth, rewards):
         return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
 
     @torch.no_grad()
@@ -401,11 +400,8 @@ class NextTokenTask:
             greedy, _ = generate(model, x[:, :C], H, temperature=0)
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        return {
-            "eval/next_token_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
-            "eval/loss": nll.item(),
-            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
-        }, text
+        acc, match = (logits.argmax(-1) == x[:, 1:]).float().mean(), (greedy == x[:, C:]).float().mean()
+        return {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}, text
 
 
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
@@ -426,17 +422,20 @@ def sample_windows(ids, n, context_len, horizon):
 
 
 class ArithmeticTask:
-    """Generated problems; the reward checks the decoded answer (arithmetic_reward)."""
+    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
+    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched."""
 
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
-    def __init__(self, cfg, tok):
+    def __init__(self, cfg, tok, rt):
         self.cfg, self.tok = cfg, tok
         newline = tok.encode("\n")
         check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
         self.eos_id = newline[0]
         rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
         self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+        self.rm = frozen_reward_model(cfg, tok, rt, 2 * cfg.digits + 2 + cfg.horizon) if cfg.reward_model else None
 
     def sample(self, n):
         problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
@@ -445,24 +444,34 @@ class ArithmeticTask:
     def texts(self, completion, mask):
         return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
 
-    def rewards(self, prompts, completion, mask, answers, logits):
+    def gold(self, completion, mask, answers):
+        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
         texts = self.texts(completion, mask)
         r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(texts, answers)]
         return torch.tensor(r, device=completion.device)  # (N,)
 
-    def correct(self, completion, truth, rewards):
-        return (rewards == 1.0).float()
+    def rewards(self, prompts, completion, mask, answers, logits):
+        if self.rm is None:
+            return self.gold(completion, mask, answers)
+        return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+
+    def correct(self, completion, mask, answers, rewards):
+        return (self.gold(completion, mask, answers) == 1.0).float()
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
         with rt.autocast():
             completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+            rm_scores = None if self.rm is None else reward_model_scores(self.rm, prompts, completion, mask)
         texts = self.texts(completion, mask)
         scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
         well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
         shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
-        return {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}, shown
+        metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
+        if self.rm is not None:  # the proxy's view of the same greedy answers
+            metrics["eval/rm_score"] = rm_scores.mean().item()
+        return metrics, shown
 
 
 HH_TURN = "\n\nAssistant:"
@@ -491,6 +500,48 @@ class RewardModel(nn.Module):
         return self.head(h).squeeze(-1).float()
 
 
+@torch.no_grad()
+def reward_model_scores(rm, prompts, completion, mask):
+    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
+    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+
+
+def frozen_reward_model(cfg, tok, rt, longest):
+    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
+    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+    size = rm.body.config.block_size
+    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+    return rm.to(rt.device)
+
+
+def plot_overoptimization(metrics_path, png_path, kl_per_token):
+    """overoptimization.png, Gao et al. 2022's axes: the proxy (the learned reward) and the gold reward of each step's
+    rollouts against sqrt(KL to the initial policy), KL per completion in nats (a per-token rl/kl times the mean
+    completion length). Dots are steps, lines the means of tenths of them in KL order. Over-optimisation: the proxy
+    keeps rising while the gold reward falls."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
+
+    rows = [r for r in read_metrics(metrics_path) if "rl/gold_reward" in r and "rl/kl" in r]
+    kl = [max(r["rl/kl"] * (r["rl/completion_len"] if kl_per_token else 1), 0.0) for r in rows]  # k1 can dip < 0
+    rows = [(math.sqrt(k), r) for k, r in sorted(zip(kl, rows), key=lambda pair: pair[0])]
+    fig = Figure(figsize=(6, 4), layout="tight")
+    gold_ax = fig.subplots()
+    proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
+    n = max(1, len(rows) // 10)
+    bins = lambda v: [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]  # means of tenths
+    for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
+        x, y = [d for d, _ in rows], [r[key] for _, r in rows]
+        color = "tab:green" if ax is gold_ax else "tab:blue"
+        ax.plot(x, y, ".", color=color, alpha=0.3)
+        ax.plot(bins(x), bins(y), "-", color=color, label=name)
+        ax.set_ylabel(name + (" (exact answer)" if ax is gold_ax else " (reward model score)"))
+    gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
+    fig.legend(loc="upper left")
+    fig.savefig(png_path, dpi=100)
+
+
 def load_reward_model(path):
     """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
     ckpt = load_checkpoint(path)
@@ -509,13 +560,7 @@ class RewardModelTask:
     def __init__(self, cfg, tok, rt):
         self.cfg, self.tok, self.eos_id = cfg, tok, tok.eot_id
         check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm, rm_tok, _ = load_reward_model(cfg.reward_model)
-        check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-        check(
-            cfg.max_prompt_len + cfg.horizon <= self.rm.body.config.block_size,
-            f"--max_prompt_len + --horizon exceeds the reward model's block_size {self.rm.body.config.block_size}",
-        )
-        self.rm.to(rt.device)
+        self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
         if cfg.data_path:
             records = read_jsonl(cfg.data_path, ["chosen"])
             chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
@@ -538,13 +583,10 @@ class RewardModelTask:
     def sample(self, n):
         return [random.choice(self.train_prompts) for _ in range(n)], None
 
-    @torch.no_grad()
-    def rewards(self, prompts, completion, mask, info=None, logits=None):
-        """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
-        rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-        return self.rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+    def rewards(self, prompts, completion, mask, info, logits):
+        return reward_model_scores(self.rm, prompts, completion, mask)
 
-    def correct(self, completion, truth, rewards):
+    def correct(self, completion, mask, truth, rewards):
         return None
 
     @torch.no_grad()
@@ -555,7 +597,7 @@ class RewardModelTask:
             completion, mask = sample_completions(
                 model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
             )
-            scores = self.rewards(prompts, completion, mask)
+            scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
             H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
             logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
@@ -565,12 +607,8 @@ class RewardModelTask:
             f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
             for p, t, m, s in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4]
         )
-        metrics = {
-            "eval/rm_score": scores.mean().item(),
-            "eval/kl": kl.mean().item(),
-            "eval/completion_len": mask.sum(1).mean().item(),
-        }
-        return metrics, shown
+        metrics = {"eval/rm_score": scores.mean().item(), "eval/kl": kl.mean().item()}
+        return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -637,33 +675,33 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     if collective and eos_id is not None:
         is_end = (tokens == eos_id).float()
         mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
-    pad = horizon - tokens.size(1)
-    if pad:
-        tokens = F.pad(tokens, (0, pad), value=eos_id if eos_id is not None else 0)
-        mask = F.pad(mask, (0, pad))
-    return tokens, mask
+    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
+    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
 
 
-def logprobs_and_values(actor, critic, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
-    """Log-probs (N, H) of the last H tokens of seq (N, P+H) under the sampling distribution (temperature, top_k),
-    with entropy=True the entropy of that distribution there (else None), and the values (N, H) read at the same
-    positions: the value of completion token t is V(s_t), read at the position that predicts it. critic None: the
-    actor is a PolicyWithValueHead and one forward gives all three."""
+def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
+    """Log-probs (N, H) of the last H = --horizon tokens of seq (N, P+H) under the sampling distribution
+    (--temperature, --top_k), with entropy=True the entropy of that distribution there (else None), and the values
+    (N, H) read at the same positions: the value of completion token t is V(s_t), read at the position that predicts
+    it. critic None: the actor is a PolicyWithValueHead and one forward gives all three."""
+    H = cfg.horizon
     x, a, y = seq[:, :-1], None if attn is None else attn[:, :-1], seq[:, -H:]
-    dist = dict(output="logprobs", entropy=entropy, temperature=temperature, top_k=top_k)
+    dist = dict(output="logprobs", entropy=entropy, temperature=cfg.temperature, top_k=cfg.top_k or None)
     out = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
     return out if critic is None else (*out, critic(x, attention_mask=a)[:, -H:])
 
 
 @torch.no_grad()
-def rollout(task, actor, critic, ref, cfg, rt, n_micro):
-    """ALGO LOGIC 1-2: sample one completion per prompt, then no-grad passes (n_micro rows at a time) for the
-    sampling policy's log-probs and values, the reference's log-probs and the task's rewards (per-row tensors)."""
-    H, T, top_k = cfg.horizon, cfg.temperature, cfg.top_k or None
+def rollout(run):
+    """ALGO LOGIC 1-2: sample one completion per prompt, then no-grad passes (as many rows at a time as an update's
+    forward pass) for the sampling policy's log-probs and values, the reference's log-probs (the policy's own without
+    a reference: no penalty) and the task's rewards. Returns the batch, per-row tensors."""
+    cfg, rt, task, actor, ref = run.cfg, run.rt, run.task, run.actor, run.ref
+    H, T, n_micro = cfg.horizon, cfg.temperature, cfg.batch_size // cfg.num_minibatches // cfg.grad_accum
     prompts, info = task.sample(cfg.batch_size)
     actor.eval()
     with rt.autocast():
-        completion, mask = sample_completions(actor, prompts, H, T, top_k, task.eos_id, rt)  # (N, H), (N, H)
+        completion, mask = sample_completions(actor, prompts, H, T, cfg.top_k or None, task.eos_id, rt)  # (N, H) x2
     actor.train()
     truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
     if task.eos_id is not None:
@@ -671,49 +709,42 @@ def rollout(task, actor, critic, ref, cfg, rt, n_micro):
     if isinstance(info, torch.Tensor):
         info = info.to(rt.device)  # (N, H)
     seq, attn = join(prompts, completion)
-    old_logp, old_values, ref_logp, scores = [], [], [], []
+    parts = []  # per micro-batch: old log-probs, old values, reference log-probs, task rewards
     with rt.autocast():
         for i in range(0, len(prompts), n_micro):
             rows = slice(i, i + n_micro)
             s, a = seq[rows], None if attn is None else attn[rows]
-            logp, _, values = logprobs_and_values(actor, critic, s, a, H, temperature=T, top_k=top_k)  # (n, H) each
+            logp, _, values = logprobs_and_values(actor, run.critic, s, a, cfg)  # (n, H) each
             logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
-            old_logp.append(logp)
-            old_values.append(values)
+            ref_logp = logp  # no reference: k1 = 0
             if isinstance(ref, BigramReference):
-                ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
+                ref_logp = ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
             elif ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
-                ref_logp.append(completion_logprobs(ref, s, a, H, temperature=T)[0])
+                ref_logp = completion_logprobs(ref, s, a, H, temperature=T)[0]
             part = None if info is None else info[rows]
-            scores.append(task.rewards(prompts[rows], completion[rows], mask[rows], part, logits))
+            scores = task.rewards(prompts[rows], completion[rows], mask[rows], part, logits)  # (n,) or (n, H)
+            parts.append((logp, values.float(), ref_logp.float(), scores.float()))
     batch = dict(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
-    batch["old_logp"], batch["old_values"] = torch.cat(old_logp), torch.cat(old_values).float()  # (N, H) each
-    batch["ref_logp"] = torch.cat(ref_logp).float() if ref_logp else None  # (N, H)
-    batch["scores"] = torch.cat(scores).float()  # (N,) or (N, H)
-    return batch
+    return batch | dict(zip(("old_logp", "old_values", "ref_logp", "scores"), map(torch.cat, zip(*parts))))
 
 
-def ppo_loss(cfg, rt, batch, rows, adv, returns, actor, critic, n_tokens):
+def ppo_loss(run, batch, rows, n_tokens):
     """ALGO LOGIC 5: L = L_clip + c_V L_V - entropy_coef H on the batch's rows (a micro-batch), each term a share of
-    the minibatch's token mean (n_tokens: its real tokens on every rank). critic None: the shared value head.
-    Returns the loss and the values of its terms (policy loss, value loss, entropy, approx KL, clip fraction, loss,
-    dual clip fraction)."""
+    the minibatch's token mean (n_tokens: its real tokens on every rank), through the wrapped models. Returns the loss
+    and the values of its terms (TRAIN_TERMS)."""
+    cfg, (actor, critic) = run.cfg, run.wrapped
+    mask, attn = batch["mask"][rows], None if batch["attn"] is None else batch["attn"][rows]
+    with run.rt.autocast():  # (n, H) each, under the sampling distribution, as old_logp
+        logp, entropies, values = logprobs_and_values(actor, critic, batch["seq"][rows], attn, cfg, entropy=True)
+    old_logp, adv, old_values, returns = (batch[k][rows] for k in ("old_logp", "adv", "old_values", "returns"))
+    pg_loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens)
+    v_loss = value_loss(values.float(), old_values, returns, mask, cfg.clip_eps_value, n_tokens)
+    entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
+    entropy = masked_mean(entropies, mask, n_tokens)
     # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
     # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
     # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
-    vf_coef = cfg.vf_coef if critic is None else 1.0
-    mask, attn = batch["mask"][rows], None if batch["attn"] is None else batch["attn"][rows]
-    with rt.autocast():
-        logp, entropies, values = logprobs_and_values(
-            actor, critic, batch["seq"][rows], attn, cfg.horizon, True, cfg.temperature, cfg.top_k or None
-        )  # (n, H) each, under the sampling distribution, as old_logp
-    pg_loss, stats = ppo_policy_loss(
-        logp, batch["old_logp"][rows], adv[rows], mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens
-    )
-    v_loss = value_loss(values.float(), batch["old_values"][rows], returns[rows], mask, cfg.clip_eps_value, n_tokens)
-    entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
-    entropy = masked_mean(entropies, mask, n_tokens)
-    loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
+    loss = pg_loss + (cfg.vf_coef if critic is None else 1.0) * v_loss - cfg.entropy_coef * entropy
     terms = [pg_loss, v_loss, entropy, stats["approx_kl"], stats["clip_frac"], loss, stats["dual_clip_frac"]]
     return loss, torch.stack([t.detach() for t in terms])
 
@@ -721,15 +752,15 @@ def ppo_loss(cfg, rt, batch, rows, adv, returns, actor, critic, n_tokens):
 TRAIN_TERMS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "loss", "dual_clipfrac")
 
 
-def ppo_update(cfg, rt, batch, adv, returns, actor, critic, optimizers, scaler):
+def ppo_update(run, batch):
     """ALGO LOGIC 5: --ppo_epochs passes over the rollout batch, each in --num_minibatches minibatches of rows (one
     optimizer step each, over --grad_accum micro-batches), until an epoch's mean approx KL exceeds --target_kl_stop.
-    actor and critic are the wrapped models (critic None: the shared value head). Returns the mean of each loss term
-    (TRAIN_TERMS) over the updates, all ranks, the epochs run and the mean gradient norm of each model."""
-    N, mask = cfg.batch_size, batch["mask"]
+    Returns the mean of each loss term (TRAIN_TERMS) over the updates, all ranks, the epochs run and the mean
+    gradient norm of each model."""
+    cfg, rt, scaler, N = run.cfg, run.rt, run.scaler, run.cfg.batch_size
     n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
     n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
-    models = [m for m in (actor, critic) if m is not None]
+    models = [m for m in run.wrapped if m is not None]
     sums, grad_norms, epochs = torch.zeros(len(TRAIN_TERMS), device=rt.device), [], 0
     while epochs < cfg.ppo_epochs:
         epochs += 1
@@ -737,22 +768,21 @@ def ppo_update(cfg, rt, batch, adv, returns, actor, critic, optimizers, scaler):
         perm = torch.randperm(N).to(rt.device)
         for start in range(0, N, n_minibatch):
             idx = perm[start : start + n_minibatch]
-            n_tokens = all_reduce(mask[idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
+            n_tokens = all_reduce(batch["mask"][idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
             for j in range(0, n_minibatch, n_micro):
                 for m in models:
                     grad_sync(m, j + n_micro >= n_minibatch)
-                loss, terms = ppo_loss(cfg, rt, batch, idx[j : j + n_micro], adv, returns, actor, critic, n_tokens)
+                loss, terms = ppo_loss(run, batch, idx[j : j + n_micro], n_tokens)
                 scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                 epoch_sums += terms
-            for opt in optimizers:
+            for opt in run.optimizers:
                 scaler.unscale_(opt)
             grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in models]))
-            for opt in optimizers:
+            for opt in run.optimizers:
                 scaler.step(opt)
                 opt.zero_grad(set_to_none=True)
             scaler.update()
-        epoch_sums = all_reduce(epoch_sums, rt)  # shares of global means: their sum over ranks is the mean
-        sums += epoch_sums
+        sums += all_reduce(epoch_sums, rt)  # in place: shares of global means, whose sum over ranks is the mean
         if cfg.target_kl_stop and epoch_sums[3].item() / cfg.num_minibatches > cfg.target_kl_stop:
             break
     return sums / (epochs * cfg.num_minibatches), epochs, torch.stack(grad_norms).mean(0)
@@ -768,77 +798,70 @@ def global_moments(x, mask, rt):
     return mean.item(), max(var.item(), 0.0)
 
 
-def ppo_step(step, cfg, rt, task, actor, critic, ref, wrapped, optimizers, scaler, kl_ctl):
+def ppo_step(run, step):
     """One PPO iteration, ALGO LOGIC 1-6: rollout -> rewards -> advantages -> epochs of updates -> the KL coefficient.
-    wrapped are the trained models (DDP / FSDP), the raw actor samples. Returns the step's metrics (every rank's
-    rollouts) and its completion tokens (all ranks)."""
+    The raw actor samples, the wrapped models (DDP / FSDP) train. Returns the step's metrics (every rank's rollouts);
+    run.tokens counts the completion tokens of all ranks."""
+    cfg, rt, kl_ctl = run.cfg, run.rt, run.kl_ctl
     t0 = time.time()
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     N, n_seqs = cfg.batch_size, cfg.batch_size * rt.world_size
     lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    for opt, scale in zip(optimizers, (1.0, (cfg.value_lr or cfg.lr) / cfg.lr)):  # a value model's scaled alike
+    for opt, scale in zip(run.optimizers, (1.0, (cfg.value_lr or cfg.lr) / cfg.lr)):  # a value model's scaled alike
         for group in opt.param_groups:
             group["lr"] = lr * scale
 
     # 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
-    batch = rollout(task, actor, critic, ref, cfg, rt, N // cfg.num_minibatches // cfg.grad_accum)
+    batch = rollout(run)
     t_rollout = time.time() - t0
-    mask, old_values = batch["mask"], batch["old_values"]
+    mask, old_values, scores = batch["mask"], batch["old_values"], batch["scores"]
 
     # 3. per-token rewards: the task's reward where it is earned, minus kl_coef * k1 at every token
-    kl = (batch["old_logp"] - batch["ref_logp"]) * mask if ref is not None else torch.zeros_like(mask)  # (N, H)
-    scores = batch["scores"]
+    kl = (batch["old_logp"] - batch["ref_logp"]) * mask  # (N, H) k1
     if scores.dim() == 1:
         scores = scores - cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
-    kl_coef = kl_ctl.value if ref is not None else 0.0
+    kl_coef = kl_ctl.value if run.ref is not None else 0.0
     rewards = ppo_rewards(scores, kl, mask, kl_coef)  # (N, H)
 
     # 4. advantages by GAE from the rollout's values; the returns are the value targets
-    adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
-    if cfg.whiten_advantages:
-        adv = whiten(adv, mask)
+    adv, batch["returns"] = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
+    batch["adv"] = whiten(adv, mask) if cfg.whiten_advantages else adv
 
     # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
-    means, epochs, grad_norms = ppo_update(cfg, rt, batch, adv, returns, *wrapped, optimizers, scaler)
+    means, epochs, grad_norms = ppo_update(run, batch)
 
     # 6. the KL coefficient for the next step, from this step's KL per sequence (all ranks)
     mean_seq_kl = (all_reduce(kl.sum(), rt) / n_seqs).item()
     if cfg.adaptive_kl:
         kl_ctl.update(mean_seq_kl, n_seqs)
 
-    # metrics over every rank's rollouts
-    task_rewards = batch["scores"]
+    # metrics over every rank's rollouts; the task's rewards before the missing-EOS penalty
+    task_rewards, returns = batch["scores"], batch["returns"]
     reward_mask = mask if task_rewards.dim() == 2 else torch.ones_like(task_rewards)
     reward_mean, reward_var = global_moments(task_rewards, reward_mask, rt)
     returns_mean, returns_var = global_moments(returns, mask, rt)
     _, residual_var = global_moments(returns - old_values, mask, rt)
-    correct = task.correct(batch["completion"], batch["info"], batch["scores"])
+    correct = run.task.correct(batch["completion"], mask, batch["info"], task_rewards)  # (N,) or None
+    learned = isinstance(run.task, ArithmeticTask) and run.task.rm is not None  # a proxy reward: measure the gold one
+    gold = run.task.gold(batch["completion"], mask, batch["info"]) if learned else None
     counts = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)  # tokens, truncated
+    run.tokens += int(counts[0].item())
     metrics = {f"train/{name}": value for name, value in zip(TRAIN_TERMS, means.tolist())}
-    if not cfg.dual_clip:
-        del metrics["train/dual_clipfrac"]
-    metrics |= {
-        "train/explained_variance": 1 - residual_var / returns_var if returns_var > 0 else None,
-        "train/lr": lr,
-        "train/grad_norm": grad_norms[0].item(),
-        "train/value_grad_norm": grad_norms[1].item() if critic is not None else None,
-        "train/epochs": epochs,
-        "rl/reward_mean": reward_mean,
-        "rl/reward_std": math.sqrt(reward_var),
-        "rl/accuracy": None if correct is None else global_moments(correct, torch.ones_like(correct), rt)[0],
-        "rl/kl": mean_seq_kl if ref is not None else None,
-        "rl/kl_coef": kl_coef,
-        "rl/returns_mean": returns_mean,
-        "rl/value_mean": global_moments(old_values, mask, rt)[0],
-        "rl/completion_len": (counts[0] / n_seqs).item(),
-        "rl/truncated_frac": (counts[1] / n_seqs).item() if task.eos_id is not None else None,
-        "perf/rollout_tokens_per_s": N * cfg.horizon * rt.world_size / max(t_rollout, 1e-9),
-        "perf/rollout_ms": 1000 * t_rollout,
-        "perf/step_ms": 1000 * (time.time() - t0),
-        "perf/peak_mem_mb": peak_memory_mb(rt),
-    }
-    return metrics, int(counts[0].item())
+    metrics["train/dual_clipfrac"] = metrics["train/dual_clipfrac"] if cfg.dual_clip else None  # None: not logged
+    metrics["train/explained_variance"] = 1 - residual_var / returns_var if returns_var > 0 else None
+    metrics.update({"train/lr": lr, "train/grad_norm": grad_norms[0].item(), "train/epochs": epochs})
+    metrics["train/value_grad_norm"] = grad_norms[1].item() if run.critic is not None else None
+    metrics.update({"rl/reward_mean": reward_mean, "rl/reward_std": math.sqrt(reward_var), "rl/kl_coef": kl_coef})
+    for name, x in (("rl/accuracy", correct), ("rl/gold_reward", gold)):
+        metrics[name] = None if x is None else global_moments(x, torch.ones_like(x), rt)[0]
+    metrics["rl/kl"] = mean_seq_kl if run.ref is not None else None
+    metrics.update({"rl/returns_mean": returns_mean, "rl/value_mean": global_moments(old_values, mask, rt)[0]})
+    metrics["rl/completion_len"] = (counts[0] / n_seqs).item()
+    metrics["rl/truncated_frac"] = (counts[1] / n_seqs).item() if run.task.eos_id is not None else None
+    metrics["perf/rollout_tokens_per_s"] = N * cfg.horizon * rt.world_size / max(t_rollout, 1e-9)
+    metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * (time.time() - t0)})
+    return {**metrics, "perf/peak_mem_mb": peak_memory_mb(rt), "rl/tokens": run.tokens}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -872,37 +895,34 @@ def validate(cfg):
     check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
-    choices = {
-        "task": ("next_token", "arithmetic", "reward_model"),
-        "tokenizer": ("gpt2", "char"),
-        "reward_mode": ("plus1", "pm1"),
-        "value_model": ("separate", "shared"),
-        "value_init": ("policy", "reward_model"),
-        "reference": ("auto", "bigram", "random", "init", "none"),
-    }
+    choices = {"task": ("next_token", "arithmetic", "reward_model"), "tokenizer": ("gpt2", "char")}
+    choices |= {"reward_mode": ("plus1", "pm1"), "value_model": ("separate", "shared")}
+    choices |= {"value_init": ("policy", "reward_model"), "reference": ("auto", "bigram", "random", "init", "none")}
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    if cfg.task == "next_token":
-        check(not cfg.missing_eos_penalty, "--missing_eos_penalty: next_token rollouts have no end token")
-    else:
-        check(cfg.reference != "bigram", "--reference bigram needs a text stream (next_token)")
+    next_token = cfg.task == "next_token"
+    check(not (next_token and cfg.missing_eos_penalty), "--missing_eos_penalty: next_token rollouts have no end token")
+    check(next_token or cfg.reference != "bigram", "--reference bigram needs a text stream (next_token)")
     if cfg.value_init == "reward_model":  # a shared value head sits on the policy's trunk: no body of its own
         check(cfg.value_model == "separate", "--value_init reward_model needs --value_model separate")
         check(cfg.reward_model, "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
     check(not (cfg.adaptive_kl and cfg.reference == "none"), "--adaptive_kl needs a reference (--reference none)")
 
 
-def policy_and_task(cfg, rt, ckpt_path):
-    """The policy (a resumed run, --init_from, or a new model on --tokenizer: a char tokenizer of the data's
-    characters, or of arithmetic's), its tokenizer, the task, and the checkpoint of a resumed run (else None)."""
-    text = path = None
+def setup(cfg):
+    """Runtime and run folder; the policy (a resumed run, --init_from, or a new model on --tokenizer: a char tokenizer
+    of the data's characters, or of arithmetic's) and the task; the value model; the frozen reference; optimizers and
+    loss scaler, restored on --resume. Returns the run's state as a namespace."""
+    rt = setup_runtime(cfg)
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "ppo", rt), stop=GracefulExit())
+    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
+    text = path = ckpt = None
     if cfg.task == "next_token":
         path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
-    ckpt = None
     if cfg.resume or cfg.init_from != "scratch":
-        model, spec, ckpt = load_model(ckpt_path if cfg.resume else cfg.init_from)
-        tok = get_tokenizer(spec)
+        model, spec, ckpt = load_model(run.ckpt_path if cfg.resume else cfg.init_from)
+        ckpt, tok = ckpt if cfg.resume else None, get_tokenizer(spec)  # an --init_from checkpoint is only weights
     else:
         tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
         model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
@@ -910,27 +930,24 @@ def policy_and_task(cfg, rt, ckpt_path):
         unknown = sorted(set(text) - set(tok.chars))
         check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
-        task = NextTokenTask(cfg, tok, text, path)
+        run.task, prompt_len = NextTokenTask(cfg, tok, text, path), cfg.context_len
     elif cfg.task == "arithmetic":
-        task = ArithmeticTask(cfg, tok)
+        run.task, prompt_len = ArithmeticTask(cfg, tok, rt), 2 * cfg.digits + 2
     else:
-        task = RewardModelTask(cfg, tok, rt)
-    return model, tok, task, ckpt if cfg.resume else None
+        run.task, prompt_len = RewardModelTask(cfg, tok, rt), cfg.max_prompt_len
+    model.to(rt.device)
+    broadcast_weights(model, rt)  # rank 0's starting weights, which the value model and the reference copy
 
-
-def value_model(cfg, model, tok, ckpt):
-    """(actor, critic): --value_model shared puts a zero-initialised value head on the policy (the actor; no critic);
-    separate keeps the policy as the actor and builds a GPT body with a scalar head, from the policy (the head at
-    zero, so the first values are 0 and the first advantages plain returns) or from --reward_model."""
+    # the value model: --value_model shared puts a zero-initialised value head on the policy (the actor; no critic);
+    # separate keeps the policy as the actor and builds a GPT body with a scalar head, from the policy (the head at
+    # zero, so the first values are 0 and the first advantages plain returns) or from --reward_model
     actor, critic = model, None
     if cfg.value_model == "shared":
         actor = PolicyWithValueHead(model)
     elif ckpt is not None:
         critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
-    elif cfg.value_init == "reward_model":
-        critic, rm_spec, _ = load_reward_model(cfg.reward_model)
-        check(rm_spec == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-        critic.train().requires_grad_(True)
+    elif cfg.value_init == "reward_model":  # its tokenizer and block_size checked
+        critic = frozen_reward_model(cfg, tok, rt, prompt_len + cfg.horizon).train().requires_grad_(True)
     else:
         critic = RewardModel(model.config)
         critic.body.load_state_dict(model.state_dict())
@@ -938,138 +955,119 @@ def value_model(cfg, model, tok, ckpt):
         nn.init.zeros_(critic.head.bias)
     if ckpt is not None:
         (actor.value_head if critic is None else critic).load_state_dict(ckpt["value_model"])
-    return actor, critic
+    trained = [m.to(rt.device) for m in (actor, critic) if m is not None]
+    longest = prompt_len + cfg.horizon  # (a resumed run may ask for a longer --horizon than the value model holds)
+    size = min(m.config.block_size for m in (model, model if critic is None else critic.body))
+    check(longest <= size, f"prompts + --horizon ({longest}) exceed block_size {size} (policy or value model)")
+
+    # the frozen reference (--reference, auto resolved): never wrapped, never trained, the same on every rank and
+    # after a resume (a copy of rank 0's starting weights, or a fixed seed)
+    run.reference, run.ref = cfg.reference, None
+    if run.reference == "auto":
+        run.reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
+    if run.reference == "bigram":
+        run.ref = BigramReference(run.task.train_ids.to(rt.device), model.config.vocab_size)
+    elif run.reference in ("random", "init"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
+            run.ref = GPT(model.config)
+        if run.reference == "init":
+            run.ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
+        run.ref.to(rt.device).eval().requires_grad_(False)
+
+    # the trained models are wrapped (DDP / FSDP); the raw ones sample, evaluate and are saved
+    run.tok, run.actor, run.critic = tok, actor, critic
+    run.wrapped = (wrap_model(actor, rt, cfg.compile), None if critic is None else wrap_model(critic, rt, cfg.compile))
+    peak_lrs = [cfg.lr, cfg.value_lr or cfg.lr]
+    run.optimizers = [
+        make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, peak_lrs)
+    ]
+    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
+    run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
+    run.start_step, run.tokens, run.first_eval = 0, 0, None
+    if ckpt is not None:
+        for m, opt, key in zip(trained, run.optimizers, ("optimizer", "value_optimizer")):
+            load_optimizer_state(m, opt, ckpt[key], rt)
+        restore_rng(ckpt, rt)
+        if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again (absent: older runs)
+            run.scaler.load_state_dict(ckpt["scaler"])
+        run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+        run.kl_ctl.value = ckpt["kl_coef"]
+    if rt.master:
+        n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
+        sizes = f"{model.num_params() / 1e6:.2f}M policy parameters, {n_value / 1e6:.2f}M value parameters"
+        where = f"device {rt.device}, {rt.world_size} process(es), out_dir {run.out_dir}"
+        print(
+            f"{sizes} ({cfg.value_model}), vocab {tok.vocab_size}, task {cfg.task}, reference {run.reference}, {where}"
+        )
+    return run
 
 
-def reference_model(cfg, rt, model, task, ckpt):
-    """The frozen reference of the KL penalty and its kind (--reference, auto resolved): never wrapped, never
-    trained, the same on every rank and after a resume (a copy of rank 0's starting weights, or a fixed seed)."""
-    reference = cfg.reference
-    if reference == "auto":
-        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
-    if reference == "bigram":
-        return BigramReference(task.train_ids, model.config.vocab_size).to(rt.device), reference
-    if reference == "none":
-        return None, reference
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
-        ref = GPT(model.config)
-    if reference == "init":
-        ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
-    return ref.to(rt.device).eval().requires_grad_(False), reference
-
-
-def save_run(path, step, cfg, rt, tok, actor, critic, optimizers, extras):
+def save(run, step):
     """ckpt.pt: the policy under its own keys (any script can --init_from it) and its optimizer, the value model
-    (the shared head; or a GPT body and head, its config and optimizer), every rank's RNG, and the loop's extras.
-    Every rank calls it: under FSDP, gathering the state is collective."""
-    actor_sd, optim_sd = training_state(actor, optimizers[0], rt)
+    (the shared head; or a GPT body and head, its config and optimizer), the reference of --reference init, every
+    rank's RNG, and the loop's state. Every rank calls it: under FSDP, gathering the state is collective."""
+    cfg, rt, critic = run.cfg, run.rt, run.critic
+    actor_sd, optim_sd = training_state(run.actor, run.optimizers[0], rt)
+    ckpt = {"tokens": run.tokens, "first_eval": run.first_eval, "kl_coef": run.kl_ctl.value}
+    if run.reference == "init":
+        ckpt["reference"] = run.ref.state_dict()
     if critic is None:  # the shared value head is saved apart from the policy's keys
         model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
         value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
     else:
-        model_sd, config = actor_sd, dataclasses.asdict(critic.body.config)
-        value_sd, value_optim_sd = training_state(critic, optimizers[1], rt)
-        extras = {**extras, "value_model_config": config, "value_optimizer": value_optim_sd}
+        model_sd, (value_sd, value_optim_sd) = actor_sd, training_state(critic, run.optimizers[1], rt)
+        ckpt |= {"value_model_config": dataclasses.asdict(critic.body.config), "value_optimizer": value_optim_sd}
     rngs = all_rng_states(rt)
     if rt.master:
-        ckpt = {"model": model_sd, "model_config": dataclasses.asdict(actor.config), "tokenizer": tok.spec}
+        ckpt |= {"model": model_sd, "model_config": dataclasses.asdict(run.actor.config), "tokenizer": run.tok.spec}
         ckpt |= {"step": step, "optimizer": optim_sd, "rng": rngs[0], "rng_ranks": rngs, "value_model": value_sd}
-        save_checkpoint(path, {**ckpt, "config": dataclasses.asdict(cfg), **extras})
+        save_checkpoint(run.ckpt_path, {**ckpt, "config": dataclasses.asdict(cfg), "scaler": run.scaler.state_dict()})
 
 
 def main():
     cfg = parse_config(Config)
     validate(cfg)
-    rt = setup_runtime(cfg)
-    out_dir = prepare_out_dir(cfg, "ppo", rt)
-    stop = GracefulExit()
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    model, tok, task, ckpt = policy_and_task(cfg, rt, ckpt_path)
-    model.to(rt.device)
-    broadcast_weights(model, rt)  # rank 0's starting weights, which the value model and the reference copy
-    actor, critic = value_model(cfg, model, tok, ckpt)
-    trained = [actor] if critic is None else [actor, critic]
-    for m in trained:
-        m.to(rt.device)
-    prompt_len = {"next_token": cfg.context_len, "arithmetic": 2 * cfg.digits + 2, "reward_model": cfg.max_prompt_len}
-    longest = prompt_len[cfg.task] + cfg.horizon
-    size = min(m.config.block_size for m in (model, model if critic is None else critic.body))
-    check(longest <= size, f"prompts + --horizon ({longest}) exceed block_size {size} (policy or value model)")
-    ref, reference = reference_model(cfg, rt, model, task, ckpt)
-
-    # the trained models are wrapped (DDP / FSDP); the raw ones sample, evaluate and are saved
-    critic_train = None if critic is None else wrap_model(critic, rt, cfg.compile)
-    wrapped = (wrap_model(actor, rt, cfg.compile), critic_train)
-    peak_lrs = [cfg.lr, cfg.value_lr or cfg.lr]
-    optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, peak_lrs)]
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
-    kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
-    start_step, tokens, first_eval = 0, 0, None
-    if ckpt is not None:
-        for m, opt, key in zip(trained, optimizers, ("optimizer", "value_optimizer")):
-            load_optimizer_state(m, opt, ckpt[key], rt)
-        restore_rng(ckpt, rt)
-        if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again (absent: older runs)
-            scaler.load_state_dict(ckpt["scaler"])
-        start_step, tokens, first_eval, kl_ctl.value = ckpt["step"], ckpt["tokens"], ckpt["first_eval"], ckpt["kl_coef"]
-    if rt.master:
-        n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
-        print(
-            f"{model.num_params() / 1e6:.2f}M policy parameters, {n_value / 1e6:.2f}M value parameters "
-            f"({cfg.value_model}), vocab {tok.vocab_size}, task {cfg.task}, reference {reference}, device {rt.device}, "
-            f"{rt.world_size} process(es), out_dir {out_dir}"
-        )
-
-    def checkpoint(step):
-        extras = {"tokens": tokens, "first_eval": first_eval, "kl_coef": kl_ctl.value, "scaler": scaler.state_dict()}
-        if reference == "init":
-            extras["reference"] = ref.state_dict()
-        save_run(ckpt_path, step, cfg, rt, tok, actor, critic, optimizers, extras)
-
-    save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
+    run = setup(cfg)
+    rt, actor = run.rt, run.actor
+    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
+    logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
     t_start, last_eval = time.time(), {}
-    for step in range(start_step, cfg.max_steps + 1):
+    for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             actor.eval()
-            last_eval, text = task.evaluate(actor, ref if isinstance(ref, GPT) else None, rt, tok, step)
+            last_eval, text = run.task.evaluate(actor, run.ref if isinstance(run.ref, GPT) else None, rt, run.tok, step)
             actor.train()
-            first_eval = first_eval or last_eval
-            logger.log(step, {**last_eval, "rl/tokens": tokens})
+            run.first_eval = run.first_eval or last_eval
+            logger.log(step, {**last_eval, "rl/tokens": run.tokens})
             if rt.master:
-                with open(os.path.join(out_dir, "samples.txt"), "a") as f:
+                with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
                     f.write(f"--- step {step}\n{text}\n")
         if step == cfg.max_steps:
             break
-        metrics, step_tokens = ppo_step(step, cfg, rt, task, actor, critic, ref, wrapped, optimizers, scaler, kl_ctl)
-        stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(metrics["train/loss"], step, ckpt_path, rt)
-        tokens += step_tokens
-        metrics["rl/tokens"] = tokens
+        metrics = ppo_step(run, step)
+        stop_requested = run.stop.requested(step + 1, rt)
+        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, rt)
         logger.bar.update(1)
         logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
-            checkpoint(step + 1)
+            save(run, step + 1)
         if stop_requested:
-            stop.exit(step + 1, out_dir, rt)
-    checkpoint(cfg.max_steps)
+            run.stop.exit(step + 1, run.out_dir, rt)
+    save(run, cfg.max_steps)
     logger.close()
     if rt.master:
-        results = {
-            "task": cfg.task,
-            "value_model": cfg.value_model,
-            "steps": cfg.max_steps,
-            "tokens": tokens,
-            "wall_time_s": time.time() - t_start,
-            "before": {k.removeprefix("eval/"): v for k, v in first_eval.items()},
-            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
-        }
-        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
+        results = {"task": cfg.task, "value_model": cfg.value_model, "steps": cfg.max_steps, "tokens": run.tokens}
+        results["wall_time_s"] = time.time() - t_start
+        results["before"] = {k.removeprefix("eval/"): v for k, v in run.first_eval.items()}
+        results["after"] = {k.removeprefix("eval/"): v for k, v in last_eval.items()}
+        with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
         print(f"{cfg.task} (ppo, {cfg.value_model} value model): {summary}; {results['wall_time_s']:.0f} s")
+        if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
+            plot_overoptimization(logger.path, os.path.join(run.out_dir, "overoptimization.png"), kl_per_token=False)
     cleanup(rt)
 
 
@@ -1236,33 +1234,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

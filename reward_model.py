@@ -13,9 +13,10 @@ sequence's reward is the score at its last real token.
   --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems with their answer or a corrupted one (off by 1-3,
       or one digit changed); binary cross-entropy of sigmoid(s_t) against the outcome label at every answer
       token; the reward is the last token's score.
-  --task prm (process RM, Lightman et al. 2023): chains `3+4=7, 7*2=14, 14-5=9` of 2..--chain_len steps, some
-      with one wrong result; binary cross-entropy at each step's separator (`,`, or the final newline and
-      <|endoftext|>) against the label "every step so far is right".
+  --task prm (process RM, Lightman et al. 2023): chains `3+4=7\\n7*2=14\\n14-5=9\\n` of 2..--chain_len steps, one
+      a line in gpt.py's arithmetic format, some with one wrong result; binary cross-entropy at the newline after
+      each step (the last step: at <|endoftext|> when the tokenizer has one) against the label "every step so far is
+      right".
 The losses are normalised by the number of pairs (preference) or labelled positions (orm, prm) of the whole
 optimizer step, all ranks and micro-batches together, so they do not depend on how the batch is split.
 
@@ -23,7 +24,7 @@ Where we depart from the papers, on purpose:
   - the margin is one constant for every pair (HH-RLHF has no ratings; Llama 2 takes it from the rating gap);
   - PRM chains carry on from a wrong value (as a real chain would), and the wrong step and every step after it
     are labelled wrong (as Math-Shepherd's labels: can the chain so far still reach the right answer?). So the
-    score at the last separator, which is what the reward of a chain reads, judges the whole chain;
+    score after the last step, which is what the reward of a chain reads, judges the whole chain;
   - the training data are read in a fresh shuffled order per epoch, the global batch fixed by the step number,
     so a resumed run sees the same examples. Reward models overfit soon after one epoch: watch eval/loss.
 The model and the losses are hand-written on purpose: reading them is the point.
@@ -57,7 +58,7 @@ Metrics (metrics.jsonl; train/ on the step's batch, eval/ on the held-out set):
                 {train,eval}/chosen_mean, chosen_std, rejected_mean, rejected_std   rewards of either side
     orm         {train,eval}/accuracy        sign of the reward (last token) equals the label
                 {train,eval}/reward_correct, reward_wrong   mean reward of correct and of corrupted answers
-    prm         {train,eval}/step_accuracy   sign of the score at each separator equals the step's label
+    prm         {train,eval}/step_accuracy   sign of the score after each step equals its label
                 {train,eval}/first_error_accuracy   the first step scored <= 0 is the first wrong step (or there
                                              is none on a right chain)
     perf/tokens_per_s, perf/step_ms, perf/mfu   real tokens per second (all ranks), step time, FLOPs utilisation
@@ -84,7 +85,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,14 +200,11 @@ def load_reward_model(path):
 # ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7).
 
 
-def bradley_terry_loss(r_chosen, r_rejected, margin=None, center_coef=0.0):
+def bradley_terry_loss(r_chosen, r_rejected, margin=0.0, center_coef=0.0):
     """Bradley-Terry loss of (N,) rewards: mean(-log sigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2).
-    margin is a number or (N,) per-pair margins; None means 0."""
-    d = r_chosen - r_rejected - (0.0 if margin is None else margin)
-    loss = -F.logsigmoid(d).mean()
-    if center_coef:
-        loss = loss + center_coef * ((r_chosen + r_rejected) ** 2).mean()
-    return loss
+    margin is a number or (N,) per-pair margins."""
+    loss = -F.logsigmoid(r_chosen - r_rejected - margin).mean()
+    return loss + center_coef * ((r_chosen + r_rejected) ** 2).mean()
 
 
 def last_token_rewards(scores, lengths):
@@ -227,10 +224,8 @@ def first_error_hits(scores, labels):
     either. Steps are the positions with labels >= 0, in order."""
     T = labels.size(1)
     pos = torch.arange(T, device=labels.device).expand_as(labels)  # (B, T)
-    step = labels >= 0
-    first_wrong = torch.where(step & (labels == 0), pos, T).min(1).values  # (B,): T when every step is right
-    first_flagged = torch.where(step & (scores <= 0), pos, T).min(1).values  # (B,)
-    return (first_wrong == first_flagged).float()
+    first = lambda flagged: torch.where(flagged & (labels >= 0), pos, T).min(1).values  # (B,): T where no step is
+    return (first(labels == 0) == first(scores <= 0)).float()
 
 
 def truncate_pair(prompt, chosen, rejected, max_len):
@@ -291,8 +286,9 @@ def encode_pair(tok, prompt, chosen, rejected, max_len):
     return p + c, p + r, len(p)
 
 
-def load_preference_data(cfg):
-    """(train, held-out) lists of (prompt, chosen, rejected), the count of skipped records per reason, the source."""
+def load_preference_data(cfg, rt):
+    """(train, held-out) lists of (prompt, chosen, rejected) and the count of skipped records per reason, which rank
+    0 also prints in one line."""
     source = cfg.data_path or cfg.data
     if cfg.data_path:
         # gpt.py's hh_sft split (it needs only "chosen"), so an SFT model made from this file never saw the held-out
@@ -309,18 +305,19 @@ def load_preference_data(cfg):
         except Exception as e:
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     (train, skipped), (val, skipped_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
-    for reason, n in skipped_val.items():
-        skipped[reason] = skipped.get(reason, 0) + n
-    check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {describe(skipped)})")
+    skipped = {k: skipped.get(k, 0) + skipped_val.get(k, 0) for k in {**skipped, **skipped_val}}
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none"
+    check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {reasons})")
     check(val, f"{source}: the held-out split has no usable preference pair")
-    return train, val, skipped, source
+    if skipped and rt.master:
+        kept = f"kept {len(train)} train and {len(val)} held-out"
+        print(f"{source}: skipped {sum(skipped.values())} pair(s) ({reasons}); {kept}", file=sys.stderr)
+    return train, val, skipped
 
 
-def describe(counts):
-    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items())) or "none"
-
-
-ARITH_CHARS = "\n ,*+-0123456789="  # the char vocabulary of the orm and prm data
+# The char vocabulary of `gpt.py --data arithmetic --tokenizer char`: a new orm or prm model takes it, and a model
+# to start from must have it (its reward scores any arithmetic text a policy writes)
+ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -340,75 +337,67 @@ def corrupt(rng, value):
     return int(s[:i] + digit + s[i + 1 :]) * (-1 if value < 0 else 1)
 
 
-def orm_example(rng, digits, ops, error_frac):
+def orm_example(rng, cfg):
     """(prompt, answer, label): a problem in gpt.py's arithmetic format with its answer (label 1) or, with
-    probability error_frac, a corrupted answer (label 0)."""
-    prompt, answer = arithmetic_problem(rng, digits, ops)
-    if rng.random() >= error_frac:
+    probability --error_frac, a corrupted answer (label 0)."""
+    prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
+    if rng.random() >= cfg.error_frac:
         return prompt, answer, 1
     return prompt, f"{corrupt(rng, int(answer))}\n", 0
 
 
-def prm_chain(rng, digits, ops, chain_len, error_frac):
-    """Steps [(text, label)] of a chain "x op b=y" of 2..chain_len steps, b of one digit, each step starting from
-    the previous result. With probability error_frac one step's result is corrupted: later steps compute on from
+def prm_chain(rng, cfg):
+    """Steps ((text, label), ...) of a chain "x op b=y" of 2..--chain_len steps, b of one digit, each step starting from
+    the previous result. With probability --error_frac one step's result is corrupted: later steps compute on from
     the wrong value, and that step and every later one are labelled 0 (the chain so far is wrong)."""
-    n = rng.randint(2, chain_len)
-    wrong = rng.randrange(n) if rng.random() < error_frac else n
-    x, steps = rng.randint(0, 10 ** rng.randint(1, digits) - 1), []
+    n = rng.randint(2, cfg.chain_len)
+    wrong = rng.randrange(n) if rng.random() < cfg.error_frac else n
+    x, steps = rng.randint(0, 10 ** rng.randint(1, cfg.digits) - 1), []
     for i in range(n):
-        op, b = rng.choice(ops), rng.randint(1, 9)
+        op, b = rng.choice(cfg.ops), rng.randint(1, 9)
         y = x + b if op == "+" else x - b if op == "-" else x * b
         y = corrupt(rng, y) if i == wrong else y
         steps.append((f"{x}{op}{b}={y}", int(i < wrong)))
         x = y
-    return steps
+    return tuple(steps)
 
 
-def chain_text(steps):
-    return ", ".join(text for text, _ in steps) + "\n"
+def synthetic_data(cfg, rt):
+    """(train, held-out) lists of orm problems (prompt, answer, label) or prm chains, and {} (nothing is skipped);
+    no training example has the text of a held-out one."""
+    make = orm_example if cfg.task == "orm" else prm_chain
+    val_rng, train_rng = random.Random(cfg.seed + 1), random.Random(cfg.seed)
+    val = [make(val_rng, cfg) for _ in range(cfg.n_val)]
+    held_out = set(val)  # an example's labels follow from its text, so equal examples are equal texts
+    train = [ex for ex in (make(train_rng, cfg) for _ in range(cfg.n_train)) if ex not in held_out]
+    check(train, f"every generated training example is also held out; raise --digits (now {cfg.digits})")
+    return train, val, {}
 
 
-def encode_orm(tok, prompt, answer, label, max_len):
-    """Token ids of prompt + answer (+ <|endoftext|>) and the outcome label on every answer token, -1 on the prompt."""
-    ids, _, n_prompt = encode_pair(tok, prompt, answer, answer, max_len)  # a pair of one answer, twice
-    return ids, [-1] * n_prompt + [label] * (len(ids) - n_prompt)
-
-
-def encode_prm(tok, steps):
-    """Token ids of "step, step, ..., step\\n" (+ <|endoftext|>) and each step's label at the last token of the
-    separator after it (the `,`, or the final newline and <|endoftext|>); -1 elsewhere."""
+def encode(task, tok, example, max_len):
+    """The training row(s) of an example. preference: the token ids of prompt + chosen and prompt + rejected, cut
+    together by truncate_pair. orm and prm: token ids (+ <|endoftext|>) and a label per token, -1 where there is no
+    loss. orm puts the outcome label on every answer token. prm writes one step a line, as gpt.py's arithmetic data,
+    and puts each step's label on the last token after it: its newline (the last step's <|endoftext|>, if any)."""
+    if task == "preference":
+        return encode_pair(tok, *example, max_len)[:2]
+    if task == "orm":
+        prompt, answer, label = example
+        ids, _, n_prompt = encode_pair(tok, prompt, answer, answer, max_len)  # a pair of one answer, twice
+        return ids, [-1] * n_prompt + [label] * (len(ids) - n_prompt)
     ids, labels, end = [], [], [tok.eot_id] if tok.eot_id is not None else []
-    for i, (text, label) in enumerate(steps):
-        step = tok.encode(("" if i == 0 else " ") + text)
-        sep = tok.encode(",") if i < len(steps) - 1 else tok.encode("\n") + end
+    for i, (text, label) in enumerate(example):
+        step, sep = tok.encode(text), tok.encode("\n") + (end if i == len(example) - 1 else [])
         ids += step + sep
         labels += [-1] * (len(step) + len(sep) - 1) + [label]
+    check(len(ids) <= max_len, f"a prm chain takes {len(ids)} tokens, more than --max_len {max_len}; raise it")
     return ids, labels
 
 
-def synthetic_data(cfg):
-    """(train, held-out) lists of orm problems (prompt, answer, label) or prm chains; no training example has the
-    text of a held-out one."""
-    if cfg.task == "orm":
-        make = lambda rng: orm_example(rng, cfg.digits, cfg.ops, cfg.error_frac)
-        text = lambda ex: ex[0] + ex[1]
-    else:
-        make = lambda rng: prm_chain(rng, cfg.digits, cfg.ops, cfg.chain_len, cfg.error_frac)
-        text = chain_text
-    rng = random.Random(cfg.seed + 1)
-    val = [make(rng) for _ in range(cfg.n_val)]
-    held_out = {text(ex) for ex in val}
-    rng = random.Random(cfg.seed)
-    train = [ex for ex in (make(rng) for _ in range(cfg.n_train)) if text(ex) not in held_out]
-    check(train, f"every generated training example is also held out; raise --digits (now {cfg.digits})")
-    return train, val
-
-
-def pad_right(seqs, value=0):
-    """Right-padded (B, T) LongTensor of lists of ints, and their lengths (B,)."""
+def pad_right(seqs, device="cpu", value=0):
+    """Right-padded (B, T) LongTensor of lists of ints, and their lengths (B,), on device."""
     idx = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=value)  # (B, T)
-    return idx, torch.tensor([len(s) for s in seqs])
+    return idx.to(device), torch.tensor([len(s) for s in seqs], device=device)
 
 
 @torch.no_grad()
@@ -423,72 +412,53 @@ def score(model, tok, texts, device, max_len=None, batch_size=32):
         seqs = [(tok.encode(t) + end)[-max_len:] for t in texts[i : i + batch_size]]
         if not all(seqs):
             raise ValueError("cannot score an empty text")
-        idx, lengths = pad_right(seqs)
-        rewards += last_token_rewards(model(idx.to(device)), lengths.to(device)).tolist()
+        idx, lengths = pad_right(seqs, device)
+        rewards += last_token_rewards(model(idx), lengths).tolist()
     return rewards
 
 
 # ----------------------------------------------------------------------------------------------------------
 # One micro-batch: forward pass, loss summed over the batch (normalised by the caller), and summed statistics.
 
-# Each metric is a statistic summed over the examples divided by a count summed the same way (over micro-batches,
-# then ranks): metric -> its count. The sums of squares give the preference rewards' standard deviations.
-MEANS = {
-    "preference": dict.fromkeys(
-        ("loss", "accuracy", "margin", "chosen", "chosen_sq", "rejected", "rejected_sq"), "pairs"
-    ),
-    "orm": {"loss": "terms", "accuracy": "seqs", "reward_correct": "n_correct", "reward_wrong": "n_wrong"},
-    "prm": {"loss": "terms", "step_accuracy": "terms", "first_error_accuracy": "chains"},
-}
-
 
 def batch_loss(model, batch, cfg, device):
-    """(loss summed over the batch's terms, dict of statistics summed over the batch: see MEANS)."""
+    """(loss summed over the batch's terms, statistics {name: (sum, count)} of the batch). A metric is its sum over
+    the micro-batches and ranks divided by its count (summarize): the loss per term (pair or labelled position), the
+    others per pair, sequence, labelled step or chain."""
     if cfg.task == "preference":
         # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
         # follows real tokens, and positions count from 0 in every row
-        idx, lengths = pad_right([c for c, _ in batch] + [r for _, r in batch])
-        rewards = last_token_rewards(model(idx.to(device)), lengths.to(device))  # (2B,)
-        r_c, r_r = rewards.chunk(2)  # (B,), (B,)
+        idx, lengths = pad_right([c for c, _ in batch] + [r for _, r in batch], device)
+        r_c, r_r = last_token_rewards(model(idx), lengths).chunk(2)  # (B,), (B,)
         loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
         r_c, r_r, d = r_c.detach(), r_r.detach(), (r_c - r_r).detach()
-        stats = {"pairs": len(batch), "accuracy": ((d > 0).float() + 0.5 * (d == 0).float()).sum(), "margin": d.sum()}
-        for side, r in (("chosen", r_c), ("rejected", r_r)):
-            stats[side], stats[f"{side}_sq"] = r.sum(), (r**2).sum()
-        return loss, {"loss": loss.detach(), **stats}
-    idx, lengths = pad_right([ids for ids, _ in batch])
-    labels, _ = pad_right([y for _, y in batch], value=-1)
-    idx, lengths, labels = idx.to(device), lengths.to(device), labels.to(device)
-    scores = model(idx)  # (B, T)
-    loss = token_bce_sum(scores, labels)
-    scores = scores.detach()
-    if cfg.task == "orm":
-        reward, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # (B,), (B,)
-        stats = {"seqs": len(batch), "accuracy": ((reward > 0) == (y == 1)).sum()}
-        for name, label in (("correct", 1), ("wrong", 0)):
-            stats[f"reward_{name}"], stats[f"n_{name}"] = (reward * (y == label)).sum(), (y == label).sum()
+        terms, values = d.new_tensor(len(batch)), {"accuracy": (d > 0).float() + 0.5 * (d == 0).float(), "margin": d}
+        values.update(chosen=r_c, chosen_sq=r_c**2, rejected=r_r, rejected_sq=r_r**2)  # squares: the std
     else:
-        stats = {
-            "chains": len(batch),
-            "step_accuracy": (((scores > 0) == (labels == 1)) & (labels >= 0)).sum(),
-            "first_error_accuracy": first_error_hits(scores, labels).sum(),
-        }
-    return loss, {"loss": loss.detach(), "terms": (labels >= 0).sum(), **stats}
+        idx, lengths = pad_right([ids for ids, _ in batch], device)
+        labels, _ = pad_right([y for _, y in batch], device, value=-1)
+        scores = model(idx)  # (B, T)
+        loss, scores, terms = token_bce_sum(scores, labels), scores.detach(), (labels >= 0).sum().float()
+        if cfg.task == "orm":
+            reward, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # (B,), (B,)
+            values = {"accuracy": ((reward > 0) == (y == 1)).float()}
+            values.update(reward_correct=reward[y == 1], reward_wrong=reward[y == 0])
+        else:
+            values = {"step_accuracy": ((scores > 0) == (labels == 1))[labels >= 0].float()}
+            values["first_error_accuracy"] = first_error_hits(scores, labels)
+    stats = {"loss": torch.stack([loss.detach(), terms])}
+    stats.update({k: torch.stack([v.sum(), v.new_tensor(v.numel())]) for k, v in values.items()})
+    return loss, stats
 
 
-def add_stats(total, stats, weight=1.0):
-    return {k: total.get(k, 0.0) + weight * torch.as_tensor(v, dtype=torch.float32) for k, v in stats.items()}
-
-
-def summarize(task, stats, rt):
-    """Metrics (without namespace) from statistics summed over micro-batches, then over ranks (MEANS)."""
-    keys = sorted(stats)
-    sums = dict(zip(keys, all_reduce(torch.stack([stats[k].float().to(rt.device) for k in keys]), rt).tolist()))
-    out = {name: sums[name] / max(sums[count], 1) for name, count in MEANS[task].items()}
-    if task == "preference":
-        for side in ("chosen", "rejected"):
-            mean = out.pop(side)
-            out[f"{side}_mean"], out[f"{side}_std"] = mean, math.sqrt(max(out.pop(f"{side}_sq") - mean**2, 0.0))
+def summarize(stats, rt):
+    """Metrics (without namespace) from (sum, count) statistics summed over micro-batches: each sum over all ranks
+    divided by its count over all ranks. Preference: the rewards' standard deviations from their squares' means."""
+    totals = all_reduce(torch.stack(list(stats.values())), rt).tolist()  # (K, 2)
+    out = {name: s / max(n, 1) for name, (s, n) in zip(stats, totals)}
+    for side in ("chosen", "rejected") if "chosen" in out else ():
+        mean = out.pop(side)
+        out[f"{side}_mean"], out[f"{side}_std"] = mean, math.sqrt(max(out.pop(f"{side}_sq") - mean**2, 0.0))
     return out
 
 
@@ -512,6 +482,7 @@ def validate(cfg):
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.task in ("preference", "orm", "prm"), f"--task {cfg.task!r}: use preference, orm or prm")
+    check(cfg.tokenizer in ("auto", "char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
     check(cfg.max_len == 0 or cfg.max_len >= 2, f"--max_len must be 0 (the block size) or >= 2 (got {cfg.max_len})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.chain_len >= 2, f"--chain_len must be >= 2 (got {cfg.chain_len})")
@@ -522,54 +493,48 @@ def validate(cfg):
 
 
 def make_tokenizer(cfg, spec, texts):
-    """The model's tokenizer (spec from a checkpoint), or for a new model GPT-2 BPE or the characters of the texts;
-    a char vocabulary must cover every character of the texts."""
-    check(cfg.tokenizer in ("auto", "char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
-    if spec is not None:
-        kind = "gpt2" if spec == "gpt2" else "char"
-        check(cfg.tokenizer in ("auto", kind), f"--tokenizer {cfg.tokenizer} does not match the model's {kind} one")
-        tok = get_tokenizer(spec)
-    elif cfg.tokenizer == "gpt2" or (cfg.tokenizer == "auto" and cfg.task == "preference"):
-        tok = BPETokenizer()
-    else:
-        tok = CharTokenizer(sorted(set().union(*texts)))
-    if isinstance(tok, CharTokenizer):
-        unknown = sorted(set().union(*texts) - set(tok.stoi))
-        check(not unknown, f"the text has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    """The model's tokenizer (spec from a checkpoint), whose char vocabulary must cover every character of the
+    texts; for a new model GPT-2 BPE, or the characters of the texts."""
+    chars = set().union(*texts)
+    if spec is None:
+        gpt2 = cfg.tokenizer == "gpt2" or (cfg.tokenizer == "auto" and cfg.task == "preference")
+        return BPETokenizer() if gpt2 else CharTokenizer(sorted(chars))
+    kind = "gpt2" if spec == "gpt2" else "char"
+    check(cfg.tokenizer in ("auto", kind), f"--tokenizer {cfg.tokenizer} does not match the model's {kind} one")
+    tok = get_tokenizer(spec)
+    unknown = sorted(chars - set(tok.stoi)) if kind == "char" else []
+    check(not unknown, f"the text has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     return tok
 
 
-def load_texts(cfg, rt):
-    """(train, held-out) examples as text, the texts a char vocabulary must cover, skipped pairs per reason."""
-    if cfg.task != "preference":
-        train_text, val_text = synthetic_data(cfg)
-        return train_text, val_text, [ARITH_CHARS], {}
-    train_text, val_text, skipped, source = load_preference_data(cfg)
-    if skipped and rt.master:
-        kept = f"kept {len(train_text)} train and {len(val_text)} held-out"
-        print(f"{source}: skipped {sum(skipped.values())} pair(s) ({describe(skipped)}); {kept}", file=sys.stderr)
-    return train_text, val_text, [t for pair in train_text + val_text for t in pair], skipped
-
-
-def build_reward_model(cfg, ckpt_path, texts):
-    """(reward model, tokenizer, checkpoint to resume or None). The model: the run's own ckpt.pt with --resume;
-    else the --init_from body (a checkpoint of any script, GPT-2 weights) with its head if it is a reward model, or
-    a new head; else a new model. A new head (or model) is seeded alike on every rank: FSDP does not broadcast it."""
+def build_reward_model(cfg, ckpt_path, texts, rt):
+    """(reward model, the same wrapped for training, tokenizer, optimizer, loss scaler, first step). The model: the
+    run's own ckpt.pt with --resume, with its optimizer, loss scale and RNG streams; else the --init_from body (a
+    checkpoint of any script, GPT-2 weights) with its head if it is a reward model, or a new head; else a new model.
+    A new head (or model) is seeded alike on every rank: FSDP does not broadcast it."""
     init_from = ckpt_path if cfg.resume else cfg.init_from
-    body, spec, source = load_model(init_from, cfg.dropout) if init_from != "scratch" else (None, None, None)
+    body, spec, ckpt = load_model(init_from, cfg.dropout) if init_from != "scratch" else (None, None, None)
     tok = make_tokenizer(cfg, spec, texts)
     config = GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = RewardModel(config if body is None else body.config)
+        raw = RewardModel(config if body is None else body.config)
     if body is not None:
-        model.body = body
-    if source is not None and "reward_head" in source:
-        model.head.load_state_dict(source["reward_head"])
-    block_size = model.body.config.block_size
+        raw.body = body
+    if "reward_head" in (ckpt or {}):
+        raw.head.load_state_dict(ckpt["reward_head"])
+    block_size = raw.body.config.block_size
     check(cfg.max_len <= block_size, f"--max_len {cfg.max_len} is longer than the model's block_size {block_size}")
-    check(tok.vocab_size <= model.body.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
-    return model, tok, source if cfg.resume else None
+    check(tok.vocab_size <= raw.body.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
+    model = wrap_model(raw.to(rt.device), rt, cfg.compile)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    if cfg.resume:
+        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
+        if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
+            scaler.load_state_dict(ckpt["scaler"])
+        restore_rng(ckpt, rt)
+    return raw, model, tok, optimizer, scaler, ckpt["step"] if cfg.resume else 0
 
 
 @torch.no_grad()
@@ -582,9 +547,9 @@ def held_out_metrics(model, eval_data, cfg, rt):
         batch = mine[b : b + cfg.batch_size]
         with rt.autocast():
             _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt.device)
-        stats = add_stats(stats, batch_stats, 1.0 if batch else 0.0)
+        stats = {k: stats.get(k, 0.0) + (1.0 if batch else 0.0) * v for k, v in batch_stats.items()}
     model.train()
-    return {f"eval/{k}": v for k, v in summarize(cfg.task, stats, rt).items()}
+    return {f"eval/{k}": v for k, v in summarize(stats, rt).items()}
 
 
 def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
@@ -604,13 +569,13 @@ def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
             loss_sum, batch_stats = batch_loss(model, batch, cfg, rt.device)
         # ranks' gradients are averaged, so each rank's share is scaled by world_size
         scaler.scale(loss_sum * rt.world_size / counts[0]).backward()
-        stats = add_stats(stats, batch_stats)
+        stats = {k: stats.get(k, 0.0) + v for k, v in batch_stats.items()}
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, cfg.grad_clip)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return {**summarize(cfg.task, stats, rt), "lr": lr, "grad_norm": grad_norm.item()}, counts[1].item()
+    return {**summarize(stats, rt), "lr": lr, "grad_norm": grad_norm.item()}, counts[1].item()
 
 
 def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
@@ -618,69 +583,44 @@ def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
     state, optim_sd = training_state(raw, optimizer, rt)
     rngs = all_rng_states(rt)
     if rt.master:
-        body = {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")}
-        head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
-        ckpt = dict(model=body, model_config=dataclasses.asdict(raw.body.config), tokenizer=tok.spec, step=step)
+        part = lambda prefix: {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        ckpt = dict(model=part("body."), reward_head=part("head."), reward_task=cfg.task, tokenizer=tok.spec, step=step)
+        ckpt.update(model_config=dataclasses.asdict(raw.body.config), config=dataclasses.asdict(cfg))
         ckpt.update(optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
-        save_checkpoint(path, {**ckpt, "config": dataclasses.asdict(cfg), "reward_head": head, "reward_task": cfg.task})
-
-
-def score_main(cfg):
-    """--score: print the reward of one text under the --init_from reward model."""
-    check(os.path.isfile(cfg.init_from), "--score needs --init_from PATH/ckpt.pt of a reward model")
-    rt = setup_runtime(cfg)
-    model, spec, _ = load_reward_model(cfg.init_from)
-    tok = make_tokenizer(cfg, spec, [cfg.score])
-    with rt.autocast():
-        (reward,) = score(model.to(rt.device), tok, [cfg.score], rt.device)
-    if rt.master:
-        print(f"{reward:.6f}")
-    cleanup(rt)
+        save_checkpoint(path, ckpt)
 
 
 def main():
     cfg = parse_config(Config)
     validate(cfg)
-    if cfg.score:
-        return score_main(cfg)
+    check(not cfg.score or os.path.isfile(cfg.init_from), "--score needs --init_from PATH/ckpt.pt of a reward model")
     rt = setup_runtime(cfg)
+    if cfg.score:  # print the reward of one text under the --init_from reward model, and exit
+        model, spec, _ = load_reward_model(cfg.init_from)
+        with rt.autocast():
+            (reward,) = score(model.to(rt.device), make_tokenizer(cfg, spec, [cfg.score]), [cfg.score], rt.device)
+        if rt.master:
+            print(f"{reward:.6f}")
+        return cleanup(rt)
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    train_text, val_text, texts, skipped = load_texts(cfg, rt)
-    raw, tok, ckpt = build_reward_model(cfg, ckpt_path, texts)
+    load = load_preference_data if cfg.task == "preference" else synthetic_data
+    train_text, val_text, skipped = load(cfg, rt)
+    texts = [t for pair in train_text + val_text for t in pair] if cfg.task == "preference" else [ARITHMETIC_CHARS]
+    raw, model, tok, optimizer, scaler, start_step = build_reward_model(cfg, ckpt_path, texts, rt)
     max_len = cfg.max_len or raw.body.config.block_size
-    encode = {
-        "preference": lambda ex: encode_pair(tok, *ex, max_len)[:2],  # (prompt + chosen, prompt + rejected)
-        "orm": lambda ex: encode_orm(tok, *ex, max_len),
-        "prm": lambda ex: encode_prm(tok, ex),
-    }[cfg.task]
-    train_data, val_data = [encode(ex) for ex in train_text], [encode(ex) for ex in val_text]
-    if cfg.task == "prm":
-        longest = max(len(ids) for ids, _ in train_data + val_data)
-        check(longest <= max_len, f"prm chains take up to {longest} tokens; raise --max_len (now {max_len})")
-    eval_data = val_data[: cfg.eval_size or len(val_data)]
-
-    model = wrap_model(raw.to(rt.device), rt, cfg.compile)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step = 0 if ckpt is None else ckpt["step"]
-    if ckpt is not None:
-        load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
-        if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
-            scaler.load_state_dict(ckpt["scaler"])
-        restore_rng(ckpt, rt)
-        del ckpt
+    train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
+    eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text[: cfg.eval_size or len(val_text)]]
     if rt.master:
-        print(
-            f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, task {cfg.task}, "
-            f"{len(train_data)} train / {len(eval_data)} held-out examples, device {rt.device}, "
-            f"{rt.world_size} process(es), out_dir {out_dir}"
-        )
+        model_size = f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}"
+        data_size = f"{cfg.task}, {len(train_data)} train / {len(eval_data)} held-out"
+        print(f"{model_size}, {data_size}, {rt.world_size} process(es) on {rt.device}, out_dir {out_dir}")
 
     stop = GracefulExit()
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
     per_rank = cfg.batch_size * cfg.grad_accum
+    epochs = lambda steps: steps * per_rank * rt.world_size / len(train_data)  # passes over the training data
     t_start, last_eval = time.time(), {}
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -697,27 +637,22 @@ def main():
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{train['loss']:.4f}")
-        metrics = {f"train/{k}": v for k, v in train.items()}
-        metrics["train/epoch"] = (step + 1) * per_rank * rt.world_size / len(train_data)
+        metrics = {**{f"train/{k}": v for k, v in train.items()}, "train/epoch": epochs(step + 1)}
         perf = {"perf/tokens_per_s": n_tokens / dt, "perf/step_ms": 1000 * dt}
         perf["perf/mfu"] = mfu(raw.body, max_len, n_tokens, dt, rt)
         logger.log(step, {**metrics, **perf}, echo=step % cfg.log_every == 0)
-        if (step + 1) % cfg.save_every == 0 or stop_requested:
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop_requested:
             save_reward_model(ckpt_path, raw, optimizer, scaler, tok, step + 1, cfg, rt)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
-    save_reward_model(ckpt_path, raw, optimizer, scaler, tok, cfg.max_steps, cfg, rt)
     logger.close()
     if rt.master:
-        results = {"task": cfg.task, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}}
-        results.update(eval_examples=len(eval_data), train_examples=len(train_data))
-        results["epochs"] = cfg.max_steps * per_rank * rt.world_size / len(train_data)
+        # skipped: the preference records skipped per reason ({} for orm, prm)
+        results = {"task": cfg.task, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}, "skipped": skipped}
+        results.update(eval_examples=len(eval_data), train_examples=len(train_data), epochs=epochs(cfg.max_steps))
         results.update(steps=cfg.max_steps, wall_time_s=time.time() - t_start, params=raw.body.num_params())
-        if cfg.task == "preference":
-            results["skipped"] = skipped
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        print("held-out " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in last_eval.items()))
     cleanup(rt)
 
 
@@ -884,33 +819,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

@@ -128,7 +128,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,33 +219,24 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
 
 def policy_loss(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    loss_type="grpo",
-    clip_eps=0.2,
-    clip_eps_high=None,
-    max_len=None,
-    num_seqs=None,
-    num_tokens=None,
+    logp, old_logp, adv, mask, loss_type="grpo", clip_eps=0.2, eps_high=None, max_len=None, n_seqs=None, num_tokens=None
 ):
     """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high or clip_eps.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = eps_high or clip_eps.
       grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
       dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
       dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
       gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    n_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
-    num_seqs = N if num_seqs is None else num_seqs
+    n_seqs = N if n_seqs is None else n_seqs
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    eps_high = clip_eps if eps_high is None else eps_high
     adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
     log_ratio = logp - old_logp.detach()  # (N, T)
     if loss_type == "gspo":
@@ -254,7 +244,7 @@ def policy_loss(
         ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
         seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
-        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / n_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
         return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
@@ -272,9 +262,9 @@ def policy_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+        loss = (per_token * mask).sum() / (n_seqs * (max_len or T))
     else:
         loss = (per_token * mask).sum() / num_tokens
     n = mask.sum().clamp(min=1)
@@ -300,22 +290,14 @@ def vocab_kl(logp, ref_logp, kind="forward"):
 
 
 def logprobs_and_kl(
-    logits,
-    targets,
-    ref_logits=None,
-    weights=None,
-    kind="forward",
-    temperature=1.0,
-    top_k=None,
-    ref_weight=None,
-    rows=256,
+    logits, targets, ref_logits=None, weights=None, kind="forward", temperature=1.0, top_k=None, ref_head=None, rows=256
 ):
     """(log p(targets), sum over positions of weights * vocab_kl, entropy of p): (..., V), (...), (..., V), (...) ->
     ((...) float32, scalar float32, (...) float32). p is the sampling distribution
     softmax(sampling_logits(logits, temperature, top_k)) with the target kept (as token_logprobs; the entropy is of
     that distribution, as linear_logprobs' is), the reference softmax(ref_logits / temperature) over the whole
-    vocabulary; without ref_logits the KL is 0. A weight 0 (padding) drops a position from the KL. With ref_weight
-    (V, C), ref_logits holds the reference's final hidden states (..., C) and each chunk's reference logits are made
+    vocabulary; without ref_logits the KL is 0. A weight 0 (padding) drops a position from the KL. With ref_head
+    (V, C), the reference's lm_head weight, ref_logits holds the reference's final hidden states (..., C) and each chunk's reference logits are made
     here, one tensor per chunk.
     One chunk of rows at a time; with a gradient each chunk is recomputed in backward (torch.utils.checkpoint), so
     no (positions, V) float32 tensor is made beyond one chunk's: autograd keeps the logits and the reference logits
@@ -340,7 +322,7 @@ def logprobs_and_kl(
         r = w = None
         if ref is not None:
             r, w = ref[i : i + rows], weights.detach().flatten()[i : i + rows]
-            r = r if ref_weight is None else r @ ref_weight.detach().T  # (n, V)
+            r = r if ref_head is None else r @ ref_head.detach().T  # (n, V)
         args = (x, r, y[i : i + rows], w)
         parts.append(torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
     logp, kl, entropy = zip(*parts)
@@ -438,17 +420,15 @@ def game_board(fen, history):
     tests give it), the board carries the game's move stack, so python-chess sees fivefold repetition; otherwise it
     is the bare position (10 moves of an A: line are too few to repeat a position five times)."""
     board = chess.Board(fen)
-    plies = 2 * (board.fullmove_number - 1) + (board.turn == chess.BLACK)
-    if history and len(history) == plies:
-        game = chess.Board()
-        try:
-            for move in history:
-                game.push_uci(move)
-        except ValueError:
-            return board
-        if game.fen() == board.fen():
-            return game
-    return board
+    if not history or len(history) != board.ply():
+        return board
+    game = chess.Board()
+    try:
+        for move in history:
+            game.push_uci(move)
+    except ValueError:
+        return board
+    return game if game.fen() == board.fen() else board
 
 
 def env_step(fen, move, history=()):
@@ -464,11 +444,8 @@ def env_step(fen, move, history=()):
     if action is None or action not in board.legal_moves:
         return board.fen(), ILLEGAL_REWARD, board.is_game_over(), True
     board.push(action)
-    outcome = board.outcome()
-    if outcome is None:
-        reward = LEGAL_REWARD
-    else:  # a move can only win for its mover
-        reward = MATE_REWARD if outcome.winner is not None else DRAW_REWARD
+    outcome = board.outcome()  # a move can only win for its mover
+    reward = LEGAL_REWARD if outcome is None else MATE_REWARD if outcome.winner is not None else DRAW_REWARD
     return board.fen(), reward, outcome is not None, False
 
 
@@ -500,9 +477,7 @@ def parse_p(text):
     if m is None:
         return None
     moves, evals, best = m["moves"].split(), m["evals"].split(), m["best"]
-    if not moves or not all(UCI_MOVE.fullmatch(x) for x in [*moves, best]):
-        return None
-    if not all(NUMBER.fullmatch(e) for e in evals):
+    if not moves or not all(UCI_MOVE.fullmatch(x) for x in [*moves, best]) or not all(map(NUMBER.fullmatch, evals)):
         return None
     return {"moves": moves, "evals": [float(e) for e in evals], "best": best}
 
@@ -542,14 +517,9 @@ def score_p(completion, target, shape="ladder"):
     got, want = parse_p(completion), parse_p(target)
     if got is None:
         return INVALID_REWARD
-    moves = got["moves"]
+    moves, n = got["moves"], len(got["moves"])
     best = float(got["best"] == want["best"])
-    checks = [
-        len(got["evals"]) == len(moves),
-        len(moves) == len(want["moves"]),
-        got["best"] in moves,
-        len(set(moves)) == len(moves),
-    ]
+    checks = [len(got["evals"]) == n, n == len(want["moves"]), got["best"] in moves, len(set(moves)) == n]
     fmt = sum(checks) / len(checks)
     candidates = len(set(moves) & set(want["moves"])) / len(moves)
     true_eval = dict(zip(want["moves"], want["evals"]))  # evals matched by move: the listed order is shuffled
@@ -572,11 +542,10 @@ def score_a(completion, target, shape="ladder"):
     got, want = parse_a(completion), parse_a(target)
     if got is None:
         return INVALID_REWARD
-    fmt = 1.0 if readable_fen(got["fen"]) else 0.5
-    if got["fen"] == want["fen"]:
-        fen = 1.0
-    else:
-        fen = 0.5 * (1 - edit_distance(got["fen"], want["fen"]) / max(len(got["fen"]), len(want["fen"])))
+    new_fen, true_fen = got["fen"], want["fen"]
+    fmt = 1.0 if readable_fen(new_fen) else 0.5
+    distance = 0 if new_fen == true_fen else edit_distance(new_fen, true_fen) / max(len(new_fen), len(true_fen))
+    fen = 1.0 if new_fen == true_fen else 0.5 * (1 - distance)
     flags = float(got["terminated"] == want["terminated"] and got["truncated"] == want["truncated"])
     reward = float(abs(got["reward"] - want["reward"]) <= 0.01 + 1e-9)
     return shape_reward((4 * fmt + 3 * fen + 2 * flags + 1 * reward) / 10, shape)
@@ -675,11 +644,7 @@ class Stockfish:
 
     def close(self):
         for engine in self.engines:
-            try:
-                engine.quit()
-            except Exception:
-                pass
-        self.engines = []
+            engine.close()  # never raises, even for an engine that has died
 
 
 PIECE_VALUES = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, chess.QUEEN: 9, chess.KING: 0}
@@ -692,15 +657,9 @@ def material_analysis(fen):
     scored = []
     for move in board.legal_moves:
         board.push(move)
-        if board.is_checkmate():
-            value = 1000 - 0.01
-        elif board.is_game_over():
-            value = 0.0
-        else:
-            mine = sum(
-                PIECE_VALUES[p.piece_type] * (1 if p.color != board.turn else -1) for p in board.piece_map().values()
-            )
-            value = float(mine)
+        signs = {board.turn: -1, not board.turn: 1}  # the mover's pieces count, the opponent's (now to move) subtract
+        material = sum(PIECE_VALUES[p.piece_type] * signs[p.color] for p in board.piece_map().values())
+        value = 999.99 if board.is_checkmate() else 0.0 if board.is_game_over() else float(material)
         board.pop()
         scored.append((value, move.uci()))
     scored.sort(key=lambda s: -s[0])
@@ -722,8 +681,7 @@ def make_lines(n, rng, stockfish=None, best_move="stockfish", random_move_frac=0
     0-8 random plies; then each move is Stockfish's best (the P: analysis), or with probability random_move_frac a
     random legal move. Every position gives a P: line (moves and evals shuffled in pairs, as in the original data)
     and an A: line for the move played from it, or with probability illegal_frac for an illegal or malformed one."""
-    lines, boards = {}, [None] * games
-    openings = [0] * games
+    lines, boards, openings = {}, [None] * games, [0] * games
     while len(lines) < n:
         for g in range(games):
             if boards[g] is None or boards[g].is_game_over() or len(boards[g].move_stack) >= 200:
@@ -737,9 +695,8 @@ def make_lines(n, rng, stockfish=None, best_move="stockfish", random_move_frac=0
             best = best_of_analysis(fen, moves, best_move)
             completion = format_p_completion([m for m, _ in pairs], [e for _, e in pairs], best)
             lines[format_p_prompt(fen) + completion] = None
-            legal = [m.uci() for m in board.legal_moves]
             random_move = len(history) < opening or rng.random() < random_move_frac
-            move = rng.choice(legal) if random_move else moves[0]
+            move = rng.choice([m.uci() for m in board.legal_moves]) if random_move else moves[0]
             attempt = illegal_attempt(board, rng) if rng.random() < illegal_frac else move
             result = env_step(fen, attempt, history)
             lines[format_a_prompt(fen, attempt, history) + format_a_completion(*result)] = None
@@ -754,21 +711,16 @@ def run_make_data(cfg):
     check(not os.path.exists(cfg.out), f"--out {cfg.out} already exists; it is never overwritten")
     stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
     t0 = time.time()
-    lines = make_lines(
-        cfg.make_data, random.Random(cfg.seed), stockfish, cfg.best_move, cfg.random_move_frac, cfg.illegal_frac
-    )
-    if stockfish:
-        stockfish.close()
+    rng = random.Random(cfg.seed)
+    lines = make_lines(cfg.make_data, rng, stockfish, cfg.best_move, cfg.random_move_frac, cfg.illegal_frac)
     os.makedirs(os.path.dirname(cfg.out) or ".", exist_ok=True)
-    with open(f"{cfg.out}.tmp", "w") as f:
+    if stockfish:  # the engines' threads would keep the process alive
+        stockfish.close()
+    with open(cfg.out, "x") as f:  # "x": never over an existing file
         f.write("\n".join(lines) + "\n")
-    os.replace(f"{cfg.out}.tmp", cfg.out)
     n_p = sum(line.startswith("P: ") for line in lines)
     source = "Stockfish" if stockfish else "a one-ply material count (no --stockfish)"
-    print(
-        f"wrote {len(lines)} lines ({n_p} P:, {len(lines) - n_p} A:; P: annotated by {source}) to {cfg.out} "
-        f"in {time.time() - t0:.0f} s"
-    )
+    print(f"wrote {len(lines)} lines ({n_p} P:) to {cfg.out} in {time.time() - t0:.0f} s; P: annotated by {source}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -778,21 +730,13 @@ def run_make_data(cfg):
 def read_records(path, best_move, master=True):
     """The P: and A: records of a RookWorld text file. A line in neither format is counted and skipped; A: lines that
     python-chess disagrees with are counted (and kept as written). No usable line is an error."""
-    records, bad, disagree = [], 0, 0
-    for line in read_text(path).splitlines():
-        if not line.strip():
-            continue
-        record = split_line(line, best_move)
-        if record is None:
-            bad += 1
-            continue
-        if record["task"] == "A":
-            want = parse_a(record["target"])
-            fen, reward, terminated, truncated = env_step(record["fen"], record["move"], record["history"])
-            same = (fen, terminated, truncated) == (want["fen"], want["terminated"], want["truncated"])
-            disagree += not (same and abs(reward - want["reward"]) < 1e-9)
-        records.append(record)
+    lines = [line for line in read_text(path).splitlines() if line.strip()]
+    records = [r for r in (split_line(line, best_move) for line in lines) if r is not None]
+    bad = len(lines) - len(records)
     check(records, f"{path}: no P: or A: line ({bad} line(s) in neither format)")
+    a_records = [r for r in records if r["task"] == "A"]
+    steps = [format_a_completion(*env_step(r["fen"], r["move"], r["history"])) for r in a_records]
+    disagree = sum(parse_a(step) != parse_a(r["target"]) for step, r in zip(steps, a_records))
     if master and bad:
         print(f"{path}: skipped {bad} line(s) in neither format, kept {len(records)}", file=sys.stderr)
     if master and disagree:
@@ -860,10 +804,13 @@ def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids)
     """Completions (N, n <= --horizon) of token-id prompts by generate() of the model block, their mask (1.0 up to
     and including the first end token: <|endoftext|> of RookWorld-LM or the newline of a model SFT'd by gpt.py on a
     file of lines) and their texts. Under FSDP every forward pass is collective, so there every rank samples the
-    whole horizon (no early stop when its own rows have ended) and the mask is cut at the first end token here."""
+    whole horizon (no early stop when its own rows have ended) and the mask is cut at the first end token here.
+    The model samples in eval mode (no dropout) and is left in train mode."""
     collective = rt.distributed and rt.parallel == "fsdp"
+    model.eval()
     with rt.autocast():
         completion, mask = generate(model, prompts, cfg.horizon, temperature, top_k, None if collective else stop_ids)
+    model.train()
     if collective:
         ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
         mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
@@ -900,16 +847,14 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     sampling policy's log-probs (and values). Returns a dict of per-row tensors (and the rows and texts)."""
     rows = [r for r in prompts for _ in range(cfg.group_size)]
     ids = [r["ids"] for r in rows]
-    model.eval()
     completion, mask, texts = complete_prompts(model, ids, cfg.temperature, cfg.top_k or None, cfg, rt, tok, stop_ids)
-    model.train()
     H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
     completion, mask = completion[:, :H], mask[:, :H]  # (N, H)
-    rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
-    ends = torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)  # (N, H)
     seq, attn = join(ids, completion)
     batch = {"rows": rows, "texts": texts, "seq": seq, "attn": attn, "mask": mask}
+    rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
     batch["rewards"] = torch.tensor(rewards, device=rt.device)  # (N,)
+    ends = torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)  # (N, H)
     batch["truncated"] = ~ends.any(1)  # (N,) completions without an end
     batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()  # (N,) 0 P, 1 A
     with torch.no_grad():
@@ -928,27 +873,20 @@ def p_metrics(record, text):
     listed (the original RookWorld top-5 accuracy)."""
     got, want = parse_p(text), parse_p(record["target"])
     if got is None:
-        return {"p_format": 0.0, "p_legal_best": 0.0, "p_best_acc": 0.0, "p_top5_acc": 0.0}
-    legal = {m.uci() for m in chess.Board(record["fen"]).legal_moves}
-    return {
-        "p_format": 1.0,
-        "p_legal_best": float(got["best"] in legal),
-        "p_best_acc": float(got["best"] == want["best"]),
-        "p_top5_acc": len(set(got["moves"]) & set(want["moves"])) / len(want["moves"]),
-    }
+        return dict.fromkeys(["p_format", "p_legal_best", "p_best_acc", "p_top5_acc"], 0.0)
+    legal = float(got["best"] in {m.uci() for m in chess.Board(record["fen"]).legal_moves})
+    best, top5 = float(got["best"] == want["best"]), len(set(got["moves"]) & set(want["moves"])) / len(want["moves"])
+    return dict(p_format=1.0, p_legal_best=legal, p_best_acc=best, p_top5_acc=top5)
 
 
 def a_metrics(record, text):
     """Greedy A: completion: parses, the exact new FEN, both flags right, the whole completion exact."""
     got, want = parse_a(text), parse_a(record["target"])
     if got is None:
-        return {"a_format": 0.0, "a_fen_acc": 0.0, "a_flags_acc": 0.0, "a_line_acc": 0.0}
-    return {
-        "a_format": 1.0,
-        "a_fen_acc": float(got["fen"] == want["fen"]),
-        "a_flags_acc": float((got["terminated"], got["truncated"]) == (want["terminated"], want["truncated"])),
-        "a_line_acc": float(text.strip() == record["target"].strip()),
-    }
+        return dict.fromkeys(["a_format", "a_fen_acc", "a_flags_acc", "a_line_acc"], 0.0)
+    flags = float((got["terminated"], got["truncated"]) == (want["terminated"], want["truncated"]))
+    line = float(text.strip() == record["target"].strip())
+    return dict(a_format=1.0, a_fen_acc=float(got["fen"] == want["fen"]), a_flags_acc=flags, a_line_acc=line)
 
 
 @torch.no_grad()
@@ -959,18 +897,15 @@ def evaluate_held_out(model, records, cfg, rt, tok, stop_ids):
     for i in range(0, len(records), chunk):
         prompts = [r["ids"] for r in records[i : i + chunk]]
         texts += complete_prompts(model, prompts, 0.0, None, cfg, rt, tok, stop_ids)[2]  # greedy
-    sums, counts, shown = {}, {"P": 0, "A": 0}, {"P": [], "A": []}
+    found, shown = {"P": [], "A": []}, {"P": [], "A": []}
     for record, text in zip(records, texts):
         task = record["task"]
-        found = (p_metrics if task == "P" else a_metrics)(record, text)
-        found[f"{task.lower()}_reward"] = reward = score_record(record, text, cfg.reward_mode)
-        counts[task] += 1
-        for k, v in found.items():
-            sums[k] = sums.get(k, 0.0) + v
-        if len(shown[task]) < 3:
-            shown[task].append(f"{record['prompt']}|{text}\n    target:{record['target']}\n    reward {reward:.2f}")
-    metrics = {f"eval/{k}": v / counts[k[0].upper()] for k, v in sums.items()}
-    return metrics, "\n".join(shown["P"] + shown["A"])
+        row = (p_metrics if task == "P" else a_metrics)(record, text)
+        row[f"{task.lower()}_reward"] = reward = score_record(record, text, cfg.reward_mode)
+        found[task].append(row)
+        shown[task].append(f"{record['prompt']}|{text}\n    target:{record['target']}\n    reward {reward:.2f}")
+    metrics = {f"eval/{k}": sum(r[k] for r in rows) / len(rows) for rows in found.values() if rows for k in rows[0]}
+    return metrics, "\n".join(shown["P"][:3] + shown["A"][:3])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1000,38 +935,29 @@ def resolve_clip(cfg):
 
 
 def validate(cfg):
-    positive = ["batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"]
-    positive += ["save_every", "sf_workers", "lr", "target_kl", "kl_horizon", "clip_eps", "clip_eps_value"]
-    non_negative = ["eval_size", "make_data", "sf_depth", "sf_nodes", "min_lr", "beta_kl", "entropy_coef", "vf_coef"]
-    non_negative += ["clip_eps_high", "grad_clip", "weight_decay", "warmup_steps", "top_k"]
-    for name in positive:
-        check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in non_negative:
-        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("task_mix", "random_move_frac", "illegal_frac", "gamma", "lam"):
-        check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
-    check(0 < cfg.ema_decay < 1, f"--ema_decay must be in (0, 1) (got {cfg.ema_decay})")
+    """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
+    positive = "batch_size horizon max_steps num_iterations grad_accum eval_every log_every save_every sf_workers lr"
+    positive += " target_kl kl_horizon clip_eps clip_eps_value"
+    non_negative = "eval_size make_data sf_depth sf_nodes min_lr beta_kl entropy_coef vf_coef clip_eps_high grad_clip"
+    non_negative += " weight_decay warmup_steps top_k"
+    ranges = [(positive, "must be positive", lambda v: v > 0), (non_negative, "must be >= 0", lambda v: v >= 0)]
+    ranges += [("task_mix random_move_frac illegal_frac gamma lam", "must be in [0, 1]", lambda v: 0 <= v <= 1)]
+    ranges += [("ema_decay", "must be in (0, 1)", lambda v: 0 < v < 1)]
+    for names, rule, holds in ranges:
+        for name in names.split():
+            check(holds(getattr(cfg, name)), f"--{name} {rule} (got {getattr(cfg, name)})")
+    choices = "best_move=stockfish,rookworld reward_mode=ladder,continuous adv=group,ema scale_rewards=group,batch,none"
+    choices += " loss_type=grpo,dapo,dr_grpo,gspo,cispo,reinforce kl_type=forward,reverse,symmetric"
+    for name, allowed in (choice.split("=") for choice in choices.split()):
+        value, allowed = getattr(cfg, name), allowed.split(",")
+        check(value in allowed, f"--{name} {value!r}: use one of {', '.join(allowed)}")
     check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
-    check(
-        cfg.group_size >= 2 or (cfg.group_size == 1 and (cfg.adv == "ema" or cfg.value_head)),
-        f"--group_size must be >= 2 for group advantages, which compare a group's completions (got {cfg.group_size})",
-    )
+    smallest = 1 if cfg.adv == "ema" or cfg.value_head else 2  # group advantages compare a group's completions
+    check(cfg.group_size >= smallest, f"--group_size must be >= {smallest} with --adv {cfg.adv} (got {cfg.group_size})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.sf_depth > 0 or cfg.sf_nodes > 0, "Stockfish needs a limit: --sf_depth or --sf_nodes > 0")
-    check(
-        not (cfg.top_k and cfg.kl_type != "forward" and (cfg.beta_kl > 0 or cfg.adaptive_kl)),
-        f"--kl_type {cfg.kl_type} with --top_k: KL(ref || pi) is infinite where top_k leaves pi no mass; use forward",
-    )
-    choices = {
-        "best_move": ("stockfish", "rookworld"),
-        "reward_mode": ("ladder", "continuous"),
-        "adv": ("group", "ema"),
-        "scale_rewards": ("group", "batch", "none"),
-        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
-        "kl_type": ("forward", "reverse", "symmetric"),
-    }
-    for name, allowed in choices.items():
-        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    reverse_kl = cfg.kl_type != "forward" and (cfg.beta_kl > 0 or cfg.adaptive_kl)  # top_k: infinite where pi has 0
+    check(not (cfg.top_k and reverse_kl), f"--kl_type {cfg.kl_type} with --top_k: KL(ref || pi) is infinite")
     check(not (cfg.value_head and cfg.parallel == "fsdp"), "--value_head runs in one process or under DDP, not FSDP")
 
 
@@ -1055,30 +981,26 @@ def load_data(cfg, rt, stockfish):
     return train_p, train_a, held
 
 
-def load_models(cfg, rt, ckpt):
+def load_models(cfg, rt, ckpt_path):
     """The policy (a resumed run's, or --init_from: hub, Hugging Face folder, ckpt.pt; GPT-2 BPE only), the actor
     that trains (the policy, with a value head under --value_head) and the frozen reference: the starting policy
     (reloaded from --init_from on --resume, and checked against the checksum the run stored at its start), never
-    wrapped, never trained. Returns (model, actor, reference or None, its checksum or None)."""
-    if ckpt is not None:
-        model, spec = GPT(GPTConfig(**ckpt["model_config"])), ckpt["tokenizer"]
-        model.load_state_dict(ckpt["model"])
-    else:
-        model, spec, _ = load_model(cfg.init_from)
+    wrapped, never trained. Returns (model, actor, reference or None, its checksum or None, the resumed checkpoint
+    or None)."""
+    model, spec, ckpt = load_model(ckpt_path if cfg.resume else cfg.init_from)
+    ckpt = ckpt if cfg.resume else None  # an --init_from ckpt.pt gives weights, not a run's state
     check(spec == "gpt2", f"--init_from {cfg.init_from}: its tokenizer is not the GPT-2 BPE the RookWorld tasks need")
     ref, ref_checksum = None, None
     if cfg.beta_kl > 0 or cfg.adaptive_kl:
         ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
         ref_checksum = weights_checksum(ref)
-        check(
-            ckpt is None or ckpt.get("ref_checksum") in (None, ref_checksum),  # None: no reference, or an older run
-            f"--resume: the reference {cfg.init_from} changed since the run started",
-        )
+        same = ckpt is None or ckpt.get("ref_checksum") in (None, ref_checksum)  # None: no reference, or an older run
+        check(same, f"--resume: the reference {cfg.init_from} changed since the run started")
         ref.to(rt.device).eval().requires_grad_(False)
     actor = ValueHeadGPT(model) if cfg.value_head else model
     if ckpt is not None and cfg.value_head:
         actor.v_head.load_state_dict(ckpt["value_head"])
-    return model, actor.to(rt.device), ref, ref_checksum
+    return model, actor.to(rt.device), ref, ref_checksum, ckpt
 
 
 def setup_training(cfg):
@@ -1087,17 +1009,15 @@ def setup_training(cfg):
     rt = setup_runtime(cfg)
     run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "rookworld_grpo", rt), stop=GracefulExit())
     run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(run.ckpt_path) if cfg.resume else None
     run.stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
     run.train_p, run.train_a, run.held = load_data(cfg, rt, run.stockfish)
-    run.model, run.actor, run.ref, run.ref_checksum = load_models(cfg, rt, ckpt)
+    run.model, run.actor, run.ref, run.ref_checksum, ckpt = load_models(cfg, rt, run.ckpt_path)
     run.tok = BPETokenizer()
     run.stop_ids = [run.tok.eot_id, *run.tok.encode("\n")]
     for record in [*run.train_p, *run.train_a, *run.held]:
         record["ids"] = run.tok.encode(record["prompt"])
-    longest = max(len(r["ids"]) for r in [*run.train_p, *run.train_a, *run.held]) + cfg.horizon
-    block_size = run.model.config.block_size
-    check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
+        longest, block_size = len(record["ids"]) + cfg.horizon, run.model.config.block_size
+        check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
 
     run.policy = wrap_model(run.actor, rt, cfg.compile)
     run.optimizer = make_optimizer(run.actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
@@ -1114,16 +1034,12 @@ def setup_training(cfg):
         run.baselines = torch.tensor(ckpt["baselines"], device=rt.device)
         if cfg.adaptive_kl:
             run.kl_ctl.value = ckpt["kl_coef"]
-    if rt.master:
-        print(
-            f"{run.model.num_params() / 1e6:.2f}M parameters; {len(run.train_p)} P: and {len(run.train_a)} A: "
-            f"training prompts, {len(run.held)} held out; targets from {'Stockfish' if run.stockfish else 'the data'}; "
-            f"loss {cfg.loss_type}, {'value head + GAE' if cfg.value_head else cfg.adv + ' advantages'}, device "
-            f"{rt.device}, {rt.world_size} process(es), out_dir {run.out_dir}"
-        )
+    if rt.master:  # the flags (loss, advantages, targets) are in config.json
+        data = f"{len(run.train_p)} P: + {len(run.train_a)} A: training prompts, {len(run.held)} held out"
+        print(f"{run.model.num_params() / 1e6:.2f}M params, {data}, {rt.world_size} x {rt.device}, in {run.out_dir}")
     save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
     run.logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
-    run.samples = open(os.path.join(run.out_dir, "samples.txt"), "a") if rt.master else None
+    run.samples = open(os.path.join(run.out_dir, "samples.txt"), "a", buffering=1) if rt.master else None
     return run
 
 
@@ -1158,21 +1074,9 @@ def optimize_policy(run, batch, beta, n_seqs, n_tokens):
             grad_sync(run.policy, i == cfg.grad_accum - 1)
             m = micro["mask"]
             logp, values, kl_sum, entropy = policy_pass(run.policy, run.ref, micro, cfg, rt)
-            clip_eps_high = cfg.clip_eps_high or None
-            pg_loss, stats = policy_loss(
-                logp,
-                micro["old_logp"],
-                micro["adv"],
-                m,
-                cfg.loss_type,
-                cfg.clip_eps,
-                clip_eps_high,
-                cfg.horizon,
-                n_seqs,
-                n_tokens,
-            )
-            entropy = entropy if cfg.entropy_coef > 0 else entropy.detach()  # a bonus, or only logged
-            entropy = (entropy * m).sum() / n_tokens
+            clip = (cfg.loss_type, cfg.clip_eps, cfg.clip_eps_high or None)
+            pg_loss, stats = policy_loss(logp, micro["old_logp"], micro["adv"], m, *clip, cfg.horizon, n_seqs, n_tokens)
+            entropy = masked_mean(entropy if cfg.entropy_coef > 0 else entropy.detach(), m, n_tokens)  # or only logged
             v_loss = torch.zeros((), device=rt.device)
             if values is not None:
                 v_loss = value_loss(values, micro["old_values"], micro["returns"], m, cfg.clip_eps_value, n_tokens)
@@ -1257,33 +1161,24 @@ def rl_step(run, step):
             metrics[f"rl/valid_{task}"] = (per_task[i] / task_sums[i, 1]).item()
         if cfg.adv == "ema" and not cfg.value_head:
             metrics[f"rl/baseline_{task}"] = run.baselines[i].item()
-    metrics |= {
-        "rl/reward_mean": all_rewards.mean().item(),
-        "rl/reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
-        "rl/zero_std_frac": (groups == groups[:, :1]).all(1).float().mean().item(),
-        "rl/beta": beta,
-        "rl/completion_len": (n_tokens / n_seqs).item(),
-        "rl/truncated_frac": (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item(),
-        "rl/tokens": run.tokens,
-        "train/lr": lr,
-        "train/grad_norm": grad_norm.item(),
-        "perf/rollout_tokens_per_s": mask.sum().item() * rt.world_size / max(t_rollout, 1e-9),
-        "perf/rollout_ms": 1000 * t_rollout,
-        "perf/step_ms": 1000 * dt,
-        "perf/peak_mem_mb": peak_memory_mb(rt),
-    }
+    metrics["rl/reward_mean"] = all_rewards.mean().item()
+    metrics["rl/reward_std"] = all_rewards.std().item() if all_rewards.numel() > 1 else 0.0
+    metrics.update({"rl/zero_std_frac": (groups == groups[:, :1]).all(1).float().mean().item(), "rl/beta": beta})
+    metrics["rl/completion_len"] = (n_tokens / n_seqs).item()
+    metrics["rl/truncated_frac"] = (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item()
+    metrics.update({"rl/tokens": run.tokens, "train/lr": lr, "train/grad_norm": grad_norm.item()})
+    metrics["perf/rollout_tokens_per_s"] = mask.sum().item() * rt.world_size / max(t_rollout, 1e-9)
+    metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * dt})
+    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
     return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
 
 
 def log_evaluation(run, step):
-    run.model.eval()
     run.last_eval, text = evaluate_held_out(run.model, run.held, run.cfg, run.rt, run.tok, run.stop_ids)
-    run.model.train()
     run.first_eval = run.first_eval or run.last_eval
     run.logger.log(step, {**run.last_eval, "rl/tokens": run.tokens})
     if run.samples:
-        run.samples.write(f"--- step {step}\n{text}\n")
-        run.samples.flush()
+        run.samples.write(f"--- step {step}\n{text}\n")  # line-buffered: written at once
 
 
 def write_final_results(run, wall_time):
@@ -1291,19 +1186,14 @@ def write_final_results(run, wall_time):
     cfg, rt = run.cfg, run.rt
     write_checkpoint(run, cfg.max_steps)
     run.logger.close()
-    for resource_ in (run.samples, run.stockfish):
+    for resource_ in (run.samples, run.stockfish):  # the engines' threads would keep the process alive
         if resource_:
             resource_.close()
     if rt.master:
-        results = {
-            "loss_type": cfg.loss_type,
-            "adv": "value_head" if cfg.value_head else cfg.adv,
-            "steps": cfg.max_steps,
-            "tokens": run.tokens,
-            "wall_time_s": wall_time,
-            "before": {k.removeprefix("eval/"): v for k, v in (run.first_eval or {}).items()},
-            "after": {k.removeprefix("eval/"): v for k, v in run.last_eval.items()},
-        }
+        adv = "value_head" if cfg.value_head else cfg.adv
+        results = dict(loss_type=cfg.loss_type, adv=adv, steps=cfg.max_steps, tokens=run.tokens, wall_time_s=wall_time)
+        results["before"] = {k.removeprefix("eval/"): v for k, v in (run.first_eval or {}).items()}
+        results["after"] = {k.removeprefix("eval/"): v for k, v in run.last_eval.items()}
         with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         summary = ", ".join(f"{k} {results['before'][k]:.3g} -> {v:.3g}" for k, v in results["after"].items())
@@ -1498,33 +1388,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """GPT-2 weights in the Hugging Face layout: a local folder (config.json + model.safetensors or
-        pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl, jrahn/RookWorld-LM-124M). Both key
-        layouts occur: save_pretrained's transformer.h.0... and the original files' h.0... with attn.bias buffers."""
-        path = name_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
+        """GPT-2 weights in the Hugging Face layout, read by transformers (as nanoGPT does): a local folder
+        (config.json + model.safetensors or pytorch_model.bin) or a hub id (gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+        jrahn/RookWorld-LM-124M). transformers accepts both key layouts (save_pretrained's transformer.h.0... and
+        the original files' h.0... with attn.bias buffers); a missing or misshapen weight raises ValueError."""
+        from transformers import GPT2LMHeadModel
 
-            path = snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "*.bin"])
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        sizes = {k: hf[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
-        model = cls(GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), dropout=dropout, **sizes))
-        st, bin = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-        hf_sd = load_file(st) if os.path.exists(st) else torch.load(bin, map_location="cpu", weights_only=True)
-        sd, loaded = model.state_dict(), {"lm_head.weight"}  # the head is tied to wte
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+        bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
+        if bad:
+            raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
+        c, hf_sd = hf.config, hf.state_dict()
+        model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        for key, w in hf_sd.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers, and the tied head
-            ours = key if key.startswith("transformer.") else "transformer." + key
-            w = w.t() if key.endswith(conv1d) else w  # GPT-2's Conv1D stores (in, out)
-            if ours not in sd or w.shape != sd[ours].shape:
-                raise ValueError(f"{path}: unexpected GPT-2 weight {key} of shape {tuple(w.shape)}")
-            sd[ours].copy_(w)  # state_dict() tensors are detached views of the parameters
-            loaded.add(ours)
-        if set(sd) - loaded:
-            raise ValueError(f"{path}: missing GPT-2 weights {sorted(set(sd) - loaded)[:3]}")
+        for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
+            p.copy_(hf_sd[key].t() if key.endswith(conv1d) else hf_sd[key])  # GPT-2's Conv1D stores (in, out)
         return model
 
 

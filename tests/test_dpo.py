@@ -739,3 +739,163 @@ def test_help_lists_every_setting(capsys):
         dpo.parse_config(dpo.Config, ["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and all(f"--{f.name}" in out for f in dataclasses.fields(dpo.Config))
+
+
+# ------------------------------------------------------------------------------------- --data arithmetic
+
+
+ARITH_CHARS = "\n*+-0123456789="  # gpt.py's char vocabulary of --data arithmetic
+
+
+@pytest.fixture(scope="module")
+def arith(tmp_path_factory):
+    """A char-level policy trained for 150 steps on 1-digit additions (its sampled answers are a mix of right and
+    wrong), saved as a gpt.py checkpoint."""
+    folder = tmp_path_factory.mktemp("arith")
+    tok, rng = dpo.CharTokenizer(ARITH_CHARS), random.Random(0)
+    ids = torch.tensor(tok.encode("".join("".join(dpo.arithmetic_problem(rng, 1, "+")) for _ in range(3000))))
+    torch.manual_seed(0)
+    config = dpo.GPTConfig(block_size=16, vocab_size=len(ARITH_CHARS), n_layer=1, n_head=2, n_embd=32)
+    model = dpo.GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        windows = torch.stack([ids[i : i + 17] for i in torch.randint(len(ids) - 17, (32,)).tolist()])
+        _, loss = model(windows[:, :-1], targets=windows[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ckpt = {"model": model.state_dict(), "model_config": dataclasses.asdict(config), "tokenizer": tok.spec}
+    torch.save(ckpt, folder / "sft.pt")
+    return SimpleNamespace(init=folder / "sft.pt", model=model.eval(), tok=tok, config=config, folder=folder)
+
+
+def arith_args(arith, *extra):
+    return [
+        "--data", "arithmetic", "--ops", "+", "--init_from", arith.init, "--max_len", "16", "--device", "cpu",
+        "--pair_prompts", "48", "--pair_samples", "8", "--eval_size", "32", "--batch_size", "8", "--lr", "3e-3",
+        "--num_samples", "2", *extra,
+    ]  # fmt: skip
+
+
+def addition(prompt):
+    """The right answer of "a+b=", computed here rather than by dpo.py."""
+    a, b = prompt.removesuffix("=").split("+")
+    return f"{int(a) + int(b)}\n"
+
+
+def read_pairs(out_dir):
+    return [json.loads(line) for line in (out_dir / "pairs.jsonl").read_text().splitlines()]
+
+
+def greedy_answer(model, tok, prompt, n_tokens=4):
+    """A greedy answer by a plain loop, without the KV cache, through the first newline."""
+    ids = tok.encode(prompt)
+    for _ in range(n_tokens):
+        ids.append(model(torch.tensor([ids]))[0][0, -1].argmax().item())
+        if ids[-1] == tok.encode("\n")[0]:
+            break
+    return tok.decode(ids[len(tok.encode(prompt)) :])
+
+
+def test_arithmetic_gold_pairs_have_a_right_chosen_and_a_wrong_rejected_answer(tmp_path, arith):
+    """--data arithmetic writes pairs.jsonl before training: in every pair the chosen answer is the right one and the
+    rejected one is not (checked by the test's own addition); held-out pairs come from grpo.py's held-out problems;
+    eval/accuracy at step 0 is the greedy accuracy of the starting policy on those problems."""
+    results, rows = train_in_process(tmp_path / "run", *arith_args(arith), "--max_steps", "2", "--eval_every", "2")
+    records = read_pairs(tmp_path / "run")
+    train = [r for r in records if r["split"] == "train"]
+    heldout = [r for r in records if r["split"] == "heldout"]
+    assert len(train) >= 5 and len(heldout) >= 5 and len(records) == len(train) + len(heldout)
+    for r in records:
+        assert r["chosen"] == addition(r["prompt"]) != r["rejected"] and r["answer"] == r["chosen"]
+    grpo = importlib.import_module("grpo")
+    rng = random.Random(1234)
+    heldout_problems = [grpo.arithmetic_problem(rng, 1, "+") for _ in range(32)]
+    assert {r["prompt"] for r in heldout} <= {p for p, _ in heldout_problems}
+    right = [greedy_answer(arith.model, arith.tok, p) == a for p, a in heldout_problems]
+    assert rows[0]["eval/accuracy"] == results["accuracy_before"] == pytest.approx(sum(right) / 32)
+    assert "eval/accuracy" in rows[-1] and results["heldout_problems"] == 32 and results["gold_agreement"] == 1
+    assert results["train_pairs"] == len(train) and results["heldout_pairs"] == len(heldout)
+    assert (tmp_path / "run" / "final_results.json").is_file()
+
+
+def save_arith_judge(path, arith, chars=ARITH_CHARS, seed=3, zero_head=False):
+    """A reward_model.py checkpoint (body, head, task, tokenizer) of a random reward model for arithmetic answers."""
+    torch.manual_seed(seed)
+    judge = dpo.RewardModel(arith.config)
+    if zero_head:
+        torch.nn.init.zeros_(judge.head.weight)
+        torch.nn.init.zeros_(judge.head.bias)
+    ckpt = {
+        "model": judge.body.state_dict(),
+        "reward_head": judge.head.state_dict(),
+        "reward_task": "orm",
+        "tokenizer": {"type": "char", "chars": chars},
+        "model_config": dataclasses.asdict(arith.config),
+    }
+    torch.save(ckpt, path)
+    return judge.eval()
+
+
+def test_arithmetic_judge_ranks_the_pairs_and_its_agreement_with_gold_is_reported(tmp_path, arith):
+    """With --judge, chosen is the answer the reward model scores higher (its score at the last token of prompt +
+    answer, computed here), and gold_agreement is the share of pairs whose chosen answer is right and rejected wrong."""
+    judge = save_arith_judge(tmp_path / "rm.pt", arith)
+    results, _ = train_in_process(
+        tmp_path / "run", *arith_args(arith, "--judge", tmp_path / "rm.pt", "--max_steps", "1")
+    )
+    records = read_pairs(tmp_path / "run")
+    assert len(records) > 10
+    with torch.no_grad():
+        score = lambda prompt, answer: judge(torch.tensor([arith.tok.encode(prompt + answer)]))[0, -1].item()
+        assert all(score(r["prompt"], r["chosen"]) > score(r["prompt"], r["rejected"]) for r in records)
+    agree = [r["chosen"] == addition(r["prompt"]) != r["rejected"] for r in records]
+    assert results["gold_agreement"] == pytest.approx(sum(agree) / len(agree)) and 0 < sum(agree) < len(agree)
+    assert "win_rate" in results
+
+
+def test_arithmetic_resume_reads_the_pairs_back_and_reproduces_the_run(tmp_path, arith, monkeypatch):
+    """Stopped after 2 of 4 steps and resumed: the pairs come from pairs.jsonl (not rebuilt from the trained policy)
+    and the metrics equal the uninterrupted run's."""
+    args = [*arith_args(arith), "--max_steps", "4", "--eval_every", "2"]
+    _, full = train_in_process(tmp_path / "full", *args)
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "part", *args)
+    assert exit_info.value.code == 143
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    monkeypatch.setattr(dpo, "answer_pairs", lambda run: pytest.fail("--resume rebuilt the pairs"))
+    _, resumed = train_in_process(tmp_path / "part", "--resume")
+    assert resumed == full and read_pairs(tmp_path / "part") == read_pairs(tmp_path / "full")
+
+
+def without_newline(folder, arith):
+    """The arith policy with its newline character renamed: answers have no end token."""
+    ckpt = torch.load(arith.init, weights_only=True)
+    ckpt["tokenizer"] = {"type": "char", "chars": ARITH_CHARS.replace("\n", "x")}
+    torch.save(ckpt, folder / "no_newline.pt")
+    return folder / "no_newline.pt"
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda t, a, hh: ["--init_from", hh.init], "vocabulary lacks '+0123456789='"),
+        (lambda t, a, hh: ["--init_from", without_newline(t, a)], "vocabulary lacks '\\n'"),
+        (lambda t, a, hh: ["--judge", a.init], "no reward head"),
+        (lambda t, a, hh: ["--judge", save_arith_judge(t / "rm.pt", a, chars="abc") and t / "rm.pt"], "cannot encode"),
+        (
+            lambda t, a, hh: ["--judge", save_arith_judge(t / "rm.pt", a, zero_head=True) and t / "rm.pt"],
+            "without pairs",
+        ),
+        (lambda t, a, hh: ["--pair_samples", "1"], "--pair_samples"),
+        (lambda t, a, hh: ["--ops", "/"], "--ops"),
+    ],
+)
+def test_arithmetic_bad_input_is_refused_before_training(tmp_path, arith, hh, capsys, make, needle):
+    """A policy whose vocabulary cannot write the problems, a judge that is no reward model or cannot encode the
+    answers, a judge that ties every answer (no pair), impossible settings: one line, exit 2, no checkpoint."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "run", *arith_args(arith, *make(tmp_path, arith, hh)))
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "run" / "ckpt.pt").exists()

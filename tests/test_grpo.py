@@ -94,7 +94,7 @@ def test_every_loss_type_aggregates_as_its_formula_on_a_hand_made_batch(loss_typ
     N * max_len = 10; gspo clips the sequence ratio (2 * 1 * 1)^(1/3) = 1.26 < 1.28; cispo weighs log-probs by
     the detached min(r, 1.28); reinforce by nothing."""
     logp, old, adv, mask = hand_batch()
-    loss, _ = grpo.policy_loss(logp, old, adv, mask, loss_type, clip_eps=0.2, clip_eps_high=0.28, max_len=5)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, loss_type, clip_eps=0.2, eps_high=0.28, max_len=5)
     lp = logp[mask > 0].tolist()  # the 4 real tokens' log-probs
     s0 = 2.0 ** (1 / 3)
     expected = {
@@ -569,3 +569,59 @@ def test_arithmetic_accuracy_rises_from_a_briefly_supervised_model(tmp_path):
     results = json.loads((out / "final_results.json").read_text())
     before, after = results["before"]["accuracy"], results["after"]["accuracy"]
     assert after > before + 0.08, (before, after)  # measured here: 0.105 -> 0.275
+
+
+def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged_beside_it(tmp_path):
+    """--task arithmetic --reward_model: the rewards are the reward model's score at the last real token of prompt +
+    completion (checked against the reward model run on each row alone), and rl/gold_reward and rl/accuracy are the
+    exact-answer reward of the same completions (checked by evaluating each problem in Python)."""
+    chars = grpo.ARITHMETIC_CHARS
+    rm_path = char_checkpoint(tmp_path / "rm.pt", chars, block_size=32, seed=1, reward_head=True)
+    cfg = grpo.Config(task="arithmetic", reward_model=str(rm_path), horizon=4, eval_size=4)
+    rt = grpo.Runtime(torch.device("cpu"), torch.float32)
+    tok = grpo.CharTokenizer(chars)
+    task = grpo.ArithmeticTask(cfg, tok, rt)
+    problems = ["3+4=", "9*9=", "2-7=", "8*7=", "0+0=", "5-5="]
+    texts = ["7\n", "18\n", "-5\n", "56\n", "1234", "00\n"]  # right, wrong, right, right, no end, not the answer
+    completion = torch.tensor([tok.encode(t.ljust(4, "\n")) for t in texts])
+    mask = torch.tensor([[float(i < len(t)) for i in range(4)] for t in texts])
+    prompts = [tok.encode(p) for p in problems]
+    answers = [f"{eval(p[:-1])}\n" for p in problems]  # the gold answers, computed here
+    proxy = task.rewards(prompts, completion, mask, answers, None)
+    with torch.no_grad():
+        alone = [task.rm(torch.tensor([tok.encode(p + t)]))[0, -1] for p, t in zip(problems, texts)]
+    torch.testing.assert_close(proxy, torch.stack(alone), atol=1e-5, rtol=1e-5)
+    gold = [
+        float(t.endswith("\n") and t[:-1].lstrip("-").isdigit() and t[:-1] == str(eval(p[:-1])))
+        for p, t in zip(problems, texts)
+    ]
+    assert gold == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    first = dict(completion=completion, mask=mask, info=answers, rewards=proxy)
+    batch = dict(mask=mask, truncated=torch.tensor([t[-1] != "\n" for t in texts]))
+    metrics = grpo.rollout_metrics(task, first, batch, 2, rt)
+    assert metrics["rl/gold_reward"] == pytest.approx(sum(gold) / len(gold))
+    assert metrics["rl/accuracy"] == pytest.approx(sum(gold) / len(gold))
+    assert metrics["rl/reward_mean"] == pytest.approx(proxy.mean().item())
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_path, script):
+    """End to end: a policy trained on a reward model's score logs rl/gold_reward every step, evaluates the greedy
+    answers' gold accuracy and reward-model score, and draws overoptimization.png. next_token refuses --reward_model."""
+    chars = grpo.ARITHMETIC_CHARS
+    init = char_checkpoint(tmp_path / "init.pt", chars, block_size=32)
+    rm = char_checkpoint(tmp_path / "rm.pt", chars, block_size=32, seed=1, reward_head=True)
+    out = tmp_path / "run"
+    args = ["--task", "arithmetic", "--init_from", init, "--reward_model", rm, "--horizon", "4", "--batch_size", "4"]
+    if script == "grpo.py":
+        args += ["--group_size", "4"]
+    proc = run_script(script, *args, "--max_steps", "3", "--eval_every", "3", "--eval_size", "8", "--out_dir", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in metrics(out) if "rl/reward_mean" in r]
+    assert len(rows) == 3 and all(0.0 <= r["rl/gold_reward"] <= 1.0 and "rl/kl" in r for r in rows)
+    results = json.loads((out / "final_results.json").read_text())
+    assert {"accuracy", "rm_score"} <= set(results["before"]) and {"accuracy", "rm_score"} <= set(results["after"])
+    assert (out / "overoptimization.png").stat().st_size > 0
+    if script == "grpo.py":
+        bad = run_script(script, "--task", "next_token", "--reward_model", rm, "--out_dir", tmp_path / "bad")
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -266,10 +266,11 @@ def test_the_value_of_token_t_is_read_before_it_and_never_sees_it(value_model):
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(0, 13, (3, 10), generator=gen)  # 6 prompt tokens, H = 4 completion tokens
     H, t = 4, 2
-    logp, _, values = ppo.logprobs_and_values(actor, crit, seq, None, H)
+    cfg = ppo.Config(horizon=H)
+    logp, _, values = ppo.logprobs_and_values(actor, crit, seq, None, cfg)
     changed = seq.clone()
     changed[:, 6 + t] = (changed[:, 6 + t] + 1) % 13
-    logp2, _, values2 = ppo.logprobs_and_values(actor, crit, changed, None, H)
+    logp2, _, values2 = ppo.logprobs_and_values(actor, crit, changed, None, cfg)
     assert torch.equal(values[:, : t + 1], values2[:, : t + 1]) and not torch.equal(values[:, t + 1], values2[:, t + 1])
     assert torch.equal(logp[:, :t], logp2[:, :t]) and not torch.equal(logp[:, t], logp2[:, t])
     assert torch.allclose(logp, ppo.completion_logprobs(policy, seq, None, H)[0], atol=1e-6)
@@ -300,10 +301,10 @@ def first_step(tmp_path, monkeypatch, text_file, *args):
     seen = {}
     real_rollout, real_loss = ppo.rollout, ppo.ppo_policy_loss
 
-    def rollout(task, actor, critic, ref, cfg, rt, n_micro):
-        batch = real_rollout(task, actor, critic, ref, cfg, rt, n_micro)
+    def rollout(run):
+        batch = real_rollout(run)
         with torch.no_grad():
-            seen["logits"] = actor(batch["seq"][:, :-1], keep_last=cfg.horizon)[0].double()  # (N, H, V)
+            seen["logits"] = run.actor(batch["seq"][:, :-1], keep_last=run.cfg.horizon)[0].double()  # (N, H, V)
         seen["batch"] = batch
         return batch
 

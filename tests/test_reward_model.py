@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, needs_bpe, run_script, torchrun
+from conftest import BPE_AVAILABLE, ROOT, needs_bpe, run_script, torchrun
 
 import reward_model as rm
 
@@ -179,10 +179,10 @@ def parse(step):
 
 def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
     """Label 1 exactly when the answer is the expression's value; about --error_frac of the answers are wrong."""
-    rng, labels = random.Random(0), []
+    rng, labels, cfg = random.Random(0), [], rm.Config(digits=2, ops="+-*", error_frac=0.5)
     for _ in range(2000):
-        prompt, answer, label = rm.orm_example(rng, 2, "+-*", 0.5)
-        assert prompt.endswith("=") and answer.endswith("\n") and set(prompt + answer) <= set(rm.ARITH_CHARS)
+        prompt, answer, label = rm.orm_example(rng, cfg)
+        assert prompt.endswith("=") and answer.endswith("\n") and set(prompt + answer) <= set(rm.ARITHMETIC_CHARS)
         _, truth, given = parse(prompt + answer)
         assert label == int(given == truth)
         labels.append(label)
@@ -192,9 +192,9 @@ def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
 def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step():
     """Each step starts from the previous result; at most one result is wrong, and a step's label is 1 exactly
     when it and every step before it are right."""
-    rng, with_error = random.Random(0), 0
+    rng, with_error, cfg = random.Random(0), 0, rm.Config(digits=2, ops="+-*", chain_len=4, error_frac=0.5)
     for _ in range(2000):
-        steps = rm.prm_chain(rng, 2, "+-*", 4, 0.5)
+        steps = rm.prm_chain(rng, cfg)
         assert 2 <= len(steps) <= 4
         parsed = [parse(text) for text, _ in steps]
         right = [truth == given for _, truth, given in parsed]
@@ -205,18 +205,24 @@ def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step():
     assert 0.45 < with_error / 2000 < 0.55
 
 
-def test_prm_labels_sit_on_the_step_separators():
-    """'1+2=3, 3*2=6, 6-1=5\\n': labels at the two commas and the final newline, -1 everywhere else."""
-    tok = rm.CharTokenizer(rm.ARITH_CHARS)
-    steps = [("1+2=3", 1), ("3*2=6", 1), ("6-1=4", 0)]
-    ids, labels = rm.encode_prm(tok, steps)
-    assert tok.decode(ids) == rm.chain_text(steps) == "1+2=3, 3*2=6, 6-1=4\n"
-    assert {i: y for i, y in enumerate(labels) if y >= 0} == {5: 1, 12: 1, 19: 0}
+def test_prm_labels_sit_on_the_newline_after_each_step():
+    """'1+2=3\\n3*2=6\\n6-1=4\\n', one step a line as gpt.py's arithmetic data (so its char vocabulary covers it):
+    labels at the three newlines, -1 everywhere else; with GPT-2 BPE the last label moves to <|endoftext|>."""
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+    steps = (("1+2=3", 1), ("3*2=6", 1), ("6-1=4", 0))
+    ids, labels = rm.encode("prm", tok, steps, 32)
+    assert tok.decode(ids) == "1+2=3\n3*2=6\n6-1=4\n"
+    assert {i: y for i, y in enumerate(labels) if y >= 0} == {5: 1, 11: 1, 17: 0}
+    if BPE_AVAILABLE:
+        bpe = rm.BPETokenizer()
+        ids, labels = rm.encode("prm", bpe, steps, 32)
+        assert bpe.decode(ids[:-1]) == "1+2=3\n3*2=6\n6-1=4\n" and ids[-1] == bpe.eot_id and labels[-1] == 0
+        assert [ids[i] for i, y in enumerate(labels) if y >= 0][:2] == bpe.encode("\n") * 2
 
 
 def test_orm_labels_cover_the_answer_tokens_only():
-    tok = rm.CharTokenizer(rm.ARITH_CHARS)
-    ids, labels = rm.encode_orm(tok, "12+3=", "15\n", 1, 32)
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+    ids, labels = rm.encode("orm", tok, ("12+3=", "15\n", 1), 32)
     assert tok.decode(ids) == "12+3=15\n" and labels == [-1] * 5 + [1] * 3
 
 
@@ -228,10 +234,13 @@ def test_first_error_hits_hand_values():
     assert rm.first_error_hits(scores, labels).tolist() == [1, 1, 0, 0, 0]
 
 
-def test_synthetic_held_out_examples_never_appear_in_training():
-    cfg = rm.Config(task="orm", digits=1, n_train=3000, n_val=300)
-    train, val = rm.synthetic_data(cfg)
-    assert not {p + a for p, a, _ in train} & {p + a for p, a, _ in val} and len(train) > 1000
+@pytest.mark.parametrize("task", ["orm", "prm"])
+def test_synthetic_held_out_examples_never_appear_in_training(task):
+    """No training problem (orm) or chain (prm) has the text of a held-out one; digits 1 makes repeats common."""
+    cfg = rm.Config(task=task, digits=1, chain_len=2, ops="+" if task == "prm" else "+-*", n_train=3000, n_val=300)
+    train, val, _ = rm.synthetic_data(cfg, None)
+    text = lambda ex: ex[0] + ex[1] if task == "orm" else "\n".join(step for step, _ in ex)
+    assert not {text(ex) for ex in train} & {text(ex) for ex in val} and 1000 < len(train) < 3000
 
 
 # ------------------------------------------------------------------------------------------- the model and reward
@@ -337,7 +346,7 @@ def eval_margin(model, tok, out):
     """Mean r_c - r_r over the held-out pairs of the run, recomputed with score() on the texts of training's rows (a
     pair too long for --max_len loses the same prompt characters in both)."""
     cfg = rm.Config(**json.loads((out / "config.json").read_text()))
-    _, val, _, _ = rm.load_preference_data(cfg)
+    _, val, _ = rm.load_preference_data(cfg, rm.Runtime(torch.device("cpu"), torch.float32))
     rows = [rm.encode_pair(tok, *pair, cfg.max_len) for pair in val[: cfg.eval_size]]
     r_c = rm.score(model, tok, [tok.decode(c) for c, _, _ in rows], "cpu", cfg.max_len)
     r_r = rm.score(model, tok, [tok.decode(r) for _, r, _ in rows], "cpu", cfg.max_len)
@@ -410,7 +419,7 @@ def test_preference_rows_of_a_pair_share_their_prompt_tokens(tmp_path, clean_fil
     toks, batches = [], []
     make_tokenizer, pad_right = rm.make_tokenizer, rm.pad_right
     monkeypatch.setattr(rm, "make_tokenizer", lambda *a: toks.append(make_tokenizer(*a)) or toks[-1])
-    monkeypatch.setattr(rm, "pad_right", lambda seqs, value=0: batches.append(seqs) or pad_right(seqs, value))
+    monkeypatch.setattr(rm, "pad_right", lambda seqs, *a, **kw: batches.append(seqs) or pad_right(seqs, *a, **kw))
     args = ["--max_len", 40, "--max_steps", 1, "--out_dir", tmp_path / "run", "--device", "cpu"]
     code, _, err = run_main(monkeypatch, "--data_path", clean_file, *PREF, *args)
     assert code == 0, err[-5:]
@@ -482,6 +491,36 @@ def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
     )
     assert all(k in results for k in keys) and 0 <= results[keys[0]] <= 1 and results["eval_examples"] == 40
     assert torch.load(out / "ckpt.pt", weights_only=True)["reward_task"] == task
+
+
+@pytest.fixture(scope="module")
+def arithmetic_sft(tmp_path_factory):
+    """A tiny `gpt.py --data arithmetic --tokenizer char` SFT checkpoint: a char vocabulary of the 15 characters of
+    gpt.py's arithmetic problems (no ' ' or ',')."""
+    out = tmp_path_factory.mktemp("sft") / "arith"
+    model = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "64", "--batch_size", "4"]
+    run = ["--max_steps", "2", "--eval_every", "2", "--eval_iters", "1", "--sample_tokens", "4", "--device", "cpu"]
+    assert_ok(run_script("gpt.py", "--data", "arithmetic", "--tokenizer", "char", *model, *run, "--out_dir", out))
+    return out / "ckpt.pt"
+
+
+@pytest.mark.parametrize("task", ["orm", "prm"])
+def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, monkeypatch, arithmetic_sft, task):
+    """Issue #21: --init_from a gpt.py arithmetic SFT model with its char tokenizer trains (the data stays inside its
+    vocabulary) and writes the run folder; the reward model keeps the SFT model's tokenizer and shape, so it scores
+    that policy's text. A new orm/prm model takes the same vocabulary."""
+    import gpt
+
+    out = tmp_path / task
+    args = ["--task", task, "--init_from", arithmetic_sft, "--n_train", 200, "--n_val", 20, "--max_steps", 2]
+    code, _, err = run_main(monkeypatch, *args, "--batch_size", 4, "--out_dir", out, "--device", "cpu")
+    assert code == 0, err[-5:]
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt"):
+        assert (out / name).is_file(), name
+    sft, new = (torch.load(path, weights_only=True) for path in (arithmetic_sft, out / "ckpt.pt"))
+    assert new["tokenizer"] == sft["tokenizer"] == {"type": "char", "chars": gpt.ARITHMETIC_CHARS}
+    assert new["model_config"] == sft["model_config"] and new["reward_task"] == task
+    assert rm.ARITHMETIC_CHARS == gpt.ARITHMETIC_CHARS
 
 
 @pytest.mark.learning

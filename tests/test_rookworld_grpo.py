@@ -793,7 +793,7 @@ def test_logprobs_and_kl_from_reference_hidden_states_equal_those_from_its_logit
     results = []
     for ref, ref_weight in [(h @ weight.T, None), (h, weight)]:
         x = logits.clone().requires_grad_(True)
-        logp, kl, _ = rw.logprobs_and_kl(x, targets, ref, weights, "symmetric", 0.8, ref_weight=ref_weight, rows=4)
+        logp, kl, _ = rw.logprobs_and_kl(x, targets, ref, weights, "symmetric", 0.8, ref_head=ref_weight, rows=4)
         (logp.sum() + kl).backward()
         results.append((logp, kl, x.grad))
     for a, b in zip(*results):
