@@ -655,15 +655,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
@@ -989,9 +986,8 @@ def wrap_model(model, rt, compile=False):
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
-        )
+        device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -1008,10 +1004,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 

@@ -191,9 +191,7 @@ def read_jsonl(path, required):
 # ALGO LOGIC: the losses, pure functions of per-sequence log-probs (SPEC section 7). tests/test_dpo.py checks each
 # against its formula and its properties.
 
-PAIR_LOSSES = tuple(
-    "sigmoid robust hinge ipo exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop simpo".split()
-)
+PAIR_LOSSES = "sigmoid robust hinge ipo exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop simpo".split()
 LOSS_TYPES = (*PAIR_LOSSES, "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # trained without the reference
 PAIR_FIELDS = ("split", "prompt", "answer", "chosen", "rejected")  # a line of pairs.jsonl (--data arithmetic)
@@ -234,31 +232,28 @@ def preference_loss(
     h = a - b
     x = beta * h - gamma if loss_type == "simpo" else beta * h  # SimPO's target margin gamma
     e = eps or 1e-3  # exo_pair: eps = 0 would put log 0 in its loss
+    s, log_s = torch.sigmoid, F.logsigmoid  # the docstring's s and log s
     formulas = {  # the docstring's table, per pair (B,); only loss_type's is evaluated
-        "sigmoid": lambda: -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x),
-        "simpo": lambda: -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x),  # sigmoid on SimPO's x
+        "sigmoid": lambda: -(1 - eps) * log_s(x) - eps * log_s(-x),
+        "simpo": lambda: -(1 - eps) * log_s(x) - eps * log_s(-x),  # sigmoid on SimPO's x
         # robust: unbiased under label noise eps (eps < 1/2)
-        "robust": lambda: (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps),
+        "robust": lambda: (-(1 - eps) * log_s(x) + eps * log_s(-x)) / (1 - 2 * eps),
         "hinge": lambda: torch.relu(1 - x),
         # ipo regresses h onto 1/(2 beta) instead of pushing it to infinity
         "ipo": lambda: (h - 1 / (2 * beta)) ** 2,
         # exo_pair: the reverse KL from the model's pair distribution s(+-x) to the labels (1-eps, eps)
-        "exo_pair": lambda: (
-            torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-e)) + torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(e))
-        ),
+        "exo_pair": lambda: s(x) * (log_s(x) - math.log1p(-e)) + s(-x) * (log_s(-x) - math.log(e)),
         # nca_pair: absolute rewards, so the chosen one rises, not only the gap
-        "nca_pair": lambda: -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b),
+        "nca_pair": lambda: -log_s(beta * a) - 0.5 * log_s(-beta * a) - 0.5 * log_s(-beta * b),
         # bco_pair: a binary classifier, chosen rewards above delta and rejected ones below
-        "bco_pair": lambda: -F.logsigmoid(beta * a - bco_delta) - F.logsigmoid(-(beta * b - bco_delta)),
+        "bco_pair": lambda: -log_s(beta * a - bco_delta) - log_s(-(beta * b - bco_delta)),
         "sppo_hard": lambda: (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2,
         # apo_zero and apo_down are anchored: chosen up and rejected down, each against the reference; or both
         # down, the rejected more
-        "apo_zero": lambda: 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b),
-        "apo_down": lambda: torch.sigmoid(beta * a) + 1 - torch.sigmoid(x),
+        "apo_zero": lambda: 1 - s(beta * a) + s(beta * b),
+        "apo_down": lambda: s(beta * a) + 1 - s(x),
         # discopop: m exp(-x) as exp(log m - x), so m = 0 never meets exp(-x) = inf
-        "discopop": lambda: (
-            -(1 - torch.sigmoid(x / discopop_tau)) * F.logsigmoid(x) + torch.exp(F.logsigmoid(x / discopop_tau) - x)
-        ),
+        "discopop": lambda: -(1 - s(x / discopop_tau)) * log_s(x) + torch.exp(log_s(x / discopop_tau) - x),
     }
     if loss_type not in formulas:
         raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -336,8 +331,7 @@ def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
         ref_c, ref_r = (None, None) if ref_logp is None else ref_logp.chunk(2)
         settings = (cfg.loss_type, cfg.beta, cfg.label_smoothing, len_c, len_r, cfg.gamma, bco_delta, cfg.discopop_tau)
         losses, chosen_r, rejected_r = preference_loss(pi_c, pi_r, ref_c, ref_r, *settings)
-    if cfg.sft_weight:  # RPO: the chosen response's mean token NLL
-        losses = losses - cfg.sft_weight * pi_c / len_c
+    losses = losses - cfg.sft_weight * pi_c / len_c  # RPO: the chosen response's mean token NLL (0: none)
     return losses, chosen_r, rejected_r
 
 
@@ -409,7 +403,6 @@ def encode_pair(tok, prompt, chosen, rejected, max_len):
 def load_pairs(cfg):
     """(train, held-out) lists of (prompt, chosen, rejected). A local file is split exactly as gpt.py --data hh_sft
     splits it (a fixed 5%, whatever --seed), so an SFT checkpoint of gpt.py never saw the held-out dialogues."""
-    source = cfg.data_path or cfg.data
     if cfg.data_path:
         records = read_jsonl(cfg.data_path, ["chosen"])  # as gpt.py reads it: the same records, the same split
         order = random.Random(0).sample(range(len(records)), len(records))
@@ -426,8 +419,8 @@ def load_pairs(cfg):
     (train, skip_train), (val, skip_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
     skipped = {k: skip_train.get(k, 0) + skip_val.get(k, 0) for k in {**skip_train, **skip_val}}
     summary = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
-    check(train, f"{source}: no usable training pair (skipped: {summary or 'none'})")
-    check(val, f"{source}: no usable held-out pair (skipped: {summary or 'none'})")
+    check(train, f"{cfg.data_path or cfg.data}: no usable training pair (skipped: {summary or 'none'})")
+    check(val, f"{cfg.data_path or cfg.data}: no usable held-out pair (skipped: {summary or 'none'})")
     return train, val, summary
 
 
@@ -483,21 +476,19 @@ def load_reward_model(path):
 
 
 def validate(cfg):
-    positive = ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens")
-    positive += ("lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight")
-    positive += ("digits", "pair_prompts")
-    non_negative = ("eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay", "grad_clip")
-    for name in positive:
+    positive = "batch_size grad_accum max_steps eval_every log_every save_every sample_tokens lr beta discopop_tau"
+    positive += " orpo_lambda kto_desirable_weight kto_undesirable_weight digits pair_prompts"
+    non_negative = "eval_size judge_prompts num_samples warmup_steps min_lr weight_decay grad_clip sft_weight gamma"
+    for name in positive.split():
         check(0 < getattr(cfg, name) < math.inf, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in (*non_negative, "sft_weight", "gamma"):
+    for name in non_negative.split():
         check(0 <= getattr(cfg, name) < math.inf, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     check(0 <= cfg.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.max_len >= 2, f"--max_len must be >= 2: a prompt token and a response token (got {cfg.max_len})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum")
-    kto_batch = cfg.loss_type != "kto" or cfg.batch_size >= 2
-    check(kto_batch, "--loss_type kto needs --batch_size >= 2: its reference point pairs prompts with other pairs")
+    check(cfg.loss_type != "kto" or cfg.batch_size >= 2, "--loss_type kto needs --batch_size >= 2: z0 uses other pairs")
     check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
     check(not cfg.judge or os.path.isfile(cfg.judge), f"--judge {cfg.judge}: no such checkpoint")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators of +-*")
@@ -525,8 +516,7 @@ def load_policy_and_reference(cfg, ckpt_path, rt):
     check(not cfg.resume or ckpt["ref_checksum"] == ref_checksum, f"--resume: the reference {reference} changed")
     block = min(model.config.block_size, ref.config.block_size)
     check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
-    n = response_tokens(cfg)
-    check(n < block, f"responses of {n} tokens (--sample_tokens or 2 --digits + 2) leave no prompt in {block}")
+    check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
     ref.to(rt.device).eval().requires_grad_(False)
     return model.to(rt.device), ref, get_tokenizer(spec), ckpt if cfg.resume else None, ref_checksum
 
@@ -575,12 +565,14 @@ def reference_table(ref, pairs, tok, cfg, rt):
     return all_reduce(table, rt).cpu()
 
 
-def reference_logprobs(ref, table, indices, pairs, tok, cfg, rt):
-    """The reference log-probs (2B,) of pairs (chosen rows, then rejected rows): their rows `indices` of a
-    precomputed table, or without one a forward of the frozen reference (no gradient: its weights require none)."""
+def reference_logprobs(run, split, indices, pairs):
+    """The reference log-probs (2B,) of pairs (chosen rows, then rejected rows) of split ("train" or "eval"): their
+    rows `indices` of the table --precompute_ref made, or without one a forward of the frozen reference (no gradient:
+    its weights require none)."""
+    table = run.ref_cache.get(split)
     if table is None:
-        return pair_logprobs(ref, pairs, tok, cfg, rt)[0]
-    return table[indices].t().flatten().to(rt.device)  # (B, 2) -> (2B,): chosen rows, then rejected rows
+        return pair_logprobs(run.ref, pairs, run.tok, run.cfg, run.rt)[0]
+    return table[indices].t().flatten().to(run.rt.device)  # (B, 2) -> (2B,): chosen rows, then rejected rows
 
 
 @torch.no_grad()
@@ -590,16 +582,15 @@ def kto_reference_point(model, ref, pairs, tok, cfg, rt):
     shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
     total = torch.zeros((), device=rt.device)  # the sum of this rank's log-ratios
     for [rows] in micro_slices(cfg, shifted):
-        log_ratio = pair_logprobs(model, rows, tok, cfg, rt)[0] - pair_logprobs(ref, rows, tok, cfg, rt)[0]  # (2b,)
-        total += log_ratio.sum()
+        total += (pair_logprobs(model, rows, tok, cfg, rt)[0] - pair_logprobs(ref, rows, tok, cfg, rt)[0]).sum()
     return (all_reduce(total, rt) / (2 * len(pairs) * rt.world_size)).clamp(min=0)  # every rank has len(pairs)
 
 
 @torch.no_grad()
-def evaluate(run):
-    """eval/ metrics of the held-out pairs, each rank scoring a share; the reference's log-probs for every loss type
-    (eval/logratio_* compare runs of different losses). Arithmetic adds eval/accuracy: the share of the held-out
-    problems whose greedy answer is exactly right (arithmetic_reward), grpo.py's eval/accuracy."""
+def evaluate(run, step, logger):
+    """eval/ metrics of the held-out pairs, each rank scoring a share, logged at step and returned; the reference's
+    log-probs for every loss type (eval/logratio_* compare runs of different losses). Arithmetic adds eval/accuracy:
+    the share of the held-out problems whose greedy answer is exactly right (arithmetic_reward), grpo.py's."""
     cfg, rt, model, tok = run.cfg, run.rt, run.model, run.tok
     model.eval()
     idx, weight = shard(len(run.eval_pairs), rt)
@@ -608,7 +599,7 @@ def evaluate(run):
     sums = torch.zeros(9, device=rt.device)
     for rows, batch, w in micro_slices(cfg, idx, mine, weight):
         logp, n_tokens = pair_logprobs(model, batch, tok, cfg, rt)
-        ref_logp = reference_logprobs(run.ref, run.eval_table, rows, batch, tok, cfg, rt)
+        ref_logp = reference_logprobs(run, "eval", rows, batch)
         stats = pair_stats(*pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0]), logp, ref_logp)
         sums += (stats * w[:, None]).sum(0)
     sums = all_reduce(sums, rt) / len(run.eval_pairs)
@@ -619,6 +610,7 @@ def evaluate(run):
         right = torch.tensor([arithmetic_reward(t, run.problems[i][1]) for t, i in zip(answers, idx)], device=rt.device)
         metrics["eval/accuracy"] = (all_reduce((right * weight).sum(), rt) / len(run.problems)).item()
     model.train()
+    logger.log(step, metrics)
     return metrics
 
 
@@ -645,17 +637,17 @@ def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0
     return [re.match(r"[^\n]*\n?", t).group() for t in texts] if cfg.data == "arithmetic" else texts
 
 
-def judge_scores(judge, judge_tok, triples, cfg, rt):
-    """The judge's rewards (n, 2) of both responses of (prompt, response, response) triples: each the score at its
+def judge_scores(run, triples):
+    """--judge's rewards (n, 2) of both responses of (prompt, response, response) triples: each the score at its
     last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
-    pairs = [encode_pair(judge_tok, *t, judge.body.config.block_size) for t in triples]
+    pairs = [encode_pair(run.judge_tok, *t, run.judge.body.config.block_size) for t in triples]
     scores = []
-    for i in range(0, len(pairs), cfg.batch_size):
-        rows = [row for a, b, _ in pairs[i : i + cfg.batch_size] for row in (a, b)]  # first, second, ...
+    for i in range(0, len(pairs), run.cfg.batch_size):
+        rows = [row for a, b, _ in pairs[i : i + run.cfg.batch_size] for row in (a, b)]  # first, second, ...
         ids, _ = collate([(row, 0) for row in rows])
         last = torch.tensor([len(row) - 1 for row in rows])
-        with rt.autocast():
-            scores.append(judge(ids.to(rt.device)).cpu()[torch.arange(len(rows)), last].view(-1, 2))  # (b, 2)
+        with run.rt.autocast():
+            scores.append(run.judge(ids.to(run.rt.device)).cpu()[torch.arange(len(rows)), last].view(-1, 2))  # (b, 2)
     return torch.cat(scores)
 
 
@@ -672,8 +664,7 @@ def answer_pairs(run):
     texts = respond(run.model, [p for _, p, _ in rows], run.tok, cfg, run.rt, 1.0, generator, G)  # a problem a batch
     scores = [arithmetic_reward(t, a) for t, (_, _, a) in zip(texts, rows)]  # gold
     if run.judge is not None:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
-        triples = [(p, t, t) for (_, p, _), t in zip(rows, texts)]
-        scores = judge_scores(run.judge, run.judge_tok, triples, cfg, run.rt)[:, 0].tolist()
+        scores = judge_scores(run, [(p, t, t) for (_, p, _), t in zip(rows, texts)])[:, 0].tolist()
     records = []
     for group in (range(i, i + G) for i in range(0, len(rows), G)):
         best, worst = max(group, key=scores.__getitem__), min(group, key=scores.__getitem__)
@@ -692,9 +683,8 @@ def arithmetic_pairs(run, out_dir):
     if run.rt.master:
         records = read_jsonl(path, PAIR_FIELDS) if cfg.resume else answer_pairs(run)
     records = broadcast_object(records, run.rt)
-    train, val = (
-        [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == s] for s in ("train", "heldout")
-    )
+    triples = lambda split: [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == split]
+    train, val = triples("train"), triples("heldout")
     check(train and val, "--data arithmetic: a split without pairs: every problem's answers all right or all wrong")
     gold = [[arithmetic_reward(r[k], r["answer"]) for k in ("chosen", "rejected")] for r in records]
     run.agreement = sum(chosen > rejected for chosen, rejected in gold) / len(gold)  # chosen right, rejected wrong
@@ -703,17 +693,6 @@ def arithmetic_pairs(run, out_dir):
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
     return train, val
-
-
-def write_pair_samples(path, pairs, responses, ref_responses):
-    """samples.txt: held-out prompts with the policy's greedy response, the reference's, and the chosen one."""
-    with open(path, "w") as f:
-        for i, (prompt, chosen, _) in enumerate(pairs):
-            f.write(f"=== held-out prompt {i} (last 400 characters)\n{prompt[-400:]}\n")
-            f.write(f"--- policy (greedy)\n{responses[i]}\n")
-            if ref_responses is not None:
-                f.write(f"--- reference (greedy)\n{ref_responses[i]}\n")
-            f.write(f"--- chosen in the data\n{chosen}\n\n")
 
 
 @functools.lru_cache(maxsize=2)
@@ -758,9 +737,8 @@ def setup(cfg, out_dir, rt):
     if cfg.precompute_ref and not run.ref_cache:
         run.ref_cache = {"train": reference_table(ref, run.train_pairs, run.tok, cfg, rt)}
         run.ref_cache["eval"] = reference_table(ref, run.eval_pairs, run.tok, cfg, rt)
-    run.train_table, run.eval_table = run.ref_cache.get("train"), run.ref_cache.get("eval")  # None: no --precompute_ref
-    keep_ref = not cfg.precompute_ref or cfg.loss_type == "kto" or run.judge is not None
-    run.ref = ref if keep_ref else None  # every reference log-prob is cached: free its memory
+    # --precompute_ref cached every reference log-prob (kto's z0 and --judge's responses still need the model)
+    run.ref = None if cfg.precompute_ref and cfg.loss_type != "kto" and run.judge is None else ref
     if rt.master:
         n_params, n_train, n_eval = run.model.num_params() / 1e6, len(run.train_pairs), len(run.eval_pairs)
         print(f"{n_params:.2f}M parameters, {n_train} train and {n_eval} held-out pairs, {rt.world_size} x {rt.device}")
@@ -787,8 +765,7 @@ def train_step(run, step):
         # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
         # its gradient, as it is the embedding's (tied) weight.
         logp, n_tokens = pair_logprobs(run.policy, batch, tok, cfg, rt, head=model.lm_head)  # (2b,), (2b,)
-        reference_free = cfg.loss_type in REFERENCE_FREE
-        ref_logp = None if reference_free else reference_logprobs(run.ref, run.train_table, rows, batch, tok, cfg, rt)
+        ref_logp = None if cfg.loss_type in REFERENCE_FREE else reference_logprobs(run, "train", rows, batch)
         # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
         losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])
         run.scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
@@ -804,8 +781,7 @@ def train_step(run, step):
     if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
         metrics["train/bco_delta"], (mean, count), n_new = run.bco[0], run.bco, 2 * n_pairs
         run.bco = [(mean * count + (sums[3] + sums[4]).item() * n_pairs) / (count + n_new), count + n_new]
-    if kl_ref is not None:
-        metrics["train/kto_kl"] = kl_ref.item()
+    metrics["train/kto_kl"] = kl_ref  # None but for kto: Logger skips it
     run.pairs_seen += n_pairs
     return {**metrics, "train/lr": lr, "train/grad_norm": grad_norm.item(), "train/pairs": run.pairs_seen}
 
@@ -822,48 +798,18 @@ def save(run, step):
         save_checkpoint(run.ckpt_path, {**state, "config": dataclasses.asdict(run.cfg), **extras})
 
 
-def finish(run, logger, last_eval, t_start):
-    """Greedy responses of policy and reference to held-out prompts (every rank takes part: under FSDP the forward is
-    collective), the judge's win rate, then final_results.json and samples.txt; returns the results."""
-    cfg, rt, tok, judge = run.cfg, run.rt, run.tok, run.judge
-    prompts = [p for p, _, _ in run.val_pairs[: max(cfg.num_samples, cfg.judge_prompts if judge is not None else 0)]]
-    responses = respond(run.model, prompts, tok, cfg, rt)
-    ref_responses = respond(run.ref, prompts, tok, cfg, rt) if run.ref is not None else None
-    if judge is not None:
-        scores = judge_scores(judge, run.judge_tok, list(zip(prompts, responses, ref_responses)), cfg, rt)  # (n, 2)
-        last_eval["eval/win_rate"] = win_score(scores[:, 0] - scores[:, 1]).mean().item()
-        logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
-    logger.close()
-    results = {"loss_type": cfg.loss_type, "steps": cfg.max_steps, "pairs": run.pairs_seen}
-    results.update({"train_pairs": len(run.train_pairs), "heldout_pairs": len(run.eval_pairs)})
-    results.update({"wall_time_s": time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}})
-    if rt.master and run.problems:  # arithmetic: greedy accuracy at step 0 (first line of metrics.jsonl), pairs
-        before = read_metrics(logger.path)[0]["eval/accuracy"]
-        results.update(accuracy_before=before, heldout_problems=len(run.problems), gold_agreement=run.agreement)
-    if rt.master:
-        write_pair_samples(
-            os.path.join(run.out_dir, "samples.txt"), run.val_pairs[: cfg.num_samples], responses, ref_responses
-        )
-        with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        keys = ("accuracy_before", "accuracy", "gold_agreement", "reward_acc", "margin", "logratio_acc", "win_rate")
-        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {run.out_dir}")
-    return results
-
-
 def train(cfg, out_dir, rt):
-    """One DPO-family run into out_dir; returns its final results."""
+    """One DPO-family run into out_dir: the training loop, then greedy responses of policy and reference to held-out
+    prompts (every rank takes part: under FSDP the forward is collective), the judge's win rate, final_results.json
+    and samples.txt. Returns the final results."""
     stop = GracefulExit()
     run = setup(cfg, out_dir, rt)
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
     t_start, last_eval = time.time(), {}
-    for step in range(run.start_step, cfg.max_steps + 1):
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = evaluate(run)
-            logger.log(step, last_eval)
-        if step == cfg.max_steps:
-            break
+    for step in range(run.start_step, cfg.max_steps):
+        if step % cfg.eval_every == 0:
+            last_eval = evaluate(run, step, logger)
         t0 = time.time()
         metrics = train_step(run, step)
         stop_requested = stop.requested(step + 1, rt)
@@ -873,20 +819,47 @@ def train(cfg, out_dir, rt):
         logger.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{last_eval.get('eval/reward_acc', 0):.3f}")
         metrics.update({"perf/pairs_per_s": cfg.batch_size * rt.world_size / dt, "perf/step_ms": 1000 * dt})
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
-        if (step + 1) % cfg.save_every == 0 or stop_requested:
+        if (step + 1) % cfg.save_every == 0 or stop_requested or step + 1 == cfg.max_steps:
             save(run, step + 1)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
-    save(run, cfg.max_steps)
-    return finish(run, logger, last_eval, t_start)
+    last_eval = evaluate(run, cfg.max_steps, logger)
+
+    # greedy responses of policy and reference to held-out prompts, the judge's win rate, the results
+    prompts = [p for p, _, _ in run.val_pairs[: max(cfg.num_samples, cfg.judge_prompts if cfg.judge else 0)]]
+    responses = respond(run.model, prompts, run.tok, cfg, rt)
+    ref_responses = respond(run.ref, prompts, run.tok, cfg, rt) if run.ref is not None else None
+    if run.judge is not None:
+        scores = judge_scores(run, list(zip(prompts, responses, ref_responses)))  # (n, 2)
+        last_eval["eval/win_rate"] = win_score(scores[:, 0] - scores[:, 1]).mean().item()
+        logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
+    logger.close()
+    results = {"loss_type": cfg.loss_type, "steps": cfg.max_steps, "pairs": run.pairs_seen}
+    results.update({"train_pairs": len(run.train_pairs), "heldout_pairs": len(run.eval_pairs)})
+    results.update({"wall_time_s": time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}})
+    if rt.master and run.problems:  # arithmetic: greedy accuracy at step 0 (first line of metrics.jsonl), pairs
+        before = read_metrics(logger.path)[0]["eval/accuracy"]
+        results.update(accuracy_before=before, heldout_problems=len(run.problems), gold_agreement=run.agreement)
+    if rt.master:  # samples.txt: held-out prompts, the greedy responses of policy and reference, the chosen one
+        with open(os.path.join(run.out_dir, "samples.txt"), "w") as f:
+            for i, (prompt, chosen, _) in enumerate(run.val_pairs[: cfg.num_samples]):
+                f.write(f"=== held-out prompt {i} (last 400 characters)\n{prompt[-400:]}\n")
+                f.write(f"--- policy (greedy)\n{responses[i]}\n")
+                if ref_responses is not None:
+                    f.write(f"--- reference (greedy)\n{ref_responses[i]}\n")
+                f.write(f"--- chosen in the data\n{chosen}\n\n")
+        with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        keys = ("accuracy_before", "accuracy", "gold_agreement", "reward_acc", "margin", "logratio_acc", "win_rate")
+        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {run.out_dir}")
+    return results
 
 
 def main():
     cfg = parse_config(Config)
     validate(cfg)
     rt = setup_runtime(cfg)
-    out_dir = prepare_out_dir(cfg, "dpo", rt)
-    train(cfg, out_dir, rt)
+    train(cfg, prepare_out_dir(cfg, "dpo", rt), rt)
     cleanup(rt)
 
 
@@ -978,15 +951,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
@@ -1312,9 +1282,8 @@ def wrap_model(model, rt, compile=False):
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
-        )
+        device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -1331,10 +1300,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 

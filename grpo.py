@@ -381,9 +381,8 @@ class NextTokenTask:
 
     def __init__(self, cfg, tok, text, path):
         self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
-        ids = torch.tensor(tok.encode(text))
-        n_train = int(0.9 * len(ids))
-        self.train_ids, self.val_ids, self.cfg = ids[:n_train], ids[n_train:], cfg
+        self.cfg, ids = cfg, torch.tensor(tok.encode(text))
+        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
         C, H = cfg.context_len, cfg.horizon
         for name, split in (("train", self.train_ids), ("val", self.val_ids)):
             check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
@@ -458,8 +457,7 @@ class ArithmeticTask:
 
     def gold(self, completion, mask, answers):
         """Gold rewards (N,): arithmetic_reward of each decoded completion."""
-        texts = self.texts(completion, mask)
-        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(texts, answers)]
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
         return torch.tensor(r, device=completion.device)  # (N,)
 
     def rewards(self, prompts, completion, mask, answers, logits):
@@ -603,16 +601,13 @@ class RewardModelTask:
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
-        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
-        prompts = self.eval_set
+        cfg, prompts, gen = self.cfg, self.eval_set, torch.Generator(rt.device).manual_seed(0)  # the same noise
+        H, T, top_k = cfg.horizon, cfg.temperature, cfg.top_k or None  # the sampling distribution; the reference: T
         with rt.autocast():
-            completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
-            )
+            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
-            H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
-            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
+            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
             ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
         shown = "\n\n".join(
@@ -698,7 +693,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
             elif ref is not None:
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
-            part = info[cut] if info is not None else None
+            part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
             rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
     old_logp = torch.cat(old_logp) if old_logp else None  # (N, H); None: the training pass's own, detached
     ref_logp = torch.cat(ref_logp) if ref_logp else None  # (N, H); None without a reference
@@ -967,10 +962,9 @@ def setup(cfg):
         restore_rng(ckpt, rt)
         run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
     if rt.master:
-        print(
-            f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}, {cfg.task}, loss {cfg.loss_type}, "
-            f"adv {run.adv_kind}, reference {run.reference}, {rt.world_size} x {rt.device}, out_dir {out_dir}"
-        )
+        algorithm = f"{cfg.task}, loss {cfg.loss_type}, adv {run.adv_kind}, reference {run.reference}"
+        sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}"
+        print(f"{sizes}, {algorithm}, {rt.world_size} x {rt.device}, out_dir {out_dir}")
     return run
 
 
@@ -1132,15 +1126,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
@@ -1466,9 +1457,8 @@ def wrap_model(model, rt, compile=False):
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
-        )
+        device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -1485,10 +1475,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 

@@ -129,7 +129,9 @@ class Config:
     init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
     tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    reward_model: str = ""  # ckpt.pt of reward_model.py: reward_model task scorer, arithmetic learned reward, --value_init
+    reward_model: str = (
+        ""  # ckpt.pt of reward_model.py: reward_model task scorer, arithmetic learned reward, --value_init
+    )
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
@@ -286,13 +288,9 @@ def ppo_policy_loss(logp, old_logp, adv, mask, clip_eps=0.2, dual_clip=None, num
         per_token = torch.where(dual, -adv * dual_clip, per_token)
     loss = masked_mean(per_token, mask, num_tokens)
     with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((pg2 > pg1).float(), mask, num_tokens),
-            "dual_clip_frac": masked_mean(dual.float(), mask, num_tokens),
-            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, num_tokens),
-            "ratio_mean": masked_mean(ratio, mask, num_tokens),
-        }
-    return loss, stats
+        stats = dict(clip_frac=(pg2 > pg1).float(), dual_clip_frac=dual.float(), ratio_mean=ratio)
+        stats["approx_kl"] = torch.expm1(log_ratio) - log_ratio  # k3 of KL(pi_old || pi)
+        return loss, {name: masked_mean(x, mask, num_tokens) for name, x in stats.items()}
 
 
 def value_loss(values, old_values, returns, mask, clip_eps, num_tokens=None):
@@ -369,9 +367,8 @@ class NextTokenTask:
 
     def __init__(self, cfg, tok, text, path):
         self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
-        ids = torch.tensor(tok.encode(text))
-        n_train = int(0.9 * len(ids))
-        self.train_ids, self.val_ids, self.cfg = ids[:n_train], ids[n_train:], cfg
+        self.cfg, ids = cfg, torch.tensor(tok.encode(text))
+        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
         C, H = cfg.context_len, cfg.horizon
         for name, split in (("train", self.train_ids), ("val", self.val_ids)):
             check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
@@ -446,8 +443,7 @@ class ArithmeticTask:
 
     def gold(self, completion, mask, answers):
         """Gold rewards (N,): arithmetic_reward of each decoded completion."""
-        texts = self.texts(completion, mask)
-        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(texts, answers)]
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
         return torch.tensor(r, device=completion.device)  # (N,)
 
     def rewards(self, prompts, completion, mask, answers, logits):
@@ -591,16 +587,13 @@ class RewardModelTask:
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
-        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
-        prompts = self.eval_set
+        cfg, prompts, gen = self.cfg, self.eval_set, torch.Generator(rt.device).manual_seed(0)  # the same noise
+        H, T, top_k = cfg.horizon, cfg.temperature, cfg.top_k or None  # the sampling distribution; the reference: T
         with rt.autocast():
-            completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, self.cfg.temperature, self.cfg.top_k or None, self.eos_id, rt, gen
-            )
+            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
-            H, T = completion.size(1), self.cfg.temperature  # the sampling distribution; the reference: T only
-            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=self.cfg.top_k or None)
+            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
             ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
         shown = "\n\n".join(
@@ -699,10 +692,8 @@ def rollout(run):
     cfg, rt, task, actor, ref = run.cfg, run.rt, run.task, run.actor, run.ref
     H, T, n_micro = cfg.horizon, cfg.temperature, cfg.batch_size // cfg.num_minibatches // cfg.grad_accum
     prompts, info = task.sample(cfg.batch_size)
-    actor.eval()
-    with rt.autocast():
+    with rt.autocast():  # the actor has no dropout: it samples in train mode as in eval mode
         completion, mask = sample_completions(actor, prompts, H, T, cfg.top_k or None, task.eos_id, rt)  # (N, H) x2
-    actor.train()
     truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
     if task.eos_id is not None:
         truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
@@ -721,7 +712,7 @@ def rollout(run):
                 ref_logp = ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
             elif ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
                 ref_logp = completion_logprobs(ref, s, a, H, temperature=T)[0]
-            part = None if info is None else info[rows]
+            part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
             scores = task.rewards(prompts[rows], completion[rows], mask[rows], part, logits)  # (n,) or (n, H)
             parts.append((logp, values.float(), ref_logp.float(), scores.float()))
     batch = dict(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
@@ -962,9 +953,8 @@ def setup(cfg):
 
     # the frozen reference (--reference, auto resolved): never wrapped, never trained, the same on every rank and
     # after a resume (a copy of rank 0's starting weights, or a fixed seed)
-    run.reference, run.ref = cfg.reference, None
-    if run.reference == "auto":
-        run.reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
+    text_from_scratch, run.ref = cfg.task == "next_token" and cfg.init_from == "scratch", None
+    run.reference = cfg.reference if cfg.reference != "auto" else ("bigram" if text_from_scratch else "init")
     if run.reference == "bigram":
         run.ref = BigramReference(run.task.train_ids.to(rt.device), model.config.vocab_size)
     elif run.reference in ("random", "init"):
@@ -978,10 +968,8 @@ def setup(cfg):
     # the trained models are wrapped (DDP / FSDP); the raw ones sample, evaluate and are saved
     run.tok, run.actor, run.critic = tok, actor, critic
     run.wrapped = (wrap_model(actor, rt, cfg.compile), None if critic is None else wrap_model(critic, rt, cfg.compile))
-    peak_lrs = [cfg.lr, cfg.value_lr or cfg.lr]
-    run.optimizers = [
-        make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, peak_lrs)
-    ]
+    lrs = [cfg.lr, cfg.value_lr or cfg.lr]  # peak learning rates of the actor and the critic
+    run.optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, lrs)]
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
     run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
     run.start_step, run.tokens, run.first_eval = 0, 0, None
@@ -995,11 +983,8 @@ def setup(cfg):
         run.kl_ctl.value = ckpt["kl_coef"]
     if rt.master:
         n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
-        sizes = f"{model.num_params() / 1e6:.2f}M policy parameters, {n_value / 1e6:.2f}M value parameters"
-        where = f"device {rt.device}, {rt.world_size} process(es), out_dir {run.out_dir}"
-        print(
-            f"{sizes} ({cfg.value_model}), vocab {tok.vocab_size}, task {cfg.task}, reference {run.reference}, {where}"
-        )
+        sizes = f"{model.num_params() / 1e6:.2f}M policy, {n_value / 1e6:.2f}M value ({cfg.value_model}) params"
+        print(f"{sizes}, vocab {tok.vocab_size}, {cfg.task}, reference {run.reference}, {rt.world_size} x {rt.device}")
     return run
 
 
@@ -1010,8 +995,7 @@ def save(run, step):
     cfg, rt, critic = run.cfg, run.rt, run.critic
     actor_sd, optim_sd = training_state(run.actor, run.optimizers[0], rt)
     ckpt = {"tokens": run.tokens, "first_eval": run.first_eval, "kl_coef": run.kl_ctl.value}
-    if run.reference == "init":
-        ckpt["reference"] = run.ref.state_dict()
+    ckpt["reference"] = run.ref.state_dict() if run.reference == "init" else None  # a resume reloads it
     if critic is None:  # the shared value head is saved apart from the policy's keys
         model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
         value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
@@ -1035,9 +1019,7 @@ def main():
     t_start, last_eval = time.time(), {}
     for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            actor.eval()
             last_eval, text = run.task.evaluate(actor, run.ref if isinstance(run.ref, GPT) else None, rt, run.tok, step)
-            actor.train()
             run.first_eval = run.first_eval or last_eval
             logger.log(step, {**last_eval, "rl/tokens": run.tokens})
             if rt.master:
@@ -1159,15 +1141,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
@@ -1493,9 +1472,8 @@ def wrap_model(model, rt, compile=False):
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
-        )
+        device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -1512,10 +1490,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 

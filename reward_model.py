@@ -203,8 +203,7 @@ def load_reward_model(path):
 def bradley_terry_loss(r_chosen, r_rejected, margin=0.0, center_coef=0.0):
     """Bradley-Terry loss of (N,) rewards: mean(-log sigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2).
     margin is a number or (N,) per-pair margins."""
-    loss = -F.logsigmoid(r_chosen - r_rejected - margin).mean()
-    return loss + center_coef * ((r_chosen + r_rejected) ** 2).mean()
+    return -F.logsigmoid(r_chosen - r_rejected - margin).mean() + center_coef * ((r_chosen + r_rejected) ** 2).mean()
 
 
 def last_token_rewards(scores, lengths):
@@ -223,8 +222,8 @@ def first_error_hits(scores, labels):
     """Per chain (B,): 1.0 where the first step scored <= 0 is the first step labelled 0, or where no step is
     either. Steps are the positions with labels >= 0, in order."""
     T = labels.size(1)
-    pos = torch.arange(T, device=labels.device).expand_as(labels)  # (B, T)
-    first = lambda flagged: torch.where(flagged & (labels >= 0), pos, T).min(1).values  # (B,): T where no step is
+    # (B,): the position of the first flagged step, T where no step is
+    first = lambda flagged: torch.where(flagged & (labels >= 0), torch.arange(T, device=labels.device), T).min(1).values
     return (first(labels == 0) == first(scores <= 0)).float()
 
 
@@ -317,7 +316,7 @@ def load_preference_data(cfg, rt):
 
 # The char vocabulary of `gpt.py --data arithmetic --tokenizer char`: a new orm or prm model takes it, and a model
 # to start from must have it (its reward scores any arithmetic text a policy writes)
-ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+ARITHMETIC_CHARS = "\n*+-0123456789="
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -341,9 +340,8 @@ def orm_example(rng, cfg):
     """(prompt, answer, label): a problem in gpt.py's arithmetic format with its answer (label 1) or, with
     probability --error_frac, a corrupted answer (label 0)."""
     prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
-    if rng.random() >= cfg.error_frac:
-        return prompt, answer, 1
-    return prompt, f"{corrupt(rng, int(answer))}\n", 0
+    right = rng.random() >= cfg.error_frac
+    return prompt, answer if right else f"{corrupt(rng, int(answer))}\n", int(right)
 
 
 def prm_chain(rng, cfg):
@@ -421,28 +419,28 @@ def score(model, tok, texts, device, max_len=None, batch_size=32):
 # One micro-batch: forward pass, loss summed over the batch (normalised by the caller), and summed statistics.
 
 
-def batch_loss(model, batch, cfg, device):
+def batch_loss(model, batch, cfg, rt):
     """(loss summed over the batch's terms, statistics {name: (sum, count)} of the batch). A metric is its sum over
     the micro-batches and ranks divided by its count (summarize): the loss per term (pair or labelled position), the
     others per pair, sequence, labelled step or chain."""
+    # preference: chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding
+    # only follows real tokens, and positions count from 0 in every row. orm, prm: one row per example
+    seqs = [c for c, _ in batch] + [r for _, r in batch] if cfg.task == "preference" else [ids for ids, _ in batch]
+    idx, lengths = pad_right(seqs, rt.device)
+    with rt.autocast():
+        scores = model(idx)  # (B, T) float32; preference: (2B, T)
     if cfg.task == "preference":
-        # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
-        # follows real tokens, and positions count from 0 in every row
-        idx, lengths = pad_right([c for c, _ in batch] + [r for _, r in batch], device)
-        r_c, r_r = last_token_rewards(model(idx), lengths).chunk(2)  # (B,), (B,)
+        r_c, r_r = last_token_rewards(scores, lengths).chunk(2)  # (B,), (B,)
         loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
         r_c, r_r, d = r_c.detach(), r_r.detach(), (r_c - r_r).detach()
         terms, values = d.new_tensor(len(batch)), {"accuracy": (d > 0).float() + 0.5 * (d == 0).float(), "margin": d}
         values.update(chosen=r_c, chosen_sq=r_c**2, rejected=r_r, rejected_sq=r_r**2)  # squares: the std
     else:
-        idx, lengths = pad_right([ids for ids, _ in batch], device)
-        labels, _ = pad_right([y for _, y in batch], device, value=-1)
-        scores = model(idx)  # (B, T)
+        labels, _ = pad_right([y for _, y in batch], rt.device, value=-1)
         loss, scores, terms = token_bce_sum(scores, labels), scores.detach(), (labels >= 0).sum().float()
         if cfg.task == "orm":
-            reward, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # (B,), (B,)
-            values = {"accuracy": ((reward > 0) == (y == 1)).float()}
-            values.update(reward_correct=reward[y == 1], reward_wrong=reward[y == 0])
+            r, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # rewards, labels (B,)
+            values = dict(accuracy=((r > 0) == (y == 1)).float(), reward_correct=r[y == 1], reward_wrong=r[y == 0])
         else:
             values = {"step_accuracy": ((scores > 0) == (labels == 1))[labels >= 0].float()}
             values["first_error_accuracy"] = first_error_hits(scores, labels)
@@ -545,8 +543,7 @@ def held_out_metrics(model, eval_data, cfg, rt):
     mine, stats = eval_data[rt.rank :: rt.world_size], {}
     for b in range(0, math.ceil(len(eval_data) / rt.world_size), cfg.batch_size):  # the most any rank holds
         batch = mine[b : b + cfg.batch_size]
-        with rt.autocast():
-            _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt.device)
+        _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt)
         stats = {k: stats.get(k, 0.0) + (1.0 if batch else 0.0) * v for k, v in batch_stats.items()}
     model.train()
     return {f"eval/{k}": v for k, v in summarize(stats, rt).items()}
@@ -565,8 +562,7 @@ def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
     for micro in range(cfg.grad_accum):
         grad_sync(model, micro == cfg.grad_accum - 1)
         batch = rows[micro * cfg.batch_size : (micro + 1) * cfg.batch_size]
-        with rt.autocast():
-            loss_sum, batch_stats = batch_loss(model, batch, cfg, rt.device)
+        loss_sum, batch_stats = batch_loss(model, batch, cfg, rt)
         # ranks' gradients are averaged, so each rank's share is scaled by world_size
         scaler.scale(loss_sum * rt.world_size / counts[0]).backward()
         stats = {k: stats.get(k, 0.0) + v for k, v in batch_stats.items()}
@@ -604,8 +600,7 @@ def main():
         return cleanup(rt)
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    load = load_preference_data if cfg.task == "preference" else synthetic_data
-    train_text, val_text, skipped = load(cfg, rt)
+    train_text, val_text, skipped = (load_preference_data if cfg.task == "preference" else synthetic_data)(cfg, rt)
     texts = [t for pair in train_text + val_text for t in pair] if cfg.task == "preference" else [ARITHMETIC_CHARS]
     raw, model, tok, optimizer, scaler, start_step = build_reward_model(cfg, ckpt_path, texts, rt)
     max_len = cfg.max_len or raw.body.config.block_size
@@ -744,15 +739,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
@@ -1078,9 +1070,8 @@ def wrap_model(model, rt, compile=False):
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
-        )
+        device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -1097,10 +1088,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 

@@ -122,7 +122,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import chess
+import chess.engine  # binds chess too
 import tiktoken
 import torch
 import torch.distributed as dist
@@ -297,8 +297,8 @@ def logprobs_and_kl(
     softmax(sampling_logits(logits, temperature, top_k)) with the target kept (as token_logprobs; the entropy is of
     that distribution, as linear_logprobs' is), the reference softmax(ref_logits / temperature) over the whole
     vocabulary; without ref_logits the KL is 0. A weight 0 (padding) drops a position from the KL. With ref_head
-    (V, C), the reference's lm_head weight, ref_logits holds the reference's final hidden states (..., C) and each chunk's reference logits are made
-    here, one tensor per chunk.
+    (V, C), the reference's lm_head weight, ref_logits holds the reference's final hidden states (..., C) and each
+    chunk's reference logits are made here, one tensor per chunk.
     One chunk of rows at a time; with a gradient each chunk is recomputed in backward (torch.utils.checkpoint), so
     no (positions, V) float32 tensor is made beyond one chunk's: autograd keeps the logits and the reference logits
     (per chunk, each freed once backward is done with it) and makes the logits' gradient. 256 rows: a float32 chunk
@@ -562,15 +562,6 @@ def best_of_analysis(fen, moves, rule):
     return moves[-1] if rule == "rookworld" and fen.split()[1] == "b" else moves[0]
 
 
-def best_of_line(moves, evals, best, rule):
-    """The best move of a data line: as written ("rookworld"), or ("stockfish") B when it has the highest eval, else
-    the first move with the highest eval (fixes the original data's black-to-move rows)."""
-    by_move = dict(zip(moves, evals))
-    if rule == "rookworld" or by_move.get(best) == max(evals):
-        return best
-    return moves[evals.index(max(evals))]
-
-
 def split_line(line, best_move="stockfish"):
     """A training line as a record {"task", "prompt", "target", "fen", ...}, cut where its prompt ends, so that
     prompt + target == line (the P: target's B follows --best_move); None for a line in neither format."""
@@ -581,9 +572,11 @@ def split_line(line, best_move="stockfish"):
         parsed = parse_p(target) if cut > 0 else None
         if parsed is None or not readable_fen(fen) or len(parsed["evals"]) != len(parsed["moves"]):
             return None
-        best = best_of_line(parsed["moves"], parsed["evals"], parsed["best"], best_move)
-        if best != parsed["best"]:
-            target = format_p_completion(parsed["moves"], parsed["evals"], best)
+        # the best move: as written (--best_move rookworld), or (stockfish) B when it has the highest eval, else the
+        # first move with the highest eval (fixes the original data's black-to-move rows)
+        moves, evals, best = parsed["moves"], parsed["evals"], parsed["best"]
+        if best_move == "stockfish" and dict(zip(moves, evals)).get(best) != max(evals):
+            target = format_p_completion(moves, evals, moves[evals.index(max(evals))])
         return {"task": "P", "prompt": line[: cut + 2], "target": target, "fen": fen}
     if line.startswith("A: "):
         parts = line[3:].split("+")
@@ -612,8 +605,6 @@ class Stockfish:
     its own; the threads only wait on the engine processes, which do the work."""
 
     def __init__(self, path, depth=8, nodes=0, workers=2):
-        import chess.engine
-
         check(os.path.isfile(path) and os.access(path, os.X_OK), f"--stockfish {path}: not an executable file")
         self.limit = chess.engine.Limit(depth=depth or None, nodes=nodes or None)
         self.engines, self.cache = [], {}
@@ -804,16 +795,16 @@ def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids)
     """Completions (N, n <= --horizon) of token-id prompts by generate() of the model block, their mask (1.0 up to
     and including the first end token: <|endoftext|> of RookWorld-LM or the newline of a model SFT'd by gpt.py on a
     file of lines) and their texts. Under FSDP every forward pass is collective, so there every rank samples the
-    whole horizon (no early stop when its own rows have ended) and the mask is cut at the first end token here.
-    The model samples in eval mode (no dropout) and is left in train mode."""
+    whole horizon (no early stop when its own rows have ended); the mask is made here from the first end token, as
+    generate() makes it when it is given the end tokens. The model samples in eval mode (no dropout) and is left in
+    train mode."""
     collective = rt.distributed and rt.parallel == "fsdp"
     model.eval()
     with rt.autocast():
-        completion, mask = generate(model, prompts, cfg.horizon, temperature, top_k, None if collective else stop_ids)
+        completion, _ = generate(model, prompts, cfg.horizon, temperature, top_k, None if collective else stop_ids)
     model.train()
-    if collective:
-        ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
-        mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
+    ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
+    mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
     texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
     return completion, mask, texts
 
@@ -825,8 +816,8 @@ def micro_batches(batch, size):
 
 
 def policy_pass(model, ref, micro, cfg, rt):
-    """ALGO LOGIC: the completion tokens' log-probs under the sampling distribution (--temperature, --top_k), the
-    value head's values (None for a plain GPT), the exact KL to the reference over the vocabulary summed over the
+    """ALGO LOGIC: the value head's values (None for a plain GPT), the completion tokens' log-probs under the
+    sampling distribution (--temperature, --top_k), the exact KL to the reference over the vocabulary summed over the
     real tokens (0 without a reference) and the entropy per token, for a micro-batch of rollouts. The completion is
     the last T tokens of seq; its log-probs come from the states before each token."""
     seq, attn, mask = micro["seq"], micro.get("attn"), micro["mask"]  # (n, P+T), (n, P+T) or None, (n, T)
@@ -838,8 +829,7 @@ def policy_pass(model, ref, micro, cfg, rt):
             ref_h = None if ref is None else ref(inputs, attention_mask=attn, keep_last=T, output="hidden")[0]
     w_ref = None if ref is None else ref.lm_head.weight  # the reference logits are made chunk by chunk
     top_k = cfg.top_k or None
-    logp, kl_sum, entropy = logprobs_and_kl(logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, top_k, w_ref)
-    return logp, values, kl_sum, entropy
+    return values, *logprobs_and_kl(logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, top_k, w_ref)
 
 
 def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
@@ -859,8 +849,8 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()  # (N,) 0 P, 1 A
     with torch.no_grad():
         old = [policy_pass(actor, None, micro, cfg, rt) for micro in micro_batches(batch, len(rows) // cfg.grad_accum)]
-    batch["old_logp"] = torch.cat([logp for logp, *_ in old])  # (N, H)
-    batch["old_values"] = torch.cat([values for _, values, *_ in old]) if cfg.value_head else None  # (N, H)
+    batch["old_logp"] = torch.cat([logp for _, logp, *_ in old])  # (N, H)
+    batch["old_values"] = torch.cat([values for values, *_ in old]) if cfg.value_head else None  # (N, H)
     return batch
 
 
@@ -890,22 +880,25 @@ def a_metrics(record, text):
 
 
 @torch.no_grad()
-def evaluate_held_out(model, records, cfg, rt, tok, stop_ids):
+def evaluate_held_out(run, step):
     """Greedy completions of the held-out prompts (every rank the same, FSDP's forwards are collective), scored per
-    task. Returns (metrics, samples text: the first 3 of each task)."""
-    texts, chunk = [], cfg.batch_size * cfg.group_size
-    for i in range(0, len(records), chunk):
-        prompts = [r["ids"] for r in records[i : i + chunk]]
-        texts += complete_prompts(model, prompts, 0.0, None, cfg, rt, tok, stop_ids)[2]  # greedy
+    task and logged; the first 3 of each task go to samples.txt."""
+    texts, chunk = [], run.cfg.batch_size * run.cfg.group_size
+    for i in range(0, len(run.held), chunk):
+        prompts = [r["ids"] for r in run.held[i : i + chunk]]
+        texts += complete_prompts(run.model, prompts, 0.0, None, run.cfg, run.rt, run.tok, run.stop_ids)[2]  # greedy
     found, shown = {"P": [], "A": []}, {"P": [], "A": []}
-    for record, text in zip(records, texts):
+    for record, text in zip(run.held, texts):
         task = record["task"]
         row = (p_metrics if task == "P" else a_metrics)(record, text)
-        row[f"{task.lower()}_reward"] = reward = score_record(record, text, cfg.reward_mode)
+        row[f"{task.lower()}_reward"] = reward = score_record(record, text, run.cfg.reward_mode)
         found[task].append(row)
         shown[task].append(f"{record['prompt']}|{text}\n    target:{record['target']}\n    reward {reward:.2f}")
     metrics = {f"eval/{k}": sum(r[k] for r in rows) / len(rows) for rows in found.values() if rows for k in rows[0]}
-    return metrics, "\n".join(shown["P"][:3] + shown["A"][:3])
+    run.first_eval, run.last_eval = run.first_eval or metrics, metrics
+    run.logger.log(step, {**metrics, "rl/tokens": run.tokens})
+    if run.samples:  # line-buffered: written at once
+        run.samples.write(f"--- step {step}\n" + "\n".join(shown["P"][:3] + shown["A"][:3]) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1051,14 +1044,13 @@ def write_checkpoint(run, step):
     rngs = all_rng_states(run.rt)
     if not run.rt.master:
         return
-    extras = {"tokens": run.tokens, "first_eval": run.first_eval, "baselines": run.baselines.tolist()}
-    extras.update(kl_coef=run.kl_ctl.value, scaler=run.scaler.state_dict(), ref_checksum=run.ref_checksum)
+    ckpt = {"step": step, "tokens": run.tokens, "first_eval": run.first_eval, "baselines": run.baselines.tolist()}
+    ckpt.update(kl_coef=run.kl_ctl.value, scaler=run.scaler.state_dict(), ref_checksum=run.ref_checksum)
     if run.cfg.value_head:  # the actor's keys are gpt.* and v_head.*
-        extras["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
+        ckpt["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
         model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
-    model_config, config = dataclasses.asdict(run.model.config), dataclasses.asdict(run.cfg)
-    ckpt = {"model": model_sd, "model_config": model_config, "tokenizer": run.tok.spec, "step": step}
-    ckpt.update(optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=config, **extras)
+    ckpt.update(model=model_sd, model_config=dataclasses.asdict(run.model.config), tokenizer=run.tok.spec)
+    ckpt.update(optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(run.cfg))
     save_checkpoint(run.ckpt_path, ckpt)
 
 
@@ -1073,7 +1065,7 @@ def optimize_policy(run, batch, beta, n_seqs, n_tokens):
         for i, micro in enumerate(micro_batches(batch, len(batch["seq"]) // cfg.grad_accum)):
             grad_sync(run.policy, i == cfg.grad_accum - 1)
             m = micro["mask"]
-            logp, values, kl_sum, entropy = policy_pass(run.policy, run.ref, micro, cfg, rt)
+            values, logp, kl_sum, entropy = policy_pass(run.policy, run.ref, micro, cfg, rt)
             clip = (cfg.loss_type, cfg.clip_eps, cfg.clip_eps_high or None)
             pg_loss, stats = policy_loss(logp, micro["old_logp"], micro["adv"], m, *clip, cfg.horizon, n_seqs, n_tokens)
             entropy = masked_mean(entropy if cfg.entropy_coef > 0 else entropy.detach(), m, n_tokens)  # or only logged
@@ -1128,9 +1120,8 @@ def rl_step(run, step):
         adv, batch["returns"] = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
         batch["adv"] = whiten(adv, mask)
     elif cfg.adv == "ema":
-        present = task_sums[:, 1] > 0
         means = task_sums[:, 0] / task_sums[:, 1].clamp(min=1)
-        run.baselines = ema_update(run.baselines, means, present, cfg.ema_decay)
+        run.baselines = ema_update(run.baselines, means, task_sums[:, 1] > 0, cfg.ema_decay)  # absent tasks keep theirs
         batch["adv"] = ema_advantages(rewards, tasks, run.baselines)  # (N,)
     else:
         # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
@@ -1147,7 +1138,6 @@ def rl_step(run, step):
     run.tokens += int(all_reduce(mask.sum(), rt).item())
     stop_requested = run.stop.requested(step + 1, rt)
     stop_if_not_finite(sums[0].item(), step, run.ckpt_path, rt)
-    dt = time.time() - t0
     valid = [(parse_p if r["task"] == "P" else parse_a)(t) is not None for r, t in zip(batch["rows"], batch["texts"])]
     per_task = all_reduce(is_task @ torch.tensor(valid, device=rt.device).float(), rt)  # (2,) parsing completions
     groups = all_rewards.view(-1, cfg.group_size)  # (world * N / K, K)
@@ -1168,17 +1158,9 @@ def rl_step(run, step):
     metrics["rl/truncated_frac"] = (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item()
     metrics.update({"rl/tokens": run.tokens, "train/lr": lr, "train/grad_norm": grad_norm.item()})
     metrics["perf/rollout_tokens_per_s"] = mask.sum().item() * rt.world_size / max(t_rollout, 1e-9)
-    metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * dt})
+    metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * (time.time() - t0)})
     metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
     return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
-
-
-def log_evaluation(run, step):
-    run.last_eval, text = evaluate_held_out(run.model, run.held, run.cfg, run.rt, run.tok, run.stop_ids)
-    run.first_eval = run.first_eval or run.last_eval
-    run.logger.log(step, {**run.last_eval, "rl/tokens": run.tokens})
-    if run.samples:
-        run.samples.write(f"--- step {step}\n{text}\n")  # line-buffered: written at once
 
 
 def write_final_results(run, wall_time):
@@ -1211,7 +1193,7 @@ def main():
     t_start = time.time()
     for step in range(run.start_step, cfg.max_steps + 1):
         if run.held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            log_evaluation(run, step)
+            evaluate_held_out(run, step)
         if step == cfg.max_steps:
             break
         metrics, stop_requested = rl_step(run, step)
@@ -1313,15 +1295,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
@@ -1647,9 +1626,8 @@ def wrap_model(model, rt, compile=False):
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None
-        )
+        device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -1666,10 +1644,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 

@@ -371,7 +371,10 @@ def test_complete_prompts_under_fsdp_samples_the_whole_horizon_and_masks_as_gene
         for rt in (one, fsdp):
             torch.manual_seed(seed)
             runs.append(rw.complete_prompts(model, prompts, 1.0, None, cfg, rt, DigitTokenizer(), [3, 5]))
-        (tokens, mask, texts), (all_tokens, all_mask, all_texts) = runs
+        torch.manual_seed(seed)
+        runs.append(rw.generate(model, prompts, 12, 1.0, None, [3, 5]))
+        (tokens, mask, texts), (all_tokens, all_mask, all_texts), (gen_tokens, gen_mask) = runs
+        assert torch.equal(tokens, gen_tokens) and torch.equal(mask, gen_mask)
         assert all_tokens.size(1) == 12 and texts == all_texts
         n = mask.size(1)
         assert torch.equal(mask, all_mask[:, :n]) and not all_mask[:, n:].any()
