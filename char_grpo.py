@@ -784,9 +784,8 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
 def token_logprobs(logits, targets, temperature=1.0, top_k=None):
     """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
     (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
-    return linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)[0].view(
-        targets.shape
-    )
+    logp, _ = linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)
+    return logp.view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):

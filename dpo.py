@@ -221,13 +221,14 @@ def preference_loss(
     running mean of earlier rewards that the caller keeps (the function stays pure); discopop_tau is DiscoPOP's
     temperature."""
     eps = label_smoothing
+    if loss_type not in PAIR_LOSSES:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
     if loss_type in ("ipo", "simpo") and (chosen_len is None or rejected_len is None):
         raise ValueError(f"{loss_type} needs chosen_len and rejected_len")
-    if loss_type == "simpo":  # no reference: the mean token log-probs take the place of the log-ratios
-        a, b = pi_chosen / chosen_len, pi_rejected / rejected_len  # (B,)
-    else:
-        a, b = pi_chosen - ref_chosen, pi_rejected - ref_rejected  # (B,) log-ratios
-    if loss_type == "ipo":  # per-token log-ratios: the target 1/(2 beta) does not depend on response lengths
+    # (B,) log-ratios; simpo has no reference: the policy's log-probs take their place
+    a, b = (pi_chosen, pi_rejected) if loss_type == "simpo" else (pi_chosen - ref_chosen, pi_rejected - ref_rejected)
+    # per token: simpo's mean token log-probs; ipo's target 1/(2 beta) then does not depend on response lengths
+    if loss_type in ("ipo", "simpo"):
         a, b = a / chosen_len, b / rejected_len
     h = a - b
     x = beta * h - gamma if loss_type == "simpo" else beta * h  # SimPO's target margin gamma
@@ -235,7 +236,6 @@ def preference_loss(
     s, log_s = torch.sigmoid, F.logsigmoid  # the docstring's s and log s
     formulas = {  # the docstring's table, per pair (B,); only loss_type's is evaluated
         "sigmoid": lambda: -(1 - eps) * log_s(x) - eps * log_s(-x),
-        "simpo": lambda: -(1 - eps) * log_s(x) - eps * log_s(-x),  # sigmoid on SimPO's x
         # robust: unbiased under label noise eps (eps < 1/2)
         "robust": lambda: (-(1 - eps) * log_s(x) + eps * log_s(-x)) / (1 - 2 * eps),
         "hinge": lambda: torch.relu(1 - x),
@@ -255,9 +255,8 @@ def preference_loss(
         # discopop: m exp(-x) as exp(log m - x), so m = 0 never meets exp(-x) = inf
         "discopop": lambda: -(1 - s(x / discopop_tau)) * log_s(x) + torch.exp(log_s(x / discopop_tau) - x),
     }
-    if loss_type not in formulas:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    return formulas[loss_type](), (beta * a).detach(), (beta * b).detach()
+    # simpo is sigmoid on SimPO's x
+    return formulas["sigmoid" if loss_type == "simpo" else loss_type](), (beta * a).detach(), (beta * b).detach()
 
 
 def orpo_loss(avg_logp_chosen, avg_logp_rejected, nll_chosen, lam):
@@ -308,8 +307,7 @@ def collate(rows, pad_id=0):
     """Right-pad (token ids, prompt length) rows into ids (N, T) and the response mask (N, T)."""
     ids = nn.utils.rnn.pad_sequence([torch.tensor(row) for row, _ in rows], batch_first=True, padding_value=pad_id)
     pos = torch.arange(ids.size(1))  # (T,)
-    mask = torch.stack([(pos >= n_prompt) & (pos < len(row)) for row, n_prompt in rows]).float()  # (N, T)
-    return ids, mask
+    return ids, torch.stack([(pos >= n_prompt) & (pos < len(row)) for row, n_prompt in rows]).float()  # (N, T) each
 
 
 def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
@@ -331,8 +329,8 @@ def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
         ref_c, ref_r = (None, None) if ref_logp is None else ref_logp.chunk(2)
         settings = (cfg.loss_type, cfg.beta, cfg.label_smoothing, len_c, len_r, cfg.gamma, bco_delta, cfg.discopop_tau)
         losses, chosen_r, rejected_r = preference_loss(pi_c, pi_r, ref_c, ref_r, *settings)
-    losses = losses - cfg.sft_weight * pi_c / len_c  # RPO: the chosen response's mean token NLL (0: none)
-    return losses, chosen_r, rejected_r
+    # RPO: the chosen response's mean token NLL (0: none)
+    return losses - cfg.sft_weight * pi_c / len_c, chosen_r, rejected_r
 
 
 def win_score(d):
@@ -400,9 +398,10 @@ def encode_pair(tok, prompt, chosen, rejected, max_len):
     return p + c, p + r, len(p)
 
 
-def load_pairs(cfg):
-    """(train, held-out) lists of (prompt, chosen, rejected). A local file is split exactly as gpt.py --data hh_sft
-    splits it (a fixed 5%, whatever --seed), so an SFT checkpoint of gpt.py never saw the held-out dialogues."""
+def load_pairs(cfg, rt):
+    """(train, held-out) lists of (prompt, chosen, rejected); rank 0 notes the records skipped. A local file is split
+    exactly as gpt.py --data hh_sft splits it (a fixed 5%, whatever --seed), so an SFT checkpoint of gpt.py never saw
+    the held-out dialogues."""
     if cfg.data_path:
         records = read_jsonl(cfg.data_path, ["chosen"])  # as gpt.py reads it: the same records, the same split
         order = random.Random(0).sample(range(len(records)), len(records))
@@ -419,9 +418,10 @@ def load_pairs(cfg):
     (train, skip_train), (val, skip_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
     skipped = {k: skip_train.get(k, 0) + skip_val.get(k, 0) for k in {**skip_train, **skip_val}}
     summary = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
-    check(train, f"{cfg.data_path or cfg.data}: no usable training pair (skipped: {summary or 'none'})")
-    check(val, f"{cfg.data_path or cfg.data}: no usable held-out pair (skipped: {summary or 'none'})")
-    return train, val, summary
+    check(train and val, f"{cfg.data_path or cfg.data}: a split without usable pairs (skipped: {summary or 'none'})")
+    if rt.master and summary:
+        note(f"skipped records: {summary}; kept {len(train)} train, {len(val)} held-out pairs")
+    return train, val
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -501,35 +501,6 @@ def weights_checksum(model):
     return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
-def load_policy_and_reference(cfg, ckpt_path, rt):
-    """(policy, reference, tokenizer, checkpoint, the reference's weights_checksum), on the device. The policy is
-    the run's ckpt.pt on --resume (the checkpoint is returned, None in a new run), else --init_from; the reference is
-    --reference, else a frozen copy of the starting policy (reloaded from --init_from on --resume)."""
-    model, spec, ckpt = load_model(ckpt_path if cfg.resume else cfg.init_from, cfg.dropout)
-    reference = cfg.reference or cfg.init_from
-    if cfg.reference or cfg.resume:
-        ref, ref_spec, _ = load_model(reference)
-        check(ref_spec == spec, f"the reference {reference} uses another tokenizer than the policy")
-    else:
-        ref = copy.deepcopy(model)
-    ref_checksum = weights_checksum(ref)
-    check(not cfg.resume or ckpt["ref_checksum"] == ref_checksum, f"--resume: the reference {reference} changed")
-    block = min(model.config.block_size, ref.config.block_size)
-    check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
-    check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
-    ref.to(rt.device).eval().requires_grad_(False)
-    return model.to(rt.device), ref, get_tokenizer(spec), ckpt if cfg.resume else None, ref_checksum
-
-
-def load_judge(path, tok, rt):
-    """--judge: a reward_model.py checkpoint, on the device, and its tokenizer."""
-    judge, judge_spec, _ = load_reward_model(path)
-    judge_tok = get_tokenizer(judge_spec)
-    fits = judge_spec == "gpt2" or (tok.spec != "gpt2" and set(tok.chars) <= set(judge_tok.chars))
-    check(fits, f"--judge {path}: its char vocabulary cannot encode this policy's responses")
-    return judge.to(rt.device), judge_tok
-
-
 def pair_logprobs(net, pairs, tok, cfg, rt, head=None):
     """Summed response log-probs (2B,) and response token counts (2B,) of B pairs: the chosen rows, then the
     rejected rows, right-padded into one forward pass (encode_pair cuts each pair to --max_len). head: the output
@@ -560,8 +531,7 @@ def reference_table(ref, pairs, tok, cfg, rt):
     share, then a sum over ranks fills the table."""
     table = torch.zeros(len(pairs), 2, device=rt.device)
     for rows, weight in micro_slices(cfg, *shard(len(pairs), rt)):
-        logp = pair_logprobs(ref, [pairs[j] for j in rows], tok, cfg, rt)[0].view(2, -1).t()  # (b, 2)
-        table[rows] = logp * weight[:, None]
+        table[rows] = pair_logprobs(ref, [pairs[j] for j in rows], tok, cfg, rt)[0].view(2, -1).t() * weight[:, None]
     return all_reduce(table, rt).cpu()
 
 
@@ -569,10 +539,9 @@ def reference_logprobs(run, split, indices, pairs):
     """The reference log-probs (2B,) of pairs (chosen rows, then rejected rows) of split ("train" or "eval"): their
     rows `indices` of the table --precompute_ref made, or without one a forward of the frozen reference (no gradient:
     its weights require none)."""
-    table = run.ref_cache.get(split)
-    if table is None:
+    if split not in run.ref_cache:
         return pair_logprobs(run.ref, pairs, run.tok, run.cfg, run.rt)[0]
-    return table[indices].t().flatten().to(run.rt.device)  # (B, 2) -> (2B,): chosen rows, then rejected rows
+    return run.ref_cache[split][indices].t().flatten().to(run.rt.device)  # (B, 2) -> (2B,): chosen, then rejected
 
 
 @torch.no_grad()
@@ -627,10 +596,9 @@ def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0
     mode."""
     net.eval()
     n_tokens = response_tokens(cfg)
-    keep = net.config.block_size - n_tokens
     texts, batch = [], batch or cfg.batch_size
     for i in range(0, len(prompts), batch):
-        ids = [tok.encode(p)[-keep:] for p in prompts[i : i + batch]]
+        ids = [tok.encode(p)[n_tokens - net.config.block_size :] for p in prompts[i : i + batch]]  # room for n_tokens
         with rt.autocast():
             out, _ = generate(net, ids, n_tokens, temperature, generator=generator)
         texts += [tok.decode(row[: row.index(tok.eot_id)] if tok.eot_id in row else row) for row in out.tolist()]
@@ -652,36 +620,33 @@ def judge_scores(run, triples):
 
 
 @torch.no_grad()
-def answer_pairs(run):
-    """pairs.jsonl's records: --pair_samples answers of the starting policy (temperature 1) to each of --pair_prompts
-    training problems (random.Random(--seed)) and each held-out problem; chosen is the answer scored highest, rejected
-    the lowest (the first of equals), by arithmetic_reward or, with --judge, by the reward model. Problems whose
-    answers all score the same (all right, all wrong, a tie of the judge) give none."""
-    cfg, G, rng = run.cfg, run.cfg.pair_samples, random.Random(run.cfg.seed)
-    train = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
-    rows = [row for row in train + [("heldout", *p) for p in run.problems] for _ in range(G)]  # (split, prompt, answer)
-    generator = torch.Generator(run.rt.device).manual_seed(cfg.seed)
-    texts = respond(run.model, [p for _, p, _ in rows], run.tok, cfg, run.rt, 1.0, generator, G)  # a problem a batch
-    scores = [arithmetic_reward(t, a) for t, (_, _, a) in zip(texts, rows)]  # gold
-    if run.judge is not None:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
-        scores = judge_scores(run, [(p, t, t) for (_, p, _), t in zip(rows, texts)])[:, 0].tolist()
-    records = []
-    for group in (range(i, i + G) for i in range(0, len(rows), G)):
-        best, worst = max(group, key=scores.__getitem__), min(group, key=scores.__getitem__)
-        if scores[best] > scores[worst]:
-            records.append(dict(zip(PAIR_FIELDS, (*rows[best], texts[best], texts[worst]))))
-    return records
-
-
 def arithmetic_pairs(run, out_dir):
-    """--data arithmetic: (train, held-out) pairs (prompt, chosen, rejected). Rank 0 builds them (answer_pairs) and
-    writes them to pairs.jsonl before training, or on --resume reads that file back; every rank gets rank 0's. Sets
-    run.agreement: the share of pairs whose chosen answer is right and rejected wrong (1 without --judge)."""
-    cfg, tok, path, records = run.cfg, run.tok, os.path.join(out_dir, "pairs.jsonl"), None
+    """--data arithmetic: (train, held-out) pairs (prompt, chosen, rejected). Rank 0 builds them and writes them to
+    pairs.jsonl before training, or on --resume reads that file back; every rank gets rank 0's. Building: --pair_samples
+    answers of the starting policy (temperature 1) to each of --pair_prompts training problems (random.Random(--seed))
+    and each held-out problem; chosen is the answer scored highest, rejected the lowest (the first of equals), by
+    arithmetic_reward or, with --judge, by the reward model. Problems whose answers all score the same (all right, all
+    wrong, a tie of the judge) give none. Sets run.problems, the held-out problems, and run.agreement: the share of
+    pairs whose chosen answer is right and rejected wrong (1 without --judge)."""
+    cfg, tok, path = run.cfg, run.tok, os.path.join(out_dir, "pairs.jsonl")
+    heldout_rng = random.Random(1234)  # held-out problems: grpo.py's and ppo.py's, whatever --seed
+    run.problems = [arithmetic_problem(heldout_rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
     lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(tok.chars))) if isinstance(tok, CharTokenizer) else ""
     check(not lacking, f"--data arithmetic: the policy's char vocabulary lacks {lacking!r} (a newline ends answers)")
-    if run.rt.master:
-        records = read_jsonl(path, PAIR_FIELDS) if cfg.resume else answer_pairs(run)
+    records = read_jsonl(path, PAIR_FIELDS) if run.rt.master and cfg.resume else None
+    if run.rt.master and not cfg.resume:  # pairs.jsonl's records: G answers to each problem, the best and the worst
+        G, rng = cfg.pair_samples, random.Random(cfg.seed)
+        problems = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
+        # (split, prompt, answer), each problem G times
+        rows = [row for row in problems + [("heldout", *p) for p in run.problems] for _ in range(G)]
+        generator = torch.Generator(run.rt.device).manual_seed(cfg.seed)
+        texts = respond(run.model, [p for _, p, _ in rows], tok, cfg, run.rt, 1.0, generator, G)  # a problem a batch
+        scores = [arithmetic_reward(t, a) for t, (_, _, a) in zip(texts, rows)]  # gold
+        if run.judge is not None:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
+            scores = judge_scores(run, [(p, t, t) for (_, p, _), t in zip(rows, texts)])[:, 0].tolist()
+        groups = [range(i, i + G) for i in range(0, len(rows), G)]  # the rows of each problem
+        ends = [(max(g, key=scores.__getitem__), min(g, key=scores.__getitem__)) for g in groups]  # best, worst
+        records = [dict(zip(PAIR_FIELDS, (*rows[b], texts[b], texts[w]))) for b, w in ends if scores[b] > scores[w]]
     records = broadcast_object(records, run.rt)
     triples = lambda split: [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == split]
     train, val = triples("train"), triples("heldout")
@@ -704,19 +669,31 @@ def epoch_order(n, seed, epoch):
 def setup(cfg, out_dir, rt):
     """The run as a namespace: policy (raw and wrapped), reference, tokenizer, judge, pairs, optimizer, loss scaler, and
     what --resume restores (step, pairs seen, BCO's running mean, cached reference log-probs)."""
-    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, ckpt_path=os.path.join(out_dir, "ckpt.pt"), problems=[])
-    run.model, ref, run.tok, ckpt, run.ref_checksum = load_policy_and_reference(cfg, run.ckpt_path, rt)
-    run.judge, run.judge_tok = load_judge(cfg.judge, run.tok, rt) if cfg.judge else (None, None)
+    run = SimpleNamespace(cfg=cfg, rt=rt, ckpt_path=os.path.join(out_dir, "ckpt.pt"), problems=[], judge=None)
+    # the policy: the run's ckpt.pt on --resume, else --init_from; the reference: --reference, else a frozen copy of
+    # the starting policy (reloaded from --init_from on --resume)
+    run.model, spec, ckpt = load_model(run.ckpt_path if cfg.resume else cfg.init_from, cfg.dropout)
+    reference = cfg.reference or cfg.init_from
+    if cfg.reference or cfg.resume:
+        ref, ref_spec, _ = load_model(reference)
+        check(ref_spec == spec, f"the reference {reference} uses another tokenizer than the policy")
+    else:
+        ref = copy.deepcopy(run.model)
+    run.ref_checksum = weights_checksum(ref)
+    check(not cfg.resume or ckpt["ref_checksum"] == run.ref_checksum, f"--resume: the reference {reference} changed")
+    block = min(run.model.config.block_size, ref.config.block_size)
+    check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
+    check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
+    run.model, run.tok = run.model.to(rt.device), get_tokenizer(spec)
+    ref.to(rt.device).eval().requires_grad_(False)
+    if cfg.judge:  # a reward_model.py checkpoint whose vocabulary can encode the policy's responses
+        judge, judge_spec, _ = load_reward_model(cfg.judge)
+        run.judge, run.judge_tok = judge.to(rt.device), get_tokenizer(judge_spec)
+        fits = judge_spec == "gpt2" or (run.tok.spec != "gpt2" and set(run.tok.chars) <= set(run.judge_tok.chars))
+        check(fits, f"--judge {cfg.judge}: its char vocabulary cannot encode this policy's responses")
 
     # data: pairs as text, tokenized per batch (encode_pair truncates to --max_len)
-    if cfg.data == "arithmetic":  # held-out problems: grpo.py's and ppo.py's, whatever --seed
-        rng = random.Random(1234)
-        run.problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
-        run.train_pairs, run.val_pairs = arithmetic_pairs(run, out_dir)
-    else:
-        run.train_pairs, run.val_pairs, skipped = load_pairs(cfg)
-        if rt.master and skipped:
-            note(f"skipped records: {skipped}; kept {len(run.train_pairs)} train, {len(run.val_pairs)} held-out pairs")
+    run.train_pairs, run.val_pairs = arithmetic_pairs(run, out_dir) if cfg.data == "arithmetic" else load_pairs(cfg, rt)
     if isinstance(run.tok, CharTokenizer):
         unknown = set().union(*(set("".join(t)) for t in run.train_pairs + run.val_pairs)) - set(run.tok.chars)
         check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the model's vocabulary")
@@ -727,13 +704,11 @@ def setup(cfg, out_dir, rt):
     run.optimizer = make_optimizer(run.model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     run.start_step, run.pairs_seen, run.bco, run.ref_cache = 0, 0, [0.0, 0], {}  # bco: [mean reward, rewards counted]
-    if ckpt is not None:
+    if cfg.resume:
         load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"], rt)
-        if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
-            run.scaler.load_state_dict(ckpt["scaler"])
+        run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())  # float16's loss scale, else empty
         restore_rng(ckpt, rt)
-        run.start_step, run.pairs_seen, run.bco = ckpt["step"], ckpt["pairs"], ckpt["bco"]
-        run.ref_cache = ckpt["ref_logps"] or {}
+        run.start_step, run.pairs_seen, run.bco, run.ref_cache = map(ckpt.get, ("step", "pairs", "bco", "ref_logps"))
     if cfg.precompute_ref and not run.ref_cache:
         run.ref_cache = {"train": reference_table(ref, run.train_pairs, run.tok, cfg, rt)}
         run.ref_cache["eval"] = reference_table(ref, run.eval_pairs, run.tok, cfg, rt)
@@ -777,11 +752,10 @@ def train_step(run, step):
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     sums = all_reduce(sums, rt) / n_pairs
-    metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())}
+    metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())} | {"train/kto_kl": kl_ref}  # None but for kto
     if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
         metrics["train/bco_delta"], (mean, count), n_new = run.bco[0], run.bco, 2 * n_pairs
         run.bco = [(mean * count + (sums[3] + sums[4]).item() * n_pairs) / (count + n_new), count + n_new]
-    metrics["train/kto_kl"] = kl_ref  # None but for kto: Logger skips it
     run.pairs_seen += n_pairs
     return {**metrics, "train/lr": lr, "train/grad_norm": grad_norm.item(), "train/pairs": run.pairs_seen}
 
@@ -841,17 +815,17 @@ def train(cfg, out_dir, rt):
         before = read_metrics(logger.path)[0]["eval/accuracy"]
         results.update(accuracy_before=before, heldout_problems=len(run.problems), gold_agreement=run.agreement)
     if rt.master:  # samples.txt: held-out prompts, the greedy responses of policy and reference, the chosen one
-        with open(os.path.join(run.out_dir, "samples.txt"), "w") as f:
+        with open(os.path.join(out_dir, "samples.txt"), "w") as f:
             for i, (prompt, chosen, _) in enumerate(run.val_pairs[: cfg.num_samples]):
                 f.write(f"=== held-out prompt {i} (last 400 characters)\n{prompt[-400:]}\n")
                 f.write(f"--- policy (greedy)\n{responses[i]}\n")
                 if ref_responses is not None:
                     f.write(f"--- reference (greedy)\n{ref_responses[i]}\n")
                 f.write(f"--- chosen in the data\n{chosen}\n\n")
-        with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
+        with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         keys = ("accuracy_before", "accuracy", "gold_agreement", "reward_acc", "margin", "logratio_acc", "win_rate")
-        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {run.out_dir}")
+        print("held-out: " + ", ".join(f"{k} {results[k]:.4f}" for k in keys if k in results) + f"; {out_dir}")
     return results
 
 
@@ -1080,9 +1054,8 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
 def token_logprobs(logits, targets, temperature=1.0, top_k=None):
     """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
     (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
-    return linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)[0].view(
-        targets.shape
-    )
+    logp, _ = linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)
+    return logp.view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):

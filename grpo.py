@@ -468,8 +468,7 @@ class ArithmeticTask:
     def correct(self, completion, mask, answers, rewards):
         return (self.gold(completion, mask, answers) == 1.0).float()
 
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
+    def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
         with rt.autocast():
             completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
@@ -957,8 +956,8 @@ def setup(cfg):
     run.start_step, run.tokens, run.first_eval = 0, 0, None
     if ckpt is not None:
         load_optimizer_state(model, run.optimizer, ckpt["optimizer"], rt)
-        if ckpt.get("scaler"):  # float16 runs: the loss scale and its growth tracker (older checkpoints have none)
-            run.scaler.load_state_dict(ckpt["scaler"])
+        # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
+        run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
         restore_rng(ckpt, rt)
         run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
     if rt.master:
@@ -1255,9 +1254,8 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
 def token_logprobs(logits, targets, temperature=1.0, top_k=None):
     """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
     (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
-    return linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)[0].view(
-        targets.shape
-    )
+    logp, _ = linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)
+    return logp.view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):

@@ -542,10 +542,9 @@ def score_a(completion, target, shape="ladder"):
     got, want = parse_a(completion), parse_a(target)
     if got is None:
         return INVALID_REWARD
-    new_fen, true_fen = got["fen"], want["fen"]
+    new_fen, ref_fen = got["fen"], want["fen"]
     fmt = 1.0 if readable_fen(new_fen) else 0.5
-    distance = 0 if new_fen == true_fen else edit_distance(new_fen, true_fen) / max(len(new_fen), len(true_fen))
-    fen = 1.0 if new_fen == true_fen else 0.5 * (1 - distance)
+    fen = 1.0 if new_fen == ref_fen else 0.5 * (1 - edit_distance(new_fen, ref_fen) / max(len(new_fen), len(ref_fen)))
     flags = float(got["terminated"] == want["terminated"] and got["truncated"] == want["truncated"])
     reward = float(abs(got["reward"] - want["reward"]) <= 0.01 + 1e-9)
     return shape_reward((4 * fmt + 3 * fen + 2 * flags + 1 * reward) / 10, shape)
@@ -684,13 +683,11 @@ def make_lines(n, rng, stockfish=None, best_move="stockfish", random_move_frac=0
             pairs = list(zip(moves, evals))
             rng.shuffle(pairs)
             best = best_of_analysis(fen, moves, best_move)
-            completion = format_p_completion([m for m, _ in pairs], [e for _, e in pairs], best)
-            lines[format_p_prompt(fen) + completion] = None
+            lines[format_p_prompt(fen) + format_p_completion(*zip(*pairs), best)] = None  # the shuffled moves, evals
             random_move = len(history) < opening or rng.random() < random_move_frac
             move = rng.choice([m.uci() for m in board.legal_moves]) if random_move else moves[0]
             attempt = illegal_attempt(board, rng) if rng.random() < illegal_frac else move
-            result = env_step(fen, attempt, history)
-            lines[format_a_prompt(fen, attempt, history) + format_a_completion(*result)] = None
+            lines[format_a_prompt(fen, attempt, history) + format_a_completion(*env_step(fen, attempt, history))] = None
             board.push_uci(move)
     out = list(lines)[:n]
     rng.shuffle(out)
@@ -796,13 +793,11 @@ def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids)
     and including the first end token: <|endoftext|> of RookWorld-LM or the newline of a model SFT'd by gpt.py on a
     file of lines) and their texts. Under FSDP every forward pass is collective, so there every rank samples the
     whole horizon (no early stop when its own rows have ended); the mask is made here from the first end token, as
-    generate() makes it when it is given the end tokens. The model samples in eval mode (no dropout) and is left in
-    train mode."""
+    generate() makes it when it is given the end tokens. The model samples in train mode: it has no dropout
+    (load_model's default), so train and eval modes compute the same."""
     collective = rt.distributed and rt.parallel == "fsdp"
-    model.eval()
     with rt.autocast():
         completion, _ = generate(model, prompts, cfg.horizon, temperature, top_k, None if collective else stop_ids)
-    model.train()
     ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
     mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
     texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
@@ -828,8 +823,7 @@ def policy_pass(model, ref, micro, cfg, rt):
         with torch.no_grad():
             ref_h = None if ref is None else ref(inputs, attention_mask=attn, keep_last=T, output="hidden")[0]
     w_ref = None if ref is None else ref.lm_head.weight  # the reference logits are made chunk by chunk
-    top_k = cfg.top_k or None
-    return values, *logprobs_and_kl(logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, top_k, w_ref)
+    return values, *logprobs_and_kl(logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, cfg.top_k, w_ref)
 
 
 def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
@@ -837,15 +831,14 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     sampling policy's log-probs (and values). Returns a dict of per-row tensors (and the rows and texts)."""
     rows = [r for r in prompts for _ in range(cfg.group_size)]
     ids = [r["ids"] for r in rows]
-    completion, mask, texts = complete_prompts(model, ids, cfg.temperature, cfg.top_k or None, cfg, rt, tok, stop_ids)
+    completion, mask, texts = complete_prompts(model, ids, cfg.temperature, cfg.top_k, cfg, rt, tok, stop_ids)
     H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
     completion, mask = completion[:, :H], mask[:, :H]  # (N, H)
     seq, attn = join(ids, completion)
     batch = {"rows": rows, "texts": texts, "seq": seq, "attn": attn, "mask": mask}
     rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
     batch["rewards"] = torch.tensor(rewards, device=rt.device)  # (N,)
-    ends = torch.isin(completion, torch.tensor(stop_ids, device=rt.device)) & (mask > 0)  # (N, H)
-    batch["truncated"] = ~ends.any(1)  # (N,) completions without an end
+    batch["truncated"] = ~torch.isin(completion, torch.tensor(stop_ids, device=rt.device)).any(1)  # (N,) no end
     batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()  # (N,) 0 P, 1 A
     with torch.no_grad():
         old = [policy_pass(actor, None, micro, cfg, rt) for micro in micro_batches(batch, len(rows) // cfg.grad_accum)]
@@ -897,8 +890,9 @@ def evaluate_held_out(run, step):
     metrics = {f"eval/{k}": sum(r[k] for r in rows) / len(rows) for rows in found.values() if rows for k in rows[0]}
     run.first_eval, run.last_eval = run.first_eval or metrics, metrics
     run.logger.log(step, {**metrics, "rl/tokens": run.tokens})
-    if run.samples:  # line-buffered: written at once
-        run.samples.write(f"--- step {step}\n" + "\n".join(shown["P"][:3] + shown["A"][:3]) + "\n")
+    if run.rt.master:
+        with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
+            f.write(f"--- step {step}\n" + "\n".join(shown["P"][:3] + shown["A"][:3]) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -930,7 +924,7 @@ def resolve_clip(cfg):
 def validate(cfg):
     """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
     positive = "batch_size horizon max_steps num_iterations grad_accum eval_every log_every save_every sf_workers lr"
-    positive += " target_kl kl_horizon clip_eps clip_eps_value"
+    positive += " target_kl kl_horizon clip_eps clip_eps_value temperature"  # temperature 0 (greedy): identical groups
     non_negative = "eval_size make_data sf_depth sf_nodes min_lr beta_kl entropy_coef vf_coef clip_eps_high grad_clip"
     non_negative += " weight_decay warmup_steps top_k"
     ranges = [(positive, "must be positive", lambda v: v > 0), (non_negative, "must be >= 0", lambda v: v >= 0)]
@@ -944,7 +938,6 @@ def validate(cfg):
     for name, allowed in (choice.split("=") for choice in choices.split()):
         value, allowed = getattr(cfg, name), allowed.split(",")
         check(value in allowed, f"--{name} {value!r}: use one of {', '.join(allowed)}")
-    check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     smallest = 1 if cfg.adv == "ema" or cfg.value_head else 2  # group advantages compare a group's completions
     check(cfg.group_size >= smallest, f"--group_size must be >= {smallest} with --adv {cfg.adv} (got {cfg.group_size})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
@@ -1032,7 +1025,6 @@ def setup_training(cfg):
         print(f"{run.model.num_params() / 1e6:.2f}M params, {data}, {rt.world_size} x {rt.device}, in {run.out_dir}")
     save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
     run.logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
-    run.samples = open(os.path.join(run.out_dir, "samples.txt"), "a", buffering=1) if rt.master else None
     return run
 
 
@@ -1054,11 +1046,11 @@ def write_checkpoint(run, step):
     save_checkpoint(run.ckpt_path, ckpt)
 
 
-def optimize_policy(run, batch, beta, n_seqs, n_tokens):
+def optimize_policy(run, batch, n_seqs, n_tokens):
     """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over
     --grad_accum micro-batches of whole groups. Returns the last iteration's sums over ranks (every share is
     normalised by the global counts, so they sum to the step's value: loss, KL (summed over tokens), entropy,
-    clip_frac, ratio_mean, pg loss, value loss) and the gradient norm."""
+    clip_frac, ratio_mean, pg loss, value loss) and the gradient norm. The KL coefficient is run.kl_ctl's."""
     cfg, rt = run.cfg, run.rt
     for _ in range(cfg.num_iterations):
         sums = torch.zeros(7, device=rt.device)
@@ -1073,7 +1065,7 @@ def optimize_policy(run, batch, beta, n_seqs, n_tokens):
             if values is not None:
                 v_loss = value_loss(values, micro["old_values"], micro["returns"], m, cfg.clip_eps_value, n_tokens)
             # the KL at every position (padding weighted 0), the entropy bonus, the value loss
-            loss = pg_loss + beta * kl_sum / n_tokens - cfg.entropy_coef * entropy + cfg.vf_coef * v_loss
+            loss = pg_loss + run.kl_ctl.value * kl_sum / n_tokens - cfg.entropy_coef * entropy + cfg.vf_coef * v_loss
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
             # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
             share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
@@ -1107,16 +1099,15 @@ def rl_step(run, step):
     t_rollout = time.time() - t0
     mask, rewards, tasks = batch["mask"], batch["rewards"], batch["tasks"]
     N = len(rewards)
-    everyone = torch.zeros(rt.world_size, N, device=rt.device)
-    everyone[rt.rank] = rewards
-    all_rewards = all_reduce(everyone, rt).flatten()  # (world * N,): every rank's rewards, rank by rank
+    # (world * N,): every rank's rewards, rank by rank (each rank's own at its offset, 0 elsewhere; the sum gathers)
+    all_rewards = all_reduce(F.pad(rewards, (rt.rank * N, (rt.world_size - 1 - rt.rank) * N)), rt)
 
     # 4. advantages: group-relative, a running mean per task, or GAE on a value head
     is_task = torch.stack([tasks == 0, tasks == 1]).float()  # (2, N): P:, A:
     task_sums = all_reduce(torch.stack([is_task @ rewards, is_task.sum(1)], 1), rt)  # (2, 2): reward sum, count
     if cfg.value_head:
-        last = (mask.sum(1).long() - 1).clamp(min=0)  # (N,) index of the last real token
-        token_rewards = torch.zeros_like(mask).scatter(1, last[:, None], rewards[:, None])  # (N, T)
+        # (N, T): the reward at each completion's last real token (every completion has one: its mask starts at 1)
+        token_rewards = torch.zeros_like(mask).scatter(1, mask.sum(1).long()[:, None] - 1, rewards[:, None])
         adv, batch["returns"] = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
         batch["adv"] = whiten(adv, mask)
     elif cfg.adv == "ema":
@@ -1127,39 +1118,36 @@ def rl_step(run, step):
         # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
         # ranks and every rank has N rows, so this rank's advantages are its rows)
         batch["adv"] = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards)[rt.rank * N : (rt.rank + 1) * N]
-    beta = run.kl_ctl.value
     n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
 
     # 5. policy update
-    sums, grad_norm = optimize_policy(run, batch, beta, n_seqs, n_tokens)
-    if cfg.adaptive_kl:
-        run.kl_ctl.update(sums[1].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
+    sums, grad_norm = optimize_policy(run, batch, n_seqs, n_tokens)
     run.tokens += int(all_reduce(mask.sum(), rt).item())
     stop_requested = run.stop.requested(step + 1, rt)
     stop_if_not_finite(sums[0].item(), step, run.ckpt_path, rt)
-    valid = [(parse_p if r["task"] == "P" else parse_a)(t) is not None for r, t in zip(batch["rows"], batch["texts"])]
-    per_task = all_reduce(is_task @ torch.tensor(valid, device=rt.device).float(), rt)  # (2,) parsing completions
-    groups = all_rewards.view(-1, cfg.group_size)  # (world * N / K, K)
+    per_task = all_reduce(is_task @ (rewards != INVALID_REWARD).float(), rt)  # (2,) completions that parse (score_*)
     stats = ["train/loss", "rl/kl", "rl/entropy", "rl/clip_frac", "rl/ratio_mean", "rl/pg_loss", "rl/value_loss"]
     metrics = {name: value.item() for name, value in zip(stats, sums)}
     metrics["rl/kl"] = (sums[1] / n_tokens).item() if run.ref is not None else None  # per token
     metrics["rl/value_loss"] = metrics["rl/value_loss"] if cfg.value_head else None
-    for i, task in enumerate("pa"):  # a task without rollouts in this step logs nothing
-        if task_sums[i, 1] > 0:
-            metrics[f"rl/reward_{task}"] = (task_sums[i, 0] / task_sums[i, 1]).item()
-            metrics[f"rl/valid_{task}"] = (per_task[i] / task_sums[i, 1]).item()
+    for i, task in enumerate("pa"):  # a task without rollouts in this step logs nothing (0 / 0: NaN, dropped below)
+        metrics[f"rl/reward_{task}"] = (task_sums[i, 0] / task_sums[i, 1]).item()
+        metrics[f"rl/valid_{task}"] = (per_task[i] / task_sums[i, 1]).item()
         if cfg.adv == "ema" and not cfg.value_head:
             metrics[f"rl/baseline_{task}"] = run.baselines[i].item()
     metrics["rl/reward_mean"] = all_rewards.mean().item()
     metrics["rl/reward_std"] = all_rewards.std().item() if all_rewards.numel() > 1 else 0.0
-    metrics.update({"rl/zero_std_frac": (groups == groups[:, :1]).all(1).float().mean().item(), "rl/beta": beta})
-    metrics["rl/completion_len"] = (n_tokens / n_seqs).item()
+    # groups whose rewards are all equal: every step from one reward to the next is 0
+    metrics["rl/zero_std_frac"] = all_rewards.view(-1, cfg.group_size).diff(dim=1).eq(0).all(1).float().mean().item()
+    metrics.update({"rl/completion_len": (n_tokens / n_seqs).item(), "rl/beta": run.kl_ctl.value})  # beta in use
     metrics["rl/truncated_frac"] = (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item()
     metrics.update({"rl/tokens": run.tokens, "train/lr": lr, "train/grad_norm": grad_norm.item()})
     metrics["perf/rollout_tokens_per_s"] = mask.sum().item() * rt.world_size / max(t_rollout, 1e-9)
     metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * (time.time() - t0)})
     metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
+    if cfg.adaptive_kl:  # after the update and its metrics, which used this step's beta
+        run.kl_ctl.update(sums[1].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
     return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
 
 
@@ -1168,9 +1156,8 @@ def write_final_results(run, wall_time):
     cfg, rt = run.cfg, run.rt
     write_checkpoint(run, cfg.max_steps)
     run.logger.close()
-    for resource_ in (run.samples, run.stockfish):  # the engines' threads would keep the process alive
-        if resource_:
-            resource_.close()
+    if run.stockfish:  # the engines' threads would keep the process alive
+        run.stockfish.close()
     if rt.master:
         adv = "value_head" if cfg.value_head else cfg.adv
         results = dict(loss_type=cfg.loss_type, adv=adv, steps=cfg.max_steps, tokens=run.tokens, wall_time_s=wall_time)
@@ -1424,9 +1411,8 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
 def token_logprobs(logits, targets, temperature=1.0, top_k=None):
     """log p(targets) under the sampling distribution of logits (temperature, top_k as sample_next draws):
     (B, T, V), (B, T) -> (B, T) in float32, all <= 0."""
-    return linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)[0].view(
-        targets.shape
-    )
+    logp, _ = linear_logprobs(logits.flatten(0, -2), None, targets.flatten(), False, temperature, top_k)
+    return logp.view(targets.shape)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):

@@ -444,7 +444,7 @@ def test_held_out_split_is_gpt_py_hh_sft_split(tmp_path):
     """dpo's held-out pairs are exactly the dialogues gpt.py --data hh_sft holds out from the same file."""
     gpt = importlib.import_module("gpt")
     path = write_jsonl(tmp_path / "hh.jsonl", synthetic_hh(45))
-    train, val, _ = dpo.load_pairs(SimpleNamespace(data_path=str(path), data=""))
+    train, val = dpo.load_pairs(SimpleNamespace(data_path=str(path), data=""), SimpleNamespace(master=False))
     assert len(val) == 2 and len(train) == 43
     tok = gpt.BPETokenizer()
     (_, _), (val_ids, _) = gpt.load_splits(SimpleNamespace(data="hh_sft", data_path=str(path)), tok)
@@ -864,7 +864,13 @@ def test_arithmetic_resume_reads_the_pairs_back_and_reproduces_the_run(tmp_path,
         train_in_process(tmp_path / "part", *args)
     assert exit_info.value.code == 143
     monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
-    monkeypatch.setattr(dpo, "answer_pairs", lambda run: pytest.fail("--resume rebuilt the pairs"))
+    greedy = dpo.respond  # evaluation answers greedily; only building the pairs samples (temperature 1)
+
+    def respond(net, prompts, tok, cfg, rt, temperature=0.0, *rest):
+        assert temperature == 0.0, "--resume rebuilt the pairs"
+        return greedy(net, prompts, tok, cfg, rt, temperature, *rest)
+
+    monkeypatch.setattr(dpo, "respond", respond)
     _, resumed = train_in_process(tmp_path / "part", "--resume")
     assert resumed == full and read_pairs(tmp_path / "part") == read_pairs(tmp_path / "full")
 
