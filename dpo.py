@@ -440,9 +440,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
     horizon, anything else before the end, not a number)."""
     m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    if m is None:
-        return 0.0
-    return 1.0 if m.group(1) == answer.strip() else format_reward
+    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
 
 
 # ----------------------------------------------------------------------------------------------------------

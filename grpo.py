@@ -368,9 +368,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
     horizon, anything else before the end, not a number)."""
     m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    if m is None:
-        return 0.0
-    return 1.0 if m.group(1) == answer.strip() else format_reward
+    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
 
 
 class NextTokenTask:
@@ -420,9 +418,7 @@ def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logpr
     +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
-    if partial_logprob:
-        rewards = rewards + partial_logprob * logp_true.detach().float()
-    return rewards
+    return rewards + partial_logprob * logp_true.detach().float() if partial_logprob else rewards
 
 
 def sample_windows(ids, n, context_len, horizon):
@@ -634,9 +630,9 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
     """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
     each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
     logits (the sampling distribution). The logits stay inside the model's linear_logprobs."""
-    mask = None if attn is None else attn[:, :-1]
-    dist = dict(entropy=entropy, temperature=temperature, top_k=top_k)  # linear_logprobs' sampling distribution
-    return model(seq[:, :-1], seq[:, -H:], mask, keep_last=H, output="logprobs", **dist)
+    # log-probs at the last H positions, under linear_logprobs' sampling distribution
+    options = dict(keep_last=H, output="logprobs", entropy=entropy, temperature=temperature, top_k=top_k)
+    return model(seq[:, :-1], seq[:, -H:], None if attn is None else attn[:, :-1], **options)
 
 
 def completion_logits(model, seq, attn, H):
@@ -667,9 +663,8 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
     rows = [p for p in prompts for _ in range(G)]
     with torch.no_grad(), rt.autocast():
         completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt)  # (N, H), (N, H)
-        truncated = torch.zeros(len(rows), dtype=torch.bool, device=rt.device)
-        if task.eos_id is not None:
-            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+        # (N,) no end token within the horizon; None for a task without an end token (next_token)
+        truncated = ~((completion == task.eos_id) & (mask > 0)).any(1) if task.eos_id is not None else None
         if isinstance(info, torch.Tensor):
             info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
         elif info is not None:
@@ -677,16 +672,15 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         seq, attn = join(rows, completion)
         old_logp, ref_logp, rewards = [], [], []
         n_micro = len(rows) // cfg.grad_accum
-        # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-        # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
-        policy_pass = cfg.num_iterations > 1 or task.needs_logits
         for i in range(0, len(rows), n_micro):
             cut = slice(i, i + n_micro)
             s, a = seq[cut], None if attn is None else attn[cut]
             logits = completion_logits(raw, s, a, H) if task.needs_logits else None  # (n, H, V): the reward reads them
             if logits is not None:
                 old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
-            elif policy_pass:
+            # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
+            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
+            elif cfg.num_iterations > 1:
                 old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
             if isinstance(ref, BigramReference):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
@@ -694,10 +688,10 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
             part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
             rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
-    old_logp = torch.cat(old_logp) if old_logp else None  # (N, H); None: the training pass's own, detached
-    ref_logp = torch.cat(ref_logp) if ref_logp else None  # (N, H); None without a reference
     batch = dict(prompts=rows, completion=completion, mask=mask, truncated=truncated, info=info)
-    return dict(batch, old_logp=old_logp, ref_logp=ref_logp, rewards=torch.cat(rewards).float())
+    # (N, H); old_logp None: the training pass's own, detached; ref_logp None: no reference
+    cat = lambda parts: torch.cat(parts) if parts else None
+    return dict(batch, old_logp=cat(old_logp), ref_logp=cat(ref_logp), rewards=torch.cat(rewards).float())
 
 
 def zero_std_groups(rewards, group_size):
@@ -754,8 +748,8 @@ def compute_advantages(rewards, mask, kind, group_size, scale, rt):
     seq_rewards = rewards if rewards.dim() == 1 else (rewards * mask).sum(1) / mask.sum(1)  # (N,)
     if kind == "rloo":
         return rloo_advantages(seq_rewards, group_size)  # (N,)
-    everyone = gather_rows(seq_rewards, rt)  # (world_size * N,)
-    return group_advantages(everyone, group_size, scale).view(rt.world_size, -1)[rt.rank]  # (N,)
+    # every rank's rewards (world_size * N,) in, this rank's advantages (N,) out
+    return group_advantages(gather_rows(seq_rewards, rt), group_size, scale).view(rt.world_size, -1)[rt.rank]
 
 
 def rollout_metrics(task, first, batch, group_size, rt):
@@ -764,16 +758,15 @@ def rollout_metrics(task, first, batch, group_size, rt):
     correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
     learned = isinstance(task, ArithmeticTask) and task.rm is not None  # a proxy reward: measure the gold one too
     gold = task.gold(first["completion"], first["mask"], first["info"]) if learned else None
+    mean = lambda x: None if x is None else gather_rows(x.float(), rt).mean().item()  # over every rank's rows
     rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
     if rewards.dim() == 2:  # per token: the real ones
         rewards = rewards[gather_rows(first["mask"], rt) > 0]
-    zero = gather_rows(zero_std_groups(first["rewards"], group_size).float(), rt)
-    lengths = gather_rows(torch.stack([batch["mask"].sum(1), batch["truncated"].float()], 1), rt).mean(0)
     metrics = {"rl/reward_mean": rewards.mean().item(), "rl/reward_std": rewards.std().item()}
-    metrics["rl/accuracy"] = None if correct is None else gather_rows(correct, rt).mean().item()
-    metrics["rl/gold_reward"] = None if gold is None else gather_rows(gold, rt).mean().item()
-    metrics.update({"rl/zero_std_frac": zero.mean().item(), "rl/completion_len": lengths[0].item()})
-    metrics["rl/truncated_frac"] = lengths[1].item() if task.eos_id is not None else None
+    metrics.update({"rl/accuracy": mean(correct), "rl/gold_reward": mean(gold)})
+    metrics["rl/zero_std_frac"] = mean(zero_std_groups(first["rewards"], group_size))
+    # truncated is None for a task without an end token (next_token): no rl/truncated_frac
+    metrics.update({"rl/completion_len": mean(batch["mask"].sum(1)), "rl/truncated_frac": mean(batch["truncated"])})
     return metrics
 
 
@@ -794,8 +787,7 @@ def update_policy(run, batch, adv, beta):
     n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
     token_mean = lambda x, m: (x * m).sum() / n_tokens  # a micro-batch's share of a token mean over the whole step
-    settings = dict(clip_eps=cfg.clip_eps, eps_high=cfg.clip_eps_high or None, max_len=H)
-    settings.update(n_seqs=n_seqs, num_tokens=n_tokens)
+    settings = dict(clip_eps=cfg.clip_eps, eps_high=cfg.clip_eps_high or None, max_len=H, n_seqs=n_seqs)
     for _ in range(cfg.num_iterations):
         sums = torch.zeros(len(STATS), device=rt.device)  # this rank's share of each of STATS
         for i in range(0, N, n_micro):
@@ -805,7 +797,7 @@ def update_policy(run, batch, adv, beta):
             with rt.autocast():  # under the sampling distribution, as old_logp
                 logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
             old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
-            pg_loss, stats = policy_loss(logp, old_logp, adv[rows], m, cfg.loss_type, **settings)
+            pg_loss, stats = policy_loss(logp, old_logp, adv[rows], m, cfg.loss_type, num_tokens=n_tokens, **settings)
             # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
             ref = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
             kl = token_mean(kl_penalty(logp, ref, cfg.kl_estimator), m)
@@ -846,11 +838,9 @@ def training_step(run, step):
     metrics = {**rollout_metrics(run.task, first, batch, G, rt), **dict(zip(STATS, sums.tolist()))}
     metrics.update({"rl/beta": beta, "rl/sampling_rounds": rounds, "rl/tokens": run.tokens, "train/lr": lr})
     metrics.update({"train/grad_norm": grad_norm.item(), "perf/rollout_ms": 1000 * t_rollout})
-    rollout_tokens = rounds * batch["mask"].numel() * rt.world_size
-    metrics["perf/rollout_tokens_per_s"] = rollout_tokens / max(t_rollout, 1e-9)
+    metrics["perf/rollout_tokens_per_s"] = rounds * batch["mask"].numel() * rt.world_size / max(t_rollout, 1e-9)
     metrics.update({"perf/peak_mem_mb": peak_memory_mb(rt), "perf/step_ms": 1000 * (time.time() - t0)})
-    if run.ref is None:
-        metrics["rl/kl"] = None  # no reference, no KL
+    metrics["rl/kl"] = metrics["rl/kl"] if run.ref is not None else None  # no reference, no KL
     return metrics
 
 
@@ -906,11 +896,10 @@ def setup(cfg):
     the frozen reference; optimizer and loss scaler, restored on --resume. Returns the run's state as a namespace."""
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "grpo", rt)
-    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit())
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit(), start_step=0, tokens=0, first_eval=None)
     run.ckpt_path = os.path.join(out_dir, "ckpt.pt")
     source = run.ckpt_path if cfg.resume else cfg.init_from
     model, spec, ckpt = load_model(source) if source != "scratch" else (None, None, None)
-    ckpt = ckpt if cfg.resume else None  # a ckpt.pt given to --init_from gives its weights, not its state
     text = path = None
     if cfg.task == "next_token":
         path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
@@ -947,31 +936,29 @@ def setup(cfg):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
             run.ref = GPT(model.config)
         if run.reference == "init":
-            run.ref.load_state_dict(ckpt["reference"] if ckpt is not None else model.state_dict())
+            run.ref.load_state_dict(ckpt["reference"] if cfg.resume else model.state_dict())
         run.ref.to(rt.device).eval().requires_grad_(False)
 
     run.policy = wrap_model(model, rt, cfg.compile)
     run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    run.start_step, run.tokens, run.first_eval = 0, 0, None
-    if ckpt is not None:
+    if cfg.resume:  # (a ckpt.pt given to --init_from gives its weights, not its state)
         load_optimizer_state(model, run.optimizer, ckpt["optimizer"], rt)
         # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
         restore_rng(ckpt, rt)
         run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
     if rt.master:
-        algorithm = f"{cfg.task}, loss {cfg.loss_type}, adv {run.adv_kind}, reference {run.reference}"
-        sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}"
-        print(f"{sizes}, {algorithm}, {rt.world_size} x {rt.device}, out_dir {out_dir}")
+        sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}, {rt.world_size} x {rt.device}"
+        print(f"{sizes}, {cfg.task}, loss {cfg.loss_type}, adv {run.adv_kind}, ref {run.reference}, out_dir {out_dir}")
     return run
 
 
 def evaluate_policy(run, step, logger):
     """The task's evaluation of the policy, logged, and its samples appended to samples.txt. The policy stays in
     train mode: it has no dropout, so both modes compute the same."""
-    ref = run.ref if isinstance(run.ref, GPT) else None
-    metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
+    # the reference model, if any (not the bigram table)
+    metrics, text = run.task.evaluate(run.raw, run.ref if isinstance(run.ref, GPT) else None, run.rt, run.tok, step)
     run.first_eval = run.first_eval or metrics
     logger.log(step, {**metrics, "rl/tokens": run.tokens})
     if run.rt.master:
@@ -995,10 +982,9 @@ def save(run, step):
 def write_results(run, last_eval, wall_time_s):
     """final_results.json (the evaluation before and after training) and one summary line."""
     cfg = run.cfg
-    results = {"task": cfg.task, "loss_type": cfg.loss_type, "adv": run.adv_kind, "steps": cfg.max_steps}
-    results.update(tokens=run.tokens, wall_time_s=wall_time_s)
-    for name, metrics in (("before", run.first_eval), ("after", last_eval)):
-        results[name] = {k.removeprefix("eval/"): v for k, v in metrics.items()}
+    results = dict(task=cfg.task, loss_type=cfg.loss_type, adv=run.adv_kind, steps=cfg.max_steps, tokens=run.tokens)
+    strip = lambda metrics: {k.removeprefix("eval/"): v for k, v in metrics.items()}  # eval/accuracy: accuracy
+    results.update(wall_time_s=wall_time_s, before=strip(run.first_eval), after=strip(last_eval))
     with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
         json.dump(results, f, indent=2)
     summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
@@ -1012,29 +998,28 @@ def main():
     cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     run = setup(cfg)
-    rt = run.rt
-    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
+    save_config(cfg, run.out_dir, run.rt)  # every input is checked: from here on the run folder is written
+    logger = Logger(cfg, run.out_dir, run.rt, cfg.max_steps, run.start_step)
     t_start = time.time()
     for step in range(run.start_step, cfg.max_steps):
         if step % cfg.eval_every == 0:
             evaluate_policy(run, step, logger)
         metrics = training_step(run, step)
-        stop_requested = run.stop.requested(step + 1, rt)
-        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, rt)
+        stop_requested = run.stop.requested(step + 1, run.rt)
+        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, run.rt)
         logger.bar.update(1)
         logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             save(run, step + 1)
         if stop_requested:
-            run.stop.exit(step + 1, run.out_dir, rt)
+            run.stop.exit(step + 1, run.out_dir, run.rt)
     last_eval = evaluate_policy(run, cfg.max_steps, logger)
     save(run, cfg.max_steps)
     logger.close()
-    if rt.master:
+    if run.rt.master:
         write_results(run, last_eval, time.time() - t_start)
-    cleanup(rt)
+    cleanup(run.rt)
 
 
 # ----------------------------------------------------------------------------------------------------------

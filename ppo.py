@@ -129,9 +129,7 @@ class Config:
     init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
     tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    reward_model: str = (
-        ""  # ckpt.pt of reward_model.py: reward_model task scorer, arithmetic learned reward, --value_init
-    )
+    reward_model: str = ""  # reward_model.py's ckpt.pt: the learned reward (reward_model, arithmetic), --value_init
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
@@ -354,9 +352,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
     horizon, anything else before the end, not a number)."""
     m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    if m is None:
-        return 0.0
-    return 1.0 if m.group(1) == answer.strip() else format_reward
+    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
 
 
 class NextTokenTask:
@@ -406,9 +402,7 @@ def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logpr
     +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
-    if partial_logprob:
-        rewards = rewards + partial_logprob * logp_true.detach().float()
-    return rewards
+    return rewards + partial_logprob * logp_true.detach().float() if partial_logprob else rewards
 
 
 def sample_windows(ids, n, context_len, horizon):
@@ -649,8 +643,8 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
     each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the
     top_k. The logits stay inside the model's linear_logprobs."""
     mask, dist = None if attn is None else attn[:, :-1], dict(entropy=entropy, temperature=temperature, top_k=top_k)
-    out = model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)
-    return out[:2]  # a PolicyWithValueHead (--value_model shared) also returns its values
+    # [:2]: a PolicyWithValueHead (--value_model shared) also returns its values
+    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)[:2]
 
 
 def completion_logits(model, seq, attn, H):
@@ -691,16 +685,14 @@ def rollout(run):
     cfg, rt, task, actor, ref = run.cfg, run.rt, run.task, run.actor, run.ref
     H, T, n_micro = cfg.horizon, cfg.temperature, cfg.batch_size // cfg.num_minibatches // cfg.grad_accum
     prompts, info = task.sample(cfg.batch_size)
+    info = info.to(rt.device) if isinstance(info, torch.Tensor) else info  # next_token's (N, H) true tokens
     with rt.autocast():  # the actor has no dropout: it samples in train mode as in eval mode
         completion, mask = sample_completions(actor, prompts, H, T, cfg.top_k or None, task.eos_id, rt)  # (N, H) x2
-    truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
-    if task.eos_id is not None:
-        truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
-    if isinstance(info, torch.Tensor):
-        info = info.to(rt.device)  # (N, H)
-    seq, attn = join(prompts, completion)
-    parts = []  # per micro-batch: old log-probs, old values, reference log-probs, task rewards
-    with rt.autocast():
+        truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
+        if task.eos_id is not None:
+            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+        seq, attn = join(prompts, completion)
+        parts = []  # per micro-batch: old log-probs, old values, reference log-probs, task rewards
         for i in range(0, len(prompts), n_micro):
             rows = slice(i, i + n_micro)
             s, a = seq[rows], None if attn is None else attn[rows]
@@ -729,8 +721,7 @@ def ppo_loss(run, batch, rows, n_tokens):
     old_logp, adv, old_values, returns = (batch[k][rows] for k in ("old_logp", "adv", "old_values", "returns"))
     pg_loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens)
     v_loss = value_loss(values.float(), old_values, returns, mask, cfg.clip_eps_value, n_tokens)
-    entropies = entropies if cfg.entropy_coef > 0 else entropies.detach()  # a bonus, or only logged
-    entropy = masked_mean(entropies, mask, n_tokens)
+    entropy = masked_mean(entropies if cfg.entropy_coef > 0 else entropies.detach(), mask, n_tokens)  # or only logged
     # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
     # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
     # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
@@ -751,9 +742,8 @@ def ppo_update(run, batch):
     n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
     n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
     models = [m for m in run.wrapped if m is not None]
-    sums, grad_norms, epochs = torch.zeros(len(TRAIN_TERMS), device=rt.device), [], 0
-    while epochs < cfg.ppo_epochs:
-        epochs += 1
+    sums, grad_norms = torch.zeros(len(TRAIN_TERMS), device=rt.device), []
+    for _ in range(cfg.ppo_epochs):
         epoch_sums = torch.zeros_like(sums)
         perm = torch.randperm(N).to(rt.device)
         for start in range(0, N, n_minibatch):
@@ -775,14 +765,14 @@ def ppo_update(run, batch):
         sums += all_reduce(epoch_sums, rt)  # in place: shares of global means, whose sum over ranks is the mean
         if cfg.target_kl_stop and epoch_sums[3].item() / cfg.num_minibatches > cfg.target_kl_stop:
             break
-    return sums / (epochs * cfg.num_minibatches), epochs, torch.stack(grad_norms).mean(0)
+    # one gradient norm per update: --num_minibatches per epoch run (fewer epochs after an early stop)
+    return sums / len(grad_norms), len(grad_norms) // cfg.num_minibatches, torch.stack(grad_norms).mean(0)
 
 
 def global_moments(x, mask, rt):
-    """Mean and unbiased variance of x over the real positions of every rank's batch (None, None when empty)."""
+    """Mean and unbiased variance of x over the real positions of every rank's batch (never empty: every completion
+    has a first token)."""
     s = all_reduce(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double(), rt)
-    if s[0] < 1:
-        return None, None
     mean = s[1] / s[0]
     var = (s[2] - s[0] * mean**2) / (s[0] - 1) if s[0] > 1 else torch.zeros_like(mean)
     return mean.item(), max(var.item(), 0.0)
@@ -805,18 +795,18 @@ def ppo_step(run, step):
     # 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
     batch = rollout(run)
     t_rollout = time.time() - t0
-    mask, old_values, scores = batch["mask"], batch["old_values"], batch["scores"]
+    mask, old_values, scores, completion = batch["mask"], batch["old_values"], batch["scores"], batch["completion"]
 
-    # 3. per-token rewards: the task's reward where it is earned, minus kl_coef * k1 at every token
+    # 3. per-token rewards: the task's reward where it is earned (a sequence's score less --missing_eos_penalty when
+    # it has no end token), minus kl_coef * k1 at every token
     kl = (batch["old_logp"] - batch["ref_logp"]) * mask  # (N, H) k1
-    if scores.dim() == 1:
-        scores = scores - cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
+    penalty = cfg.missing_eos_penalty * batch["truncated"].float() if scores.dim() == 1 else 0.0  # (N,)
     kl_coef = kl_ctl.value if run.ref is not None else 0.0
-    rewards = ppo_rewards(scores, kl, mask, kl_coef)  # (N, H)
+    rewards = ppo_rewards(scores - penalty, kl, mask, kl_coef)  # (N, H)
 
     # 4. advantages by GAE from the rollout's values; the returns are the value targets
-    adv, batch["returns"] = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
-    batch["adv"] = whiten(adv, mask) if cfg.whiten_advantages else adv
+    adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
+    batch |= {"adv": whiten(adv, mask) if cfg.whiten_advantages else adv, "returns": returns}
 
     # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
     means, epochs, grad_norms = ppo_update(run, batch)
@@ -827,25 +817,22 @@ def ppo_step(run, step):
         kl_ctl.update(mean_seq_kl, n_seqs)
 
     # metrics over every rank's rollouts; the task's rewards before the missing-EOS penalty
-    task_rewards, returns = batch["scores"], batch["returns"]
-    reward_mask = mask if task_rewards.dim() == 2 else torch.ones_like(task_rewards)
-    reward_mean, reward_var = global_moments(task_rewards, reward_mask, rt)
+    reward_mean, reward_var = global_moments(scores, mask if scores.dim() == 2 else torch.ones_like(scores), rt)
     returns_mean, returns_var = global_moments(returns, mask, rt)
     _, residual_var = global_moments(returns - old_values, mask, rt)
-    correct = run.task.correct(batch["completion"], mask, batch["info"], task_rewards)  # (N,) or None
-    learned = isinstance(run.task, ArithmeticTask) and run.task.rm is not None  # a proxy reward: measure the gold one
-    gold = run.task.gold(batch["completion"], mask, batch["info"]) if learned else None
+    correct = run.task.correct(completion, mask, batch["info"], scores)  # (N,) or None
+    # arithmetic with --reward_model learns from a proxy reward: measure the gold one too
+    gold = run.task.gold(completion, mask, batch["info"]) if cfg.task == "arithmetic" and cfg.reward_model else None
     counts = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)  # tokens, truncated
     run.tokens += int(counts[0].item())
     metrics = {f"train/{name}": value for name, value in zip(TRAIN_TERMS, means.tolist())}
     metrics["train/dual_clipfrac"] = metrics["train/dual_clipfrac"] if cfg.dual_clip else None  # None: not logged
     metrics["train/explained_variance"] = 1 - residual_var / returns_var if returns_var > 0 else None
-    metrics.update({"train/lr": lr, "train/grad_norm": grad_norms[0].item(), "train/epochs": epochs})
-    metrics["train/value_grad_norm"] = grad_norms[1].item() if run.critic is not None else None
+    metrics |= dict(zip(("train/grad_norm", "train/value_grad_norm"), grad_norms.tolist()))  # the value model's, if any
+    metrics.update({"train/lr": lr, "train/epochs": epochs, "rl/kl": mean_seq_kl if run.ref is not None else None})
     metrics.update({"rl/reward_mean": reward_mean, "rl/reward_std": math.sqrt(reward_var), "rl/kl_coef": kl_coef})
     for name, x in (("rl/accuracy", correct), ("rl/gold_reward", gold)):
         metrics[name] = None if x is None else global_moments(x, torch.ones_like(x), rt)[0]
-    metrics["rl/kl"] = mean_seq_kl if run.ref is not None else None
     metrics.update({"rl/returns_mean": returns_mean, "rl/value_mean": global_moments(old_values, mask, rt)[0]})
     metrics["rl/completion_len"] = (counts[0] / n_seqs).item()
     metrics["rl/truncated_frac"] = (counts[1] / n_seqs).item() if run.task.eos_id is not None else None
@@ -869,14 +856,12 @@ def peak_memory_mb(rt):
 def validate(cfg):
     """Impossible settings end the run before anything is read: one line naming the flag, exit code 2.
     (--temperature 0 is impossible here: PPO's ratio needs the sampling policy's probabilities.)"""
-    positive = ["horizon", "batch_size", "max_steps", "ppo_epochs", "num_minibatches", "grad_accum", "eval_every"]
-    positive += ["eval_size", "log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "kl_horizon"]
-    positive += ["context_len", "max_prompt_len", "digits", "temperature", "lr", "clip_eps", "target_kl"]
-    for name in positive:
+    positive = "horizon batch_size max_steps ppo_epochs num_minibatches grad_accum eval_every eval_size log_every"
+    positive += " save_every n_layer n_head n_embd block_size kl_horizon context_len max_prompt_len digits temperature"
+    for name in positive.split() + ["lr", "clip_eps", "target_kl"]:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    non_negative = ["value_lr", "min_lr", "clip_eps_value", "vf_coef", "entropy_coef", "beta_kl", "target_kl_stop"]
-    non_negative += ["missing_eos_penalty", "grad_clip", "weight_decay", "warmup_steps", "top_k"]
-    for name in non_negative:
+    non_negative = "value_lr min_lr clip_eps_value vf_coef entropy_coef beta_kl target_kl_stop missing_eos_penalty"
+    for name in non_negative.split() + ["grad_clip", "weight_decay", "warmup_steps", "top_k"]:
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("gamma", "lam"):
         check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
@@ -885,14 +870,12 @@ def validate(cfg):
     check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
-    choices = {"task": ("next_token", "arithmetic", "reward_model"), "tokenizer": ("gpt2", "char")}
-    choices |= {"reward_mode": ("plus1", "pm1"), "value_model": ("separate", "shared")}
-    choices |= {"value_init": ("policy", "reward_model"), "reference": ("auto", "bigram", "random", "init", "none")}
+    choices = dict(task="next_token arithmetic reward_model", tokenizer="gpt2 char", value_model="separate shared")
+    choices.update(reward_mode="plus1 pm1", value_init="policy reward_model", reference="auto bigram random init none")
     for name, allowed in choices.items():
-        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    next_token = cfg.task == "next_token"
-    check(not (next_token and cfg.missing_eos_penalty), "--missing_eos_penalty: next_token rollouts have no end token")
-    check(next_token or cfg.reference != "bigram", "--reference bigram needs a text stream (next_token)")
+        check(getattr(cfg, name) in allowed.split(), f"--{name} {getattr(cfg, name)!r}: use one of {allowed}")
+    check(cfg.task != "next_token" or not cfg.missing_eos_penalty, "--missing_eos_penalty: next_token has no end token")
+    check(cfg.task == "next_token" or cfg.reference != "bigram", "--reference bigram needs a text stream (next_token)")
     if cfg.value_init == "reward_model":  # a shared value head sits on the policy's trunk: no body of its own
         check(cfg.value_model == "separate", "--value_init reward_model needs --value_model separate")
         check(cfg.reward_model, "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
@@ -970,7 +953,7 @@ def setup(cfg):
     lrs = [cfg.lr, cfg.value_lr or cfg.lr]  # peak learning rates of the actor and the critic
     run.optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, lrs)]
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
-    run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
+    run.kl_ctl = AdaptiveKLController(cfg.beta_kl if ckpt is None else ckpt["kl_coef"], cfg.target_kl, cfg.kl_horizon)
     run.start_step, run.tokens, run.first_eval = 0, 0, None
     if ckpt is not None:
         for m, opt, key in zip(trained, run.optimizers, ("optimizer", "value_optimizer")):
@@ -979,7 +962,6 @@ def setup(cfg):
         # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
         run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
-        run.kl_ctl.value = ckpt["kl_coef"]
     if rt.master:
         n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
         sizes = f"{model.num_params() / 1e6:.2f}M policy, {n_value / 1e6:.2f}M value ({cfg.value_model}) params"
