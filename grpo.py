@@ -468,14 +468,13 @@ class ArithmeticTask:
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
         with rt.autocast():
             completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
-            rm_scores = None if self.rm is None else reward_model_scores(self.rm, prompts, completion, mask)
         texts = self.texts(completion, mask)
         scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
         well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
         shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
         metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
         if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = rm_scores.mean().item()
+            metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         return metrics, shown
 
 
@@ -579,9 +578,8 @@ class RewardModelTask:
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
                 die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        self.train_prompts, val_prompts = (
-            [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None] for texts in parts
-        )
+        encode = lambda texts: [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None]
+        self.train_prompts, val_prompts = encode(parts[0]), encode(parts[1])
         check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
         self.eval_set = val_prompts[: cfg.eval_size]
 
@@ -605,10 +603,8 @@ class RewardModelTask:
             logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
             ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
-        shown = "\n\n".join(
-            f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
-            for p, t, m, s in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4]
-        )
+        show = lambda p, t, m, s: f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
+        shown = "\n\n".join(show(*row) for row in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4])
         metrics = {"eval/rm_score": scores.mean().item(), "eval/kl": kl.mean().item()}
         return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
 

@@ -452,14 +452,13 @@ class ArithmeticTask:
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
         with rt.autocast():
             completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
-            rm_scores = None if self.rm is None else reward_model_scores(self.rm, prompts, completion, mask)
         texts = self.texts(completion, mask)
         scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
         well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
         shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
         metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
         if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = rm_scores.mean().item()
+            metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         return metrics, shown
 
 
@@ -563,9 +562,8 @@ class RewardModelTask:
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
                 die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        self.train_prompts, val_prompts = (
-            [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None] for texts in parts
-        )
+        encode = lambda texts: [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None]
+        self.train_prompts, val_prompts = encode(parts[0]), encode(parts[1])
         check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
         self.eval_set = val_prompts[: cfg.eval_size]
 
@@ -589,10 +587,8 @@ class RewardModelTask:
             logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
             ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
-        shown = "\n\n".join(
-            f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
-            for p, t, m, s in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4]
-        )
+        show = lambda p, t, m, s: f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
+        shown = "\n\n".join(show(*row) for row in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4])
         metrics = {"eval/rm_score": scores.mean().item(), "eval/kl": kl.mean().item()}
         return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
 
@@ -888,7 +884,7 @@ def setup(cfg):
     loss scaler, restored on --resume. Returns the run's state as a namespace."""
     rt = setup_runtime(cfg)
     run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "ppo", rt), stop=GracefulExit())
-    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
+    run.ckpt_path, run.start_step, run.tokens, run.first_eval = os.path.join(run.out_dir, "ckpt.pt"), 0, 0, None
     text = path = ckpt = None
     if cfg.task == "next_token":
         path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
@@ -954,7 +950,6 @@ def setup(cfg):
     run.optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, lrs)]
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
     run.kl_ctl = AdaptiveKLController(cfg.beta_kl if ckpt is None else ckpt["kl_coef"], cfg.target_kl, cfg.kl_horizon)
-    run.start_step, run.tokens, run.first_eval = 0, 0, None
     if ckpt is not None:
         for m, opt, key in zip(trained, run.optimizers, ("optimizer", "value_optimizer")):
             load_optimizer_state(m, opt, ckpt[key], rt)
@@ -1021,10 +1016,9 @@ def main():
     save(run, cfg.max_steps)
     logger.close()
     if rt.master:
-        results = {"task": cfg.task, "value_model": cfg.value_model, "steps": cfg.max_steps, "tokens": run.tokens}
-        results["wall_time_s"] = time.time() - t_start
-        results["before"] = {k.removeprefix("eval/"): v for k, v in run.first_eval.items()}
-        results["after"] = {k.removeprefix("eval/"): v for k, v in last_eval.items()}
+        strip = lambda metrics: {k.removeprefix("eval/"): v for k, v in metrics.items()}
+        results = dict(task=cfg.task, value_model=cfg.value_model, steps=cfg.max_steps, tokens=run.tokens)
+        results.update(wall_time_s=time.time() - t_start, before=strip(run.first_eval), after=strip(last_eval))
         with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
