@@ -44,13 +44,14 @@ the last "\\n\\nAssistant:", from the hub (`--data`, its train and test splits) 
 .jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's, so an SFT checkpoint never saw them.
 
 `--data arithmetic` (--digits, --ops as grpo.py's): RLHF with a known gold reward. Before training, the starting policy
-(an SFT model of `gpt.py --data arithmetic`; its tokenizer must have a single newline token) samples --pair_samples
+(an SFT model of `gpt.py --data arithmetic`; a newline ends each answer) samples --pair_samples
 answers (temperature 1, 2 * --digits + 2 tokens, cut after the first newline) to each of --pair_prompts training
 problems (drawn with random.Random(--seed)); arithmetic_reward, the gold checker, picks a right answer as chosen and a
 wrong one as rejected (the first of each). With `--judge PATH` a reward_model.py checkpoint ranks them instead: chosen
 is the answer it scores highest, rejected the lowest, and the run reports how often that agrees with gold (chosen
 right, rejected wrong). Problems whose answers all score the same (all right, all wrong, a tie) give no pair. Held-out
-pairs come the same way from the --eval_size held-out problems of grpo.py and ppo.py (random.Random(1234)), and
+pairs come the same way from the --eval_size held-out problems of grpo.py and ppo.py (random.Random(1234); their
+--eval_size defaults to 128, so pass --eval_size 128, or 200 as the README does for all three, to compare), and
 eval/accuracy is the share of those problems whose greedy answer is exactly right, as grpo.py's. Rank 0 builds the
 pairs and shares them with the other ranks; they are written to pairs.jsonl in the run folder (prompt, answer, chosen,
 rejected, split) before training, and --resume reads them back. With 1 digit the 300 distinct problems recur between
@@ -631,7 +632,8 @@ def arithmetic_pairs(run, out_dir):
     run.problems = [arithmetic_problem(heldout_rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
     lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(tok.chars))) if isinstance(tok, CharTokenizer) else ""
     check(not lacking, f"--data arithmetic: the policy's char vocabulary lacks {lacking!r} (a newline ends answers)")
-    records = read_jsonl(path, PAIR_FIELDS) if run.rt.master and cfg.resume else None
+    # chosen or rejected may be an empty answer (a BPE policy's first token <|endoftext|>): not required non-empty
+    records = read_jsonl(path, PAIR_FIELDS[:3]) if run.rt.master and cfg.resume else None
     if run.rt.master and not cfg.resume:  # pairs.jsonl's records: G answers to each problem, the best and the worst
         G, rng = cfg.pair_samples, random.Random(cfg.seed)
         problems = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
@@ -707,6 +709,7 @@ def setup(cfg, out_dir, rt):
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())  # float16's loss scale, else empty
         restore_rng(ckpt, rt)
         run.start_step, run.pairs_seen, run.bco, run.ref_cache = map(ckpt.get, ("step", "pairs", "bco", "ref_logps"))
+        run.ref_cache = run.ref_cache or {}  # older checkpoints saved None without --precompute_ref
     if cfg.precompute_ref and not run.ref_cache:
         run.ref_cache = {"train": reference_table(ref, run.train_pairs, run.tok, cfg, rt)}
         run.ref_cache["eval"] = reference_table(ref, run.eval_pairs, run.tok, cfg, rt)
@@ -953,7 +956,8 @@ class GPT(nn.Module):
         positions' (the completion's, in RL: the vocabulary projection is the largest matrix). Returns, by output:
           "logits"    (logits (B, T, V), mean cross-entropy over targets != -1, or None without targets)
           "hidden"    (final hidden states (B, T, C), None): for reward and value heads
-          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (never all held)
+          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
+                      each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
                       temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()

@@ -222,7 +222,8 @@ def make_model(model_config):
     model = GPT(GPTConfig(**{k: v for k, v in model_config.items() if k not in VARIANT_FIELDS}))
     for block in model.transformer.h if variant else []:
         causal = variant.get("objective", "causal") == "causal"
-        block.attn = VariantAttention(model.config, variant.get("kv_latent_dim", 0), causal)
+        latent = variant.get("kv_latent_dim", 0) if variant.get("attention") == "mla" else 0  # 0: no compression
+        block.attn = VariantAttention(model.config, latent, causal)
         block.attn.apply(model._init_weights)
         nn.init.normal_(block.attn.c_proj.weight, std=0.02 / math.sqrt(2 * model.config.n_layer))
     model.variant = variant
@@ -376,6 +377,11 @@ def validate(cfg):
     check(cfg.attention in ("mha", "mla"), f"--attention {cfg.attention!r}: use mha or mla")
     check(cfg.objective in ("causal", "denoise"), f"--objective {cfg.objective!r}: use causal or denoise")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
+    check(cfg.attention == "mla" or not cfg.kv_latent_dim, "--kv_latent_dim needs --attention mla")
+    new = (cfg.attention, cfg.objective, cfg.kv_latent_dim) != ("mha", "causal", 0)  # a checkpoint keeps its own kind
+    check(
+        cfg.init_from == "scratch" or not new, "--attention, --objective, --kv_latent_dim build a new model (scratch)"
+    )
 
 
 def model_and_tokenizer(cfg, ckpt):
@@ -680,7 +686,8 @@ class GPT(nn.Module):
         positions' (the completion's, in RL: the vocabulary projection is the largest matrix). Returns, by output:
           "logits"    (logits (B, T, V), mean cross-entropy over targets != -1, or None without targets)
           "hidden"    (final hidden states (B, T, C), None): for reward and value heads
-          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (never all held)
+          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
+                      each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
                       temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()

@@ -461,8 +461,8 @@ class ArithmeticTask:
             return self.gold(completion, mask, answers)
         return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
 
-    def correct(self, completion, mask, answers, rewards):
-        return (self.gold(completion, mask, answers) == 1.0).float()
+    def correct(self, completion, mask, answers, rewards):  # the rewards are the gold ones unless a model gives them
+        return ((rewards if self.rm is None else self.gold(completion, mask, answers)) == 1.0).float()
 
     def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
@@ -1136,7 +1136,8 @@ class GPT(nn.Module):
         positions' (the completion's, in RL: the vocabulary projection is the largest matrix). Returns, by output:
           "logits"    (logits (B, T, V), mean cross-entropy over targets != -1, or None without targets)
           "hidden"    (final hidden states (B, T, C), None): for reward and value heads
-          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (never all held)
+          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
+                      each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
                       temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()

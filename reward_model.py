@@ -769,7 +769,8 @@ class GPT(nn.Module):
         positions' (the completion's, in RL: the vocabulary projection is the largest matrix). Returns, by output:
           "logits"    (logits (B, T, V), mean cross-entropy over targets != -1, or None without targets)
           "hidden"    (final hidden states (B, T, C), None): for reward and value heads
-          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (never all held)
+          "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
+                      each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
                       temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
