@@ -160,7 +160,7 @@ class Config:
     scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
-    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (0: clip_eps; DAPO: 0.28); unset: 0, gspo 4e-4
+    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
     beta_kl: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
     kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
     kl_warmup_tokens: int = 0  # beta rises linearly from 0 to beta_kl over this many generated tokens (0: no warm-up)
@@ -269,52 +269,61 @@ def kl_penalty(logp, ref_logp, kind="k3"):
 
 
 def policy_loss(
-    logp, old_logp, adv, mask, loss_type="grpo", clip_eps=0.2, eps_high=None, max_len=None, n_seqs=None, num_tokens=None
+    logp,
+    old_logp,
+    adv,
+    mask,
+    loss_type="grpo",
+    clip_eps=0.2,
+    clip_eps_high=None,
+    max_len=None,
+    num_seqs=None,
+    num_tokens=None,
 ):
     """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = eps_high or clip_eps.
+    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high, or clip_eps when None.
       grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
       dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
       dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
       gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-    n_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
+    num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
-    n_seqs = N if n_seqs is None else n_seqs
+    num_seqs = N if num_seqs is None else num_seqs
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    eps_high = clip_eps if eps_high is None else eps_high
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
     log_ratio = logp - old_logp.detach()  # (N, T)
     if loss_type == "gspo":
         seq_len = mask.sum(1).clamp(min=1)  # (N,)
         ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
         seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
-        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + eps_high)
-        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / n_seqs
+        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
+        loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
         return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
     if loss_type in ("grpo", "dapo", "dr_grpo"):
-        high = 1 + (eps_high if loss_type == "dapo" else clip_eps)
+        high = 1 + (clip_eps_high if loss_type == "dapo" else clip_eps)
         clipped_ratio = ratio.clamp(1 - clip_eps, high)
         per_token = -torch.min(ratio * adv, clipped_ratio * adv)
         clipped = (clipped_ratio * adv < ratio * adv).float()
     elif loss_type == "cispo":
-        per_token = -ratio.clamp(max=1 + eps_high).detach() * adv * logp
-        clipped = (ratio > 1 + eps_high).float()
+        per_token = -ratio.clamp(max=1 + clip_eps_high).detach() * adv * logp
+        clipped = (ratio > 1 + clip_eps_high).float()
     elif loss_type == "reinforce":
         per_token = -adv * logp
         clipped = torch.zeros_like(ratio)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (n_seqs * (max_len or T))
+        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
     else:
         loss = (per_token * mask).sum() / num_tokens
     n = mask.sum().clamp(min=1)
@@ -783,7 +792,7 @@ def update_policy(run, batch, adv, beta):
     n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
     token_mean = lambda x, m: (x * m).sum() / n_tokens  # a micro-batch's share of a token mean over the whole step
-    settings = dict(clip_eps=cfg.clip_eps, eps_high=cfg.clip_eps_high or None, max_len=H, n_seqs=n_seqs)
+    settings = dict(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, max_len=H, num_seqs=n_seqs)
     for _ in range(cfg.num_iterations):
         sums = torch.zeros(len(STATS), device=rt.device)  # this rank's share of each of STATS
         for i in range(0, N, n_micro):
@@ -852,12 +861,23 @@ def peak_memory_mb(rt):
 
 
 def resolve_clip(cfg):
-    """The clip ranges left unset (None): 0.2 and 0 (= clip_eps), or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
-    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. A given --clip_eps
-    is gspo's upper range too unless --clip_eps_high is given. config.json records the values used."""
+    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
+    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. --clip_eps_high 0
+    means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is given. config.json
+    records the values used, and the losses receive exactly these."""
     gspo = cfg.loss_type == "gspo"
-    clip_eps = cfg.clip_eps if cfg.clip_eps is not None else 3e-4 if gspo else 0.2
-    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else 4e-4 if gspo and cfg.clip_eps is None else 0.0
+    if cfg.clip_eps is not None:
+        clip_eps = cfg.clip_eps
+    elif gspo:
+        clip_eps = 3e-4
+    else:
+        clip_eps = 0.2
+    if cfg.clip_eps_high:
+        high = cfg.clip_eps_high
+    elif gspo and cfg.clip_eps is None and cfg.clip_eps_high is None:
+        high = 4e-4
+    else:
+        high = clip_eps  # unset or 0: the symmetric clip
     return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
@@ -1052,7 +1072,8 @@ class KVCache:
             self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos : end], self.v[layer, :, :, self.pos : end] = k, v
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -1065,16 +1086,21 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, attn_mask, layer, cache):
-        B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
+        hs = C // self.n_head  # head size
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
         # attn_mask None: plain causal attention over this chunk (a single query after a cache sees every key)
         causal = attn_mask is None and k.size(2) == T and T > 1
         dropout = self.dropout if self.training else 0.0
+        # (B, nh, T, hs): each query's weighted sum of the values it may see
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): the heads side by side
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
 class MLP(nn.Module):

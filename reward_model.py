@@ -685,7 +685,8 @@ class KVCache:
             self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos : end], self.v[layer, :, :, self.pos : end] = k, v
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -698,16 +699,21 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, attn_mask, layer, cache):
-        B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
+        hs = C // self.n_head  # head size
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
         # attn_mask None: plain causal attention over this chunk (a single query after a cache sees every key)
         causal = attn_mask is None and k.size(2) == T and T > 1
         dropout = self.dropout if self.training else 0.0
+        # (B, nh, T, hs): each query's weighted sum of the values it may see
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): the heads side by side
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
 class MLP(nn.Module):

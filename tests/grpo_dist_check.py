@@ -46,7 +46,7 @@ def check_normaliser(rt):
             0.2,
             0.28,
             T,
-            n_seqs=n_seqs,
+            num_seqs=n_seqs,
             num_tokens=n_tokens,
         )
         share.backward()

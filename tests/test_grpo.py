@@ -94,7 +94,7 @@ def test_every_loss_type_aggregates_as_its_formula_on_a_hand_made_batch(loss_typ
     N * max_len = 10; gspo clips the sequence ratio (2 * 1 * 1)^(1/3) = 1.26 < 1.28; cispo weighs log-probs by
     the detached min(r, 1.28); reinforce by nothing."""
     logp, old, adv, mask = hand_batch()
-    loss, _ = grpo.policy_loss(logp, old, adv, mask, loss_type, clip_eps=0.2, eps_high=0.28, max_len=5)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, loss_type, clip_eps=0.2, clip_eps_high=0.28, max_len=5)
     lp = logp[mask > 0].tolist()  # the 4 real tokens' log-probs
     s0 = 2.0 ** (1 / 3)
     expected = {
@@ -131,7 +131,8 @@ def test_gspo_clip_frac_counts_sequences_not_tokens():
 def test_gspo_default_clip_range_clips_a_sequence_ratio_of_exp_1e_minus_3():
     """A length-normalised sequence ratio moves little: exp(+-1e-3) lies well inside 1 +- 0.2. With --loss_type gspo
     and no --clip_eps the range is the GSPO paper's [1 - 3e-4, 1 + 4e-4], which clips both (A = +1 above, A = -1
-    below). Other loss types keep 0.2, and a given --clip_eps is kept for both ends."""
+    below). Other loss types keep 0.2, and a given --clip_eps is kept for both ends. The upper range is always the
+    value in effect (never None or 0), and resolving twice (a resumed run's config) changes nothing."""
     cfg = grpo.resolve_clip(grpo.parse_config(grpo.Config, ["--loss_type", "gspo"]))
     assert (cfg.clip_eps, cfg.clip_eps_high) == (3e-4, 4e-4)
     old = torch.log(torch.full((2, 3), 0.3, dtype=torch.float64))
@@ -141,11 +142,15 @@ def test_gspo_default_clip_range_clips_a_sequence_ratio_of_exp_1e_minus_3():
     assert stats["clip_frac"].item() == 1.0
     assert loss.item() == pytest.approx(-((1 + 4e-4) - (1 - 3e-4)) / 2)
     for argv, expected in [
-        (["--loss_type", "grpo"], (0.2, 0.0)),
-        (["--loss_type", "gspo", "--clip_eps", "0.1"], (0.1, 0.0)),
+        (["--loss_type", "grpo"], (0.2, 0.2)),
+        (["--loss_type", "gspo", "--clip_eps", "0.1"], (0.1, 0.1)),
+        (["--loss_type", "dapo", "--clip_eps_high", "0.28"], (0.2, 0.28)),
+        (["--loss_type", "dapo", "--clip_eps_high", "0"], (0.2, 0.2)),
+        (["--loss_type", "gspo", "--clip_eps_high", "0"], (3e-4, 3e-4)),
     ]:
         cfg = grpo.resolve_clip(grpo.parse_config(grpo.Config, argv))
         assert (cfg.clip_eps, cfg.clip_eps_high) == expected
+        assert grpo.resolve_clip(cfg) == cfg
 
 
 def test_gspo_logged_clip_frac_weighs_micro_batches_by_their_sequences(tmp_path, monkeypatch):

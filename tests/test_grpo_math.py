@@ -199,8 +199,8 @@ def test_masked_positions_never_change_the_loss(loss_type, seed):
     logp, old, _, mask = batch(seed)
     adv = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed))
     noise = torch.randn(3, *logp.shape, generator=torch.Generator().manual_seed(seed + 1)) * (1 - mask)
-    a, sa = cg.policy_loss(logp, old, adv, mask, loss_type, eps_high=0.28)
-    b, sb = cg.policy_loss(logp + noise[0], old + noise[1], adv + noise[2], mask, loss_type, eps_high=0.28)
+    a, sa = cg.policy_loss(logp, old, adv, mask, loss_type, clip_eps_high=0.28)
+    b, sb = cg.policy_loss(logp + noise[0], old + noise[1], adv + noise[2], mask, loss_type, clip_eps_high=0.28)
     assert torch.allclose(a, b, atol=1e-6)
     assert all(torch.allclose(sa[k], sb[k], atol=1e-6) for k in ("clip_frac", "ratio_mean"))
 
@@ -212,7 +212,7 @@ def test_policy_loss_hand_values():
     old = torch.log(torch.tensor([[0.2, 0.5], [0.4, 0.3]]))
     logp = old + torch.log(torch.tensor([[1.5, 1.0], [0.5, 7.0]]))  # seq 1's second token is padding
     adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    loss = lambda t, **kw: cg.policy_loss(logp, old, adv, mask, t, clip_eps=0.2, eps_high=0.28, **kw)[0].item()
+    loss = lambda t, **kw: cg.policy_loss(logp, old, adv, mask, t, clip_eps=0.2, clip_eps_high=0.28, **kw)[0].item()
     assert loss("grpo") == pytest.approx(-((1.2 + 1.0) / 2 + (-0.8)) / 2)
     assert loss("dapo") == pytest.approx(-(1.28 + 1.0 - 0.8) / 3)
     assert loss("dr_grpo", max_len=4) == pytest.approx(-(1.2 + 1.0 - 0.8) / (2 * 4))
@@ -228,7 +228,7 @@ def test_policy_loss_hand_values():
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_split_batches_with_global_counts_sum_to_the_whole_batch_loss(loss_type):
-    """Gradient accumulation: micro-batch losses with the global n_seqs / num_tokens add up to the full loss."""
+    """Gradient accumulation: micro-batch losses with the global num_seqs / num_tokens add up to the full loss."""
     logp, old, adv, mask = batch(3, N=6)
     full, _ = cg.policy_loss(logp, old, adv, mask, loss_type, max_len=5)
     parts = sum(
@@ -239,7 +239,7 @@ def test_split_batches_with_global_counts_sum_to_the_whole_batch_loss(loss_type)
             mask[i : i + 2],
             loss_type,
             max_len=5,
-            n_seqs=6,
+            num_seqs=6,
             num_tokens=mask.sum(),
         )[0]
         for i in range(0, 6, 2)
