@@ -142,6 +142,6 @@ def test_torchrun_fsdp_on_cuda_runs_and_resumes_to_the_uninterrupted_metrics(tmp
     proc = torchrun(ROOT / "grpo.py", 1, "--resume", "--out_dir", part)
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = final_metrics(full), final_metrics(part)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    assert len(a) == 4 and [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-3, abs=1e-4)
