@@ -125,7 +125,8 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head = config.n_head
+        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -244,8 +245,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
-        h, w = (x.flatten(0, 1), self.lm_head.weight) if logits is None else (logits.flatten(0, 1), None)
-        logp, _ = linear_logprobs(h, w, y.clamp(min=0), entropy=False, recompute=False)
+        if logits is None:  # project the hidden states chunk by chunk
+            logp, _ = linear_logprobs(
+                x.flatten(0, 1), self.lm_head.weight, y.clamp(min=0), entropy=False, recompute=False
+            )
+        else:
+            logp, _ = linear_logprobs(logits.flatten(0, 1), None, y.clamp(min=0), entropy=False, recompute=False)
         return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
@@ -260,7 +265,8 @@ class GPT(nn.Module):
         bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
         if bad:
             raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
-        c, hf_sd = hf.config, hf.state_dict()
+        c = hf.config
+        hf_sd = hf.state_dict()
         model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
@@ -298,8 +304,12 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
         finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
         return logp, -(logq.exp() * finite).sum(-1)
 
-    run = (lambda x, y: torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)) if recompute else chunk
-    parts = [run(x, y) for x, y in zip(h.split(rows), targets.split(rows))]
+    parts = []
+    for x, y in zip(h.split(rows), targets.split(rows)):
+        if recompute:
+            parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False))
+        else:
+            parts.append(chunk(x, y))
     out = [torch.cat(p) for p in zip(*parts)]
     return out[0], out[1] if entropy else None
 
@@ -339,8 +349,12 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
     produced eos. eos_id may be a list of ids that each end a row (the first is the filler after the end).
     use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
     device = next(model.parameters()).device
-    idx, attn = (prompts.to(device), None) if isinstance(prompts, torch.Tensor) else left_pad(prompts, device)
-    attn = None if attn is None or attn.all() else attn
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        idx, attn = left_pad(prompts, device)
+    if attn is not None and attn.all():
+        attn = None  # no padding: plain causal attention
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")

@@ -693,7 +693,8 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head = config.n_head
+        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -812,8 +813,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
-        h, w = (x.flatten(0, 1), self.lm_head.weight) if logits is None else (logits.flatten(0, 1), None)
-        logp, _ = linear_logprobs(h, w, y.clamp(min=0), entropy=False, recompute=False)
+        if logits is None:  # project the hidden states chunk by chunk
+            logp, _ = linear_logprobs(
+                x.flatten(0, 1), self.lm_head.weight, y.clamp(min=0), entropy=False, recompute=False
+            )
+        else:
+            logp, _ = linear_logprobs(logits.flatten(0, 1), None, y.clamp(min=0), entropy=False, recompute=False)
         return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
@@ -828,7 +833,8 @@ class GPT(nn.Module):
         bad = sorted(info["missing_keys"]) + sorted(key for key, *_ in info["mismatched_keys"])
         if bad:
             raise ValueError(f"{name_or_dir}: missing or misshapen GPT-2 weights {bad[:3]}")
-        c, hf_sd = hf.config, hf.state_dict()
+        c = hf.config
+        hf_sd = hf.state_dict()
         model = cls(GPTConfig(c.n_positions, c.vocab_size, c.n_layer, c.n_head, c.n_embd, dropout))
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         for key, p in model.state_dict().items():  # detached views of the parameters (lm_head is wte)
@@ -866,8 +872,12 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
         finite = logq.masked_fill(logq.isinf(), 0) if top_k else logq  # top_k's p = 0 tokens: no 0 * -inf
         return logp, -(logq.exp() * finite).sum(-1)
 
-    run = (lambda x, y: torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)) if recompute else chunk
-    parts = [run(x, y) for x, y in zip(h.split(rows), targets.split(rows))]
+    parts = []
+    for x, y in zip(h.split(rows), targets.split(rows)):
+        if recompute:
+            parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False))
+        else:
+            parts.append(chunk(x, y))
     out = [torch.cat(p) for p in zip(*parts)]
     return out[0], out[1] if entropy else None
 
@@ -907,8 +917,12 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
     produced eos. eos_id may be a list of ids that each end a row (the first is the filler after the end).
     use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
     device = next(model.parameters()).device
-    idx, attn = (prompts.to(device), None) if isinstance(prompts, torch.Tensor) else left_pad(prompts, device)
-    attn = None if attn is None or attn.all() else attn
+    if isinstance(prompts, torch.Tensor):
+        idx, attn = prompts.to(device), None
+    else:
+        idx, attn = left_pad(prompts, device)
+    if attn is not None and attn.all():
+        attn = None  # no padding: plain causal attention
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
@@ -995,7 +1009,8 @@ class Runtime:
     parallel: str = "ddp"
 
     def __post_init__(self):
-        self.master, self.distributed = self.rank == 0, self.world_size > 1
+        self.master = self.rank == 0
+        self.distributed = self.world_size > 1
 
     def autocast(self):  # mixed precision for forward passes; float32 runs without autocast
         return nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.dtype)
@@ -1009,15 +1024,20 @@ def setup_runtime(cfg):
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     device = next(d for d in available if available[d]) if cfg.device == "auto" else cfg.device
     check(available[device], f"--device {device}: it is not available")
-    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 0))
     if "RANK" in os.environ:  # launched by torchrun
         if device == "cuda":
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    device, dtype = torch.device(device), cfg.dtype
-    if dtype == "auto":  # bfloat16 on a GPU that has it, float16 on an older one, float32 elsewhere
-        dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    device = torch.device(device)
+    dtype = cfg.dtype
+    if dtype == "auto" and device.type != "cuda":
+        dtype = "float32"
+    elif dtype == "auto":  # bfloat16 on a GPU that has it, float16 on an older one
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -1094,7 +1114,8 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
@@ -1267,7 +1288,9 @@ class CharTokenizer:
     def __init__(self, chars):
         self.chars = "".join(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.vocab_size, self.eot_id, self.spec = len(self.chars), None, {"type": "char", "chars": self.chars}
+        self.vocab_size = len(self.chars)
+        self.eot_id = None
+        self.spec = {"type": "char", "chars": self.chars}
 
     def encode(self, text):
         return [self.stoi[c] for c in text]
@@ -1284,7 +1307,9 @@ class BPETokenizer:
             self.enc = tiktoken.get_encoding("gpt2")
         except Exception as e:
             die(f"cannot load the GPT-2 BPE files ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR to them")
-        self.vocab_size, self.eot_id, self.spec = self.enc.n_vocab, self.enc.eot_token, "gpt2"
+        self.vocab_size = self.enc.n_vocab
+        self.eot_id = self.enc.eot_token
+        self.spec = "gpt2"
         self.encode = self.enc.encode_ordinary  # text -> ids, <|endoftext|> in text is plain text
 
     def decode(self, ids):
@@ -1349,7 +1374,9 @@ class Logger:
     mirrors to wandb when asked; close() draws training_curves.png. Other ranks log nothing."""
 
     def __init__(self, cfg, out_dir, rt, total_steps, start_step=0):
-        self.master, self.wandb, self.path = rt.master, None, os.path.join(out_dir, "metrics.jsonl")
+        self.master = rt.master
+        self.wandb = None
+        self.path = os.path.join(out_dir, "metrics.jsonl")
         if self.master:  # lines past the checkpoint (all, in a new run) are dropped
             rows = read_metrics(self.path) if os.path.exists(self.path) else []
             with open(self.path, "w") as f:
@@ -1358,8 +1385,8 @@ class Logger:
         if self.master and cfg.wandb:
             import wandb
 
-            name, config = os.path.basename(out_dir), dataclasses.asdict(cfg)
-            self.wandb = wandb.init(project=cfg.wandb_project, name=name, config=config)
+            name = os.path.basename(out_dir)
+            self.wandb = wandb.init(project=cfg.wandb_project, name=name, config=dataclasses.asdict(cfg))
 
     def log(self, step, metrics, echo=True):
         if not self.master:
@@ -1405,7 +1432,8 @@ def plot_curves(metrics_path, png_path):
     keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
     if not keys:
         return
-    cols, n_rows = min(3, len(keys)), math.ceil(len(keys) / 3)
+    cols = min(3, len(keys))
+    n_rows = math.ceil(len(keys) / 3)
     fig = Figure(figsize=(4.5 * cols, 3 * n_rows), layout="tight")
     for ax, key in zip(fig.subplots(n_rows, cols, squeeze=False).flat, keys):
         ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".")
