@@ -1462,11 +1462,20 @@ def load_model(init_from, dropout=0.0):
         die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
     path_like = init_from.endswith(".pt") or init_from.startswith(("/", ".", "~"))
     check(not path_like, f"--init_from {init_from}: no such file")
+    hub = "cannot load it from the Hugging Face hub; pass a ckpt.pt or a GPT-2 folder"
+    if not os.path.isdir(init_from):  # a hub id
+        import huggingface_hub
+
+        try:  # one quick request: on an unreachable hub, the download itself retries for about a minute
+            huggingface_hub.model_info(init_from, timeout=10)
+        except Exception as e:  # offline, or an unknown id: a copy downloaded earlier still does
+            cached = huggingface_hub.try_to_load_from_cache(init_from, "config.json")
+            check(isinstance(cached, str), f"--init_from {init_from}: {hub} ({type(e).__name__})")
+            init_from = os.path.dirname(cached)
     try:
         return GPT.from_pretrained(init_from, dropout=dropout), "gpt2", None
-    except Exception as e:  # ValueError: weights that do not fit; others: the hub (offline, unknown id, no weights)
-        hub = f"cannot load it from the Hugging Face hub ({type(e).__name__}); pass a ckpt.pt or a GPT-2 folder"
-        die(f"--init_from {init_from}: {e if isinstance(e, ValueError) else hub}")
+    except Exception as e:  # ValueError: weights that do not fit; others: the hub (no weights, a broken download)
+        die(f"--init_from {init_from}: {e if isinstance(e, ValueError) else f'{hub} ({type(e).__name__})'}")
 
 
 class CharTokenizer:
