@@ -58,10 +58,10 @@ def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tm
     passes, losses, kls = [], [], []
     completion_logprobs, policy_loss, kl_penalty = cg.completion_logprobs, cg.policy_loss, cg.kl_penalty
 
-    def completion_spy(model, seq, *args):
+    def completion_spy(model, seq, *args, **kwargs):
         if torch.is_grad_enabled():  # the training pass: the rollouts and the weights that score them
             passes.append((seq.clone(), {k: v.clone() for k, v in model.state_dict().items()}))
-        return completion_logprobs(model, seq, *args)
+        return completion_logprobs(model, seq, *args, **kwargs)
 
     def loss_spy(logp, old_logp, *args, **kwargs):
         losses.append((logp.detach().clone(), old_logp.clone()))
