@@ -77,32 +77,39 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # run and data
     out_dir: str = ""  # run folder; default out/char_grpo-<YYYYmmdd-HHMMSS>
     data: str = "shakespeare"  # shakespeare (tiny Shakespeare, downloaded once) or the path of a text file
     data_path: str = ""  # local copy of tiny Shakespeare (offline)
     init_from: str = "scratch"  # scratch | ckpt.pt of gpt.py or any script (same char vocabulary)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    # model (a new one; --init_from and --resume keep the checkpoint's)
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
     block_size: int = 128  # context length of the model (scratch only)
+    # rollouts
     context_len: int = 32  # characters of real text before each rollout
     horizon: int = 16  # characters per rollout
     batch_size: int = 16  # contexts per step per rank
     group_size: int = 8  # rollouts per context (a group)
     temperature: float = 1.0  # sampling temperature of rollouts
+    # reward and advantages
     reward_mode: str = "plus1"  # plus1: 1 per correct character, else 0 | pm1: +1 correct, -1 wrong
     partial_logprob: float = 0.0  # w: add w * log p(true char | rollout prefix) to every character's reward
     adv: str = "process"  # process: per-character returns of normalised rewards | outcome: per-rollout
     scale_rewards: str = "group"  # outcome advantages: group | batch | none (Dr. GRPO: no std scaling)
+    # KL to a frozen reference
     reference: str = "bigram"  # KL reference: bigram | random | init | none
     beta_kl: float = 0.02  # final KL coefficient
     kl_warmup_tokens: int = 200000  # generated characters over which beta rises linearly from 0 to beta_kl
     kl_estimator: str = "k3"  # k2 | k3, the per-character KL term of the loss (k1 is refused: zero gradient)
+    # loss
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
     clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
     num_iterations: int = 1  # optimizer steps per batch of rollouts (>1 reuses them through the ratio)
+    # optimisation
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     max_steps: int = 300  # rollout batches
     lr: float = 1e-3  # peak learning rate
@@ -110,12 +117,15 @@ class Config:
     warmup_steps: int = 20  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    # the supervised baseline
     supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and token budget
     compare: bool = False  # run GRPO, then the supervised baseline; final_results.json holds both
+    # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
     eval_size: int = 256  # val windows per evaluation
     log_every: int = 10  # steps between log lines
     save_every: int = 100  # steps between checkpoints (one is always written at the end)
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the policy's training forward
@@ -124,17 +134,6 @@ class Config:
     deterministic: bool = False  # torch.use_deterministic_algorithms
     wandb: bool = False  # log to Weights & Biases
     wandb_project: str = "rlhf-gpt"  # wandb project
-
-
-def download(url, path):
-    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            torch.hub.download_url_to_file(url, path)
-        except Exception as e:
-            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,29 +248,145 @@ def policy_loss(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reward and reference
+# The training step, as the algorithm reads: rollout -> reward -> advantage -> loss -> update (grpo_step), then
+# the functions it calls; supervised_step is the baseline's step.
 
 
-def char_rewards(rollouts, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H): each rollout character against the true continuation at the same offset.
-    plus1: 1 if equal else 0; pm1: +1 / -1. Partial credit adds partial_logprob * log p(true char | prefix)."""
-    match = (rollouts == truth).float()  # (N, H)
-    rewards = match if mode == "plus1" else 2 * match - 1
-    return rewards + partial_logprob * logp_true.detach() if partial_logprob else rewards
+def grpo_step(cfg, run, rt):
+    """One GRPO step: rollouts -> rewards -> advantages -> --num_iterations policy updates on the same rollouts.
+    Returns (loss, grad norm, metrics), the rl/ metrics over every rank's rollouts."""
+    G = cfg.group_size
+    H = cfg.horizon
+    N = cfg.batch_size * G  # this rank's rollouts: --batch_size groups of G
+    # ALGO LOGIC 1. rollout: G continuations of each context and the log-probs the update compares against
+    t_rollout = time.time()
+    batch = rollout(cfg, run, rt)
+    t_rollout = time.time() - t_rollout
+    seq = batch["seq"]
+    completion = batch["completion"]
+    truth = batch["truth"]
+    mask = batch["mask"]
+    # 2. reward: one per character
+    rewards = char_rewards(completion, truth, cfg.reward_mode, batch["logp_true"], cfg.partial_logprob)  # (N, H)
+    # 3. advantage
+    if cfg.adv == "process":
+        adv = process_advantages(rewards, mask, G)  # (N, H)
+    else:
+        # over every rank's rollouts: groups never span ranks, but --scale_rewards batch takes the std of the
+        # global batch; this rank keeps its own rows
+        all_adv = group_advantages(gather_rows(rewards.mean(1), rt), G, cfg.scale_rewards)  # (world * N,)
+        adv = all_adv.view(rt.world_size, N)[rt.rank]  # (N,)
+    warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
+    beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
+    # global counts: the summed micro-batch losses of every rank equal the loss of the whole batch
+    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
+    n_tokens = all_reduce(mask.sum(), rt)
+    # 4. loss and 5. update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
+    n_micro = cfg.batch_size // cfg.grad_accum * G  # rows per micro-batch: whole groups
+    for _ in range(cfg.num_iterations):
+        sums = {}  # this rank's share of each statistic, summed over micro-batches (the last iteration's are logged)
+        for i in range(0, N, n_micro):
+            rows = slice(i, i + n_micro)
+            grad_sync(run.policy, i + n_micro >= N)
+            with rt.autocast():
+                logp, entropy = completion_logprobs(
+                    run.policy, seq[rows], completion[rows], cfg.temperature, entropy=True
+                )
+            pg_loss, stats = policy_loss(
+                logp,
+                batch["old_logp"][rows],
+                adv[rows],
+                mask[rows],
+                loss_type=cfg.loss_type,
+                clip_eps=cfg.clip_eps,
+                clip_eps_high=cfg.clip_eps_high,
+                max_len=H,
+                num_seqs=n_seqs,
+                num_tokens=n_tokens,
+            )
+            kl = (kl_penalty(logp, batch["ref_logp"][rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
+            loss = pg_loss + beta * kl
+            run.scaler.scale(loss * rt.world_size).backward()
+            # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+            if cfg.loss_type == "gspo":
+                share = n_micro / n_seqs
+            else:
+                share = mask[rows].sum() / n_tokens
+            micro = {
+                "loss": loss,
+                "rl/kl": kl,
+                "rl/entropy": (entropy * mask[rows]).sum() / n_tokens,  # this share of the sampler's mean entropy
+                "rl/clip_frac": stats["clip_frac"] * share,
+                "rl/ratio_mean": stats["ratio_mean"] * share,
+            }
+            for name, value in micro.items():
+                sums[name] = sums.get(name, 0.0) + value.detach()
+        grad_norm = step_optimizer(cfg, run)
+    # every share is normalised by global counts: the sum over ranks is the global value
+    totals = {name: all_reduce(value, rt).item() for name, value in sums.items()}
+    # the rollouts of every rank; a group without signal: all its rollouts got the same rewards
+    rewards = gather_rows(rewards, rt)  # (world * N, H)
+    match = gather_rows((completion == truth).float(), rt)  # (world * N, H)
+    if cfg.adv == "process":
+        groups = rewards.view(-1, G, H)
+    else:
+        groups = rewards.mean(1).view(-1, G, 1)
+    metrics = {
+        "rl/reward_mean": rewards.mean().item(),
+        "rl/reward_std": rewards.std().item(),
+        "rl/beta": beta,
+        "rl/char_match": match.mean().item(),
+        "rl/zero_std_frac": (groups == groups[:, :1]).all(2).all(1).float().mean().item(),
+    }
+    train_loss = totals.pop("loss")
+    metrics.update(totals)  # rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean
+    metrics["perf/rollout_ms"] = 1000 * t_rollout
+    return train_loss, grad_norm, metrics
 
 
-def bigram_logprobs(ids, vocab_size):
-    """Add-one-smoothed bigram model of a token stream: (V, V) table of log p(next | previous)."""
-    counts = torch.ones(vocab_size, vocab_size)
-    counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1), accumulate=True)
-    return (counts / counts.sum(1, keepdim=True)).log()
-
-
-def sample_windows(ids, n, context_len, horizon):
-    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
-    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
-    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
-    return windows[:, :context_len], windows[:, context_len:]
+# The rollout batch, N = --batch_size * --group_size rows on this rank, groups contiguous (rows g*G .. g*G+G-1
+# continue the same context); C = --context_len, H = --horizon. Every tensor is fixed for the step (no gradient).
+#   key         shape     what it holds
+#   seq         (N, C+H)  the context, then the sampled continuation
+#   completion  (N, H)    the sampled characters (softmax(logits / --temperature))
+#   truth       (N, H)    the true continuation of the context in the text
+#   mask        (N, H)    1.0 on real completion characters (all of them: a rollout never stops early)
+#   old_logp    (N, H)    log-probs of the completion under the sampling policy, at --temperature
+#   ref_logp    (N, H)    the reference's log-probs at --temperature; with --reference none it is old_logp (rl/kl 0)
+#   logp_true   (N, H)    log p(true char | rollout prefix) at temperature 1, for partial credit; None when
+#                         --partial_logprob is 0 (nothing computed)
+def rollout(cfg, run, rt):
+    """G continuations of each of --batch_size contexts of the training text, and the log-probs the update needs:
+    the batch dict above."""
+    C = cfg.context_len
+    H = cfg.horizon
+    G = cfg.group_size
+    contexts, truth = sample_windows(run.train_ids, cfg.batch_size, C, H)  # (B, C), (B, H)
+    prompts = contexts.repeat_interleave(G, 0).to(rt.device)  # (N, C)
+    truth = truth.repeat_interleave(G, 0).to(rt.device)  # (N, H)
+    with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode samples as eval mode would
+        completion, mask = generate(run.raw, prompts, H, cfg.temperature)  # (N, H), (N, H)
+        seq = torch.cat([prompts, completion], 1)  # (N, C+H)
+        old_logp, _ = completion_logprobs(run.raw, seq, completion, cfg.temperature)  # (N, H)
+        # a reward, not a policy log-prob: the model's own (temperature 1) prediction of the true text, the quantity
+        # eval/bpc measures, so --temperature changes how rollouts are drawn, not what earns reward
+        logp_true = None
+        if cfg.partial_logprob:
+            logp_true, _ = completion_logprobs(run.raw, seq, truth)  # (N, H)
+        ref_logp = old_logp  # --reference none: rl/kl is 0
+        if run.ref_table is not None:  # the previous character's bigram row serves as the reference's logits
+            ref_logp = token_logprobs(run.ref_table[seq[:, C - 1 : -1]], completion, cfg.temperature)  # (N, H)
+        if run.ref_model is not None:
+            ref_logp, _ = completion_logprobs(run.ref_model, seq, completion, cfg.temperature)  # (N, H)
+    return dict(
+        seq=seq,
+        completion=completion,
+        truth=truth,
+        mask=mask,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        logp_true=logp_true,
+    )
 
 
 def completion_logprobs(model, seq, targets, temperature=1.0, entropy=False):
@@ -290,7 +405,118 @@ def gather_rows(x, rt):
     return all_reduce(out, rt).flatten(0, 1)
 
 
+def step_optimizer(cfg, run):
+    """Unscale (float16), clip, step, zero the gradients; returns the gradient norm before clipping."""
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def supervised_step(cfg, run, rt):
+    """The baseline: cross-entropy on true continuations, as many target characters as GRPO generates (temperature
+    1: the baseline samples nothing). Returns (loss, grad norm, metrics)."""
+    N = cfg.batch_size * cfg.group_size  # as many windows as GRPO has rollouts
+    n_micro = cfg.batch_size // cfg.grad_accum * cfg.group_size
+    contexts, truth = sample_windows(run.train_ids, N, cfg.context_len, cfg.horizon)
+    seq = torch.cat([contexts, truth], 1).to(rt.device)  # (N, C+H)
+    truth = truth.to(rt.device)  # (N, H)
+    loss_sum = torch.zeros((), device=rt.device)
+    for i in range(0, N, n_micro):
+        rows = slice(i, i + n_micro)
+        grad_sync(run.policy, i + n_micro >= N)
+        with rt.autocast():
+            logp, _ = completion_logprobs(run.policy, seq[rows], truth[rows])  # (n_micro, H)
+            loss = -logp.sum()
+        run.scaler.scale(loss / truth.numel()).backward()  # the global mean: every rank holds as many characters
+        loss_sum += loss.detach()
+    train_loss = (all_reduce(loss_sum, rt) / (truth.numel() * rt.world_size)).item()
+    return train_loss, step_optimizer(cfg, run), {"perf/rollout_ms": 0.0}  # nothing sampled
+
+
 # ----------------------------------------------------------------------------------------------------------
+# The task: windows of a text, dense per-character rewards, the bigram reference, evaluation and plots.
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
+
+
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+def char_rewards(rollouts, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H): each rollout character against the true continuation at the same offset.
+    plus1: 1 if equal else 0; pm1: +1 / -1. Partial credit adds partial_logprob * log p(true char | prefix)."""
+    match = (rollouts == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach()
+    return rewards
+
+
+def bigram_logprobs(ids, vocab_size):
+    """Add-one-smoothed bigram model of a token stream: (V, V) table of log p(next | previous)."""
+    counts = torch.ones(vocab_size, vocab_size)
+    counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1), accumulate=True)
+    return (counts / counts.sum(1, keepdim=True)).log()
+
+
+def evaluate_chars(cfg, run, rt, step):
+    """Teacher-forced next-character accuracy and bits per character on the fixed val windows, and how often greedy
+    rollouts match the true continuation; appends one sampled continuation to samples.txt."""
+    C = cfg.context_len
+    H = cfg.horizon
+    raw = run.raw
+    x = run.eval_x.to(rt.device)  # (E, C+H)
+    with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode is eval mode
+        logits, nll = raw(x[:, :-1], x[:, 1:])  # (E, C+H-1, V), mean cross-entropy
+        greedy, _ = generate(raw, x[:, :C], H, temperature=0)
+        gen = torch.Generator(rt.device).manual_seed(step)  # its own stream: training randomness stays as is
+        sample, _ = generate(raw, x[:1, :C], min(4 * H, raw.config.block_size - C), cfg.temperature, generator=gen)
+    text = run.tok.decode(x[0, :C].tolist()) + "|" + run.tok.decode(sample[0].tolist())
+    if rt.master:
+        with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
+            f.write(f"--- step {step} (context|sample)\n{text}\n")
+    acc = (logits.argmax(-1) == x[:, 1:]).float().mean().item()
+    greedy_match = (greedy == x[:, C:]).float().mean().item()
+    return {"eval/next_char_acc": acc, "eval/bpc": nll.item() / math.log(2), "eval/greedy_match": greedy_match}
+
+
+def plot_compare(out_dir, runs):
+    """compare.png: val next-char accuracy and greedy match against characters generated (GRPO) or trained on
+    (supervised)."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
+
+    fig = Figure(figsize=(10, 3.5), layout="tight")
+    for ax, key in zip(fig.subplots(1, 2), ("eval/next_char_acc", "eval/greedy_match")):
+        for name, folder in runs.items():
+            rows = [r for r in read_metrics(os.path.join(folder, "metrics.jsonl")) if key in r]
+            ax.plot([r["rl/tokens"] for r in rows], [r[key] for r in rows], marker=".", label=name)
+        ax.set(title=key, xlabel="characters (generated or trained on)")
+        ax.legend()
+    fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Setup, the training loop, main() and their helpers.
 
 
 def resolve_clip(cfg):
@@ -314,28 +540,44 @@ def resolve_clip(cfg):
     return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
-SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
-
-
 def validate(cfg):
     """Bad settings end the run before anything is loaded: one line on stderr, exit code 2."""
-    positive = ("context_len", "horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "lr")
-    positive += ("log_every", "save_every", "eval_size", "n_layer", "n_head", "n_embd", "block_size", "clip_eps")
+    positive = [
+        "context_len",
+        "horizon",
+        "batch_size",
+        "max_steps",
+        "num_iterations",
+        "grad_accum",
+        "eval_every",
+        "lr",
+        "log_every",
+        "save_every",
+        "eval_size",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "clip_eps",
+    ]
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("min_lr", "beta_kl", "kl_warmup_tokens", "clip_eps_high", "grad_clip", "weight_decay", "warmup_steps"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
-    choices = {"reward_mode": ("plus1", "pm1"), "adv": ("process", "outcome"), "kl_estimator": ("k2", "k3")}
-    choices.update(scale_rewards=("group", "batch", "none"), reference=("bigram", "random", "init", "none"))
-    choices.update(loss_type=("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"))
     check(cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts in a group (got {cfg.group_size})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.temperature > 0, f"--temperature must be > 0: greedy rollouts of a group are alike ({cfg.temperature})")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     # k1 as a loss term: its expected gradient on-policy is zero (E[grad log pi] = 0)
     check(cfg.kl_estimator != "k1", "--kl_estimator k1: as a loss term its expected gradient is zero; use k2 or k3")
+    choices = {
+        "reward_mode": ("plus1", "pm1"),
+        "adv": ("process", "outcome"),
+        "kl_estimator": ("k2", "k3"),
+        "scale_rewards": ("group", "batch", "none"),
+        "reference": ("bigram", "random", "init", "none"),
+        "loss_type": ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"),
+    }
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
     check(not (cfg.compare and cfg.supervised), "--compare already runs the supervised baseline; drop --supervised")
@@ -347,16 +589,30 @@ def build_run(cfg, out_dir, rt):
     run = argparse.Namespace(out_dir=out_dir, ckpt_path=os.path.join(out_dir, "ckpt.pt"), start_step=0, tokens=0)
     resume = cfg.resume and os.path.exists(run.ckpt_path)  # --compare's baseline may not have started yet
     source = run.ckpt_path if resume else cfg.init_from
-    model, spec, ckpt = load_model(source) if source != "scratch" else (None, None, None)
-    path = (cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)) if cfg.data == "shakespeare" else cfg.data
+    model = spec = ckpt = None  # scratch: a new model below, on the text's own vocabulary
+    if source != "scratch":
+        model, spec, ckpt = load_model(source)
+    if cfg.data == "shakespeare":
+        path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
+    else:
+        path = cfg.data
     text = read_text(path)
     check(spec != "gpt2", f"--init_from {cfg.init_from}: a GPT-2 BPE model; char_grpo.py needs a char vocabulary")
     run.tok = CharTokenizer(sorted(set(text)) if spec is None else spec["chars"])
     unknown = sorted(set(text) - set(run.tok.chars))  # none in a new vocabulary
     check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the checkpoint's vocabulary")
     if spec is None:
-        model = GPT(GPTConfig(cfg.block_size, run.tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
-    C, H, block_size = cfg.context_len, cfg.horizon, model.config.block_size
+        config = GPTConfig(
+            block_size=cfg.block_size,
+            vocab_size=run.tok.vocab_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+        )
+        model = GPT(config)
+    C = cfg.context_len
+    H = cfg.horizon
+    block_size = model.config.block_size
     check(C + H <= block_size, f"--context_len + --horizon ({C + H}) exceeds the model's block_size {block_size}")
     ids = torch.tensor(run.tok.encode(text))
     run.train_ids, val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to validate
@@ -365,7 +621,8 @@ def build_run(cfg, out_dir, rt):
 
     # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
     broadcast_weights(model.to(rt.device), rt)
-    run.ref_table = run.ref_model = None
+    run.ref_table = None
+    run.ref_model = None
     if cfg.reference == "bigram":
         run.ref_table = bigram_logprobs(run.train_ids, model.config.vocab_size).to(rt.device)  # (V, V)
     if cfg.reference in ("random", "init"):
@@ -375,7 +632,8 @@ def build_run(cfg, out_dir, rt):
         if cfg.reference == "init":
             run.ref_model.load_state_dict(ckpt["reference"] if resume else model.state_dict())
 
-    run.raw, run.policy = model, wrap_model(model, rt, cfg.compile)
+    run.raw = model  # unwrapped: sampling, evaluation, checkpoints
+    run.policy = wrap_model(model, rt, cfg.compile)  # DDP / FSDP / compiled: the training forward
     run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     if resume:
@@ -383,128 +641,31 @@ def build_run(cfg, out_dir, rt):
         # float16 runs' loss scale; a checkpoint without one (older, or another dtype) keeps the fresh scaler's
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
         restore_rng(ckpt, rt)
-        run.start_step, run.tokens = ckpt["step"], ckpt["tokens"]
+        run.start_step = ckpt["step"]
+        run.tokens = ckpt["tokens"]
     with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
         torch.manual_seed(0)
         run.eval_x = torch.cat(sample_windows(val_ids, cfg.eval_size, C, H), 1)  # (E, C+H)
     return run
 
 
-def step_optimizer(cfg, run):
-    """Unscale (float16), clip, step, zero the gradients; returns the gradient norm before clipping."""
-    run.scaler.unscale_(run.optimizer)
-    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-def grpo_step(cfg, run, rt):
-    """One GRPO step: rollouts -> rewards -> advantages -> --num_iterations policy updates on them.
-    Returns (loss, grad norm, rl/ metrics over every rank's rollouts)."""
-    C, H, G, N = cfg.context_len, cfg.horizon, cfg.group_size, cfg.batch_size * cfg.group_size
-    # ALGO LOGIC 1. rollouts: G continuations of each context, groups contiguous; prompts (N, C), truth (N, H)
-    t_rollout = time.time()
-    ctx, truth = sample_windows(run.train_ids, cfg.batch_size, C, H)
-    prompts, truth = ctx.repeat_interleave(G, 0).to(rt.device), truth.repeat_interleave(G, 0).to(rt.device)
-    with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode samples as eval mode would
-        completion, mask = generate(run.raw, prompts, H, cfg.temperature)  # (N, H), (N, H)
-        seq = torch.cat([prompts, completion], 1)  # (N, C+H)
-        # 2. old log-probs, log p(true char) for partial credit, and the reference's log-probs
-        old_logp, _ = completion_logprobs(run.raw, seq, completion, cfg.temperature)  # (N, H)
-        # a reward, not a policy log-prob: the model's own (temperature 1) prediction of the true text, the quantity
-        # eval/bpc measures, so --temperature changes how rollouts are drawn, not what earns reward
-        logp_true = completion_logprobs(run.raw, seq, truth)[0] if cfg.partial_logprob else None  # (N, H)
-        ref_logp = old_logp  # --reference none: rl/kl is 0
-        if run.ref_table is not None:  # the previous character's bigram row serves as the reference's logits
-            ref_logp = token_logprobs(run.ref_table[seq[:, C - 1 : -1]], completion, cfg.temperature)  # (N, H)
-        if run.ref_model is not None:
-            ref_logp, _ = completion_logprobs(run.ref_model, seq, completion, cfg.temperature)
-    t_rollout = time.time() - t_rollout
-    # 3. rewards and advantages
-    rewards = char_rewards(completion, truth, cfg.reward_mode, logp_true, cfg.partial_logprob)  # (N, H)
-    if cfg.adv == "process":
-        adv = process_advantages(rewards, mask, G)  # (N, H)
-    else:  # over every rank's rollouts (groups never span ranks: --scale_rewards batch takes the std of the global
-        # batch); this rank keeps its own rows (N,)
-        adv = group_advantages(gather_rows(rewards.mean(1), rt), G, cfg.scale_rewards).view(rt.world_size, N)[rt.rank]
-    warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
-    beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
-    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
-    n_tokens = all_reduce(mask.sum(), rt)
-    loss_args = (cfg.loss_type, cfg.clip_eps, cfg.clip_eps_high, H, n_seqs, n_tokens)  # H: max_len
-    # 4. policy update: --num_iterations optimizer steps over the same rollouts, old_logp fixed
-    n_micro = cfg.batch_size // cfg.grad_accum * G  # rows per micro-batch: whole groups
-    for _ in range(cfg.num_iterations):
-        sums = torch.zeros(5, device=rt.device)  # this rank's share of loss, kl, entropy, clip_frac, ratio
-        for i in range(0, N, n_micro):
-            rows = slice(i, i + n_micro)
-            grad_sync(run.policy, i + n_micro >= N)
-            with rt.autocast():
-                logp, entropy = completion_logprobs(run.policy, seq[rows], completion[rows], cfg.temperature, True)
-            pg_loss, stats = policy_loss(logp, old_logp[rows], adv[rows], mask[rows], *loss_args)
-            kl = (kl_penalty(logp, ref_logp[rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
-            loss = pg_loss + beta * kl
-            run.scaler.scale(loss * rt.world_size).backward()
-            # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
-            share = n_micro / n_seqs if cfg.loss_type == "gspo" else mask[rows].sum() / n_tokens
-            entropy = (entropy * mask[rows]).sum() / n_tokens  # this share of the mean entropy of the sampler
-            sums += torch.stack([loss, kl, entropy, stats["clip_frac"] * share, stats["ratio_mean"] * share]).detach()
-        grad_norm = step_optimizer(cfg, run)
-    sums = all_reduce(sums, rt)  # every share is normalised by global counts: their sum is the global value
-    # the rollouts of every rank; a group without signal: all its rollouts got the same rewards
-    rewards, match = gather_rows(rewards, rt), gather_rows((completion == truth).float(), rt)  # (world * N, H)
-    groups = rewards.view(-1, G, H) if cfg.adv == "process" else rewards.mean(1).view(-1, G, 1)
-    zero_std = (groups == groups[:, :1]).all(2).all(1).float().mean().item()
-    metrics = {"rl/reward_mean": rewards.mean().item(), "rl/reward_std": rewards.std().item(), "rl/beta": beta}
-    metrics.update({"rl/char_match": match.mean().item(), "rl/zero_std_frac": zero_std})
-    metrics.update({f"rl/{k}": v.item() for k, v in zip(("kl", "entropy", "clip_frac", "ratio_mean"), sums[1:])})
-    return sums[0].item(), grad_norm, {**metrics, "perf/rollout_ms": 1000 * t_rollout}
-
-
-def supervised_step(cfg, run, rt):
-    """The baseline: cross-entropy on true continuations, as many target characters as GRPO generates (temperature
-    1: the baseline samples nothing). Returns (loss, grad norm, metrics)."""
-    N, n_micro = cfg.batch_size * cfg.group_size, cfg.batch_size // cfg.grad_accum * cfg.group_size
-    ctx, truth = sample_windows(run.train_ids, N, cfg.context_len, cfg.horizon)
-    seq, truth = torch.cat([ctx, truth], 1).to(rt.device), truth.to(rt.device)  # (N, C+H), (N, H)
-    loss_sum = torch.zeros((), device=rt.device)
-    for i in range(0, N, n_micro):
-        grad_sync(run.policy, i + n_micro >= N)
-        with rt.autocast():
-            loss = -completion_logprobs(run.policy, seq[i : i + n_micro], truth[i : i + n_micro])[0].sum()
-        run.scaler.scale(loss / truth.numel()).backward()  # the global mean: every rank holds as many characters
-        loss_sum += loss.detach()
-    train_loss = (all_reduce(loss_sum, rt) / (truth.numel() * rt.world_size)).item()
-    return train_loss, step_optimizer(cfg, run), {"perf/rollout_ms": 0.0}  # nothing sampled
-
-
-def evaluate_chars(cfg, run, rt, step):
-    """Teacher-forced next-character accuracy and bits per character on the fixed val windows, and how often greedy
-    rollouts match the true continuation; appends one sampled continuation to samples.txt."""
-    C, H, raw, x = cfg.context_len, cfg.horizon, run.raw, run.eval_x.to(rt.device)  # x: (E, C+H)
-    with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode is eval mode
-        logits, nll = raw(x[:, :-1], x[:, 1:])  # (E, C+H-1, V), mean cross-entropy
-        greedy, _ = generate(raw, x[:, :C], H, temperature=0)
-        gen = torch.Generator(rt.device).manual_seed(step)  # its own stream: training randomness stays as is
-        sample, _ = generate(raw, x[:1, :C], min(4 * H, raw.config.block_size - C), cfg.temperature, generator=gen)
-    text = run.tok.decode(x[0, :C].tolist()) + "|" + run.tok.decode(sample[0].tolist())
-    if rt.master:
-        with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
-            f.write(f"--- step {step} (context|sample)\n{text}\n")
-    acc = (logits.argmax(-1) == x[:, 1:]).float().mean().item()
-    greedy_match = (greedy == x[:, C:]).float().mean().item()
-    return {"eval/next_char_acc": acc, "eval/bpc": nll.item() / math.log(2), "eval/greedy_match": greedy_match}
-
-
 def save_char_run(cfg, run, rt, step):
     """ckpt.pt (SPEC section 4, plus tokens, the loss scale and an "init" reference); rank 0 writes it."""
     model_sd, optim_sd = training_state(run.raw, run.optimizer, rt)  # under FSDP every rank gathers
     rngs = all_rng_states(rt)
-    ckpt = dict(model=model_sd, model_config=dataclasses.asdict(run.raw.config), tokenizer=run.tok.spec, step=step)
-    ckpt.update(optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(cfg), tokens=run.tokens)
-    ckpt.update(supervised=cfg.supervised, scaler=run.scaler.state_dict())
+    ckpt = dict(
+        model=model_sd,
+        model_config=dataclasses.asdict(run.raw.config),
+        tokenizer=run.tok.spec,
+        step=step,
+        optimizer=optim_sd,
+        rng=rngs[0],
+        rng_ranks=rngs,
+        config=dataclasses.asdict(cfg),
+        tokens=run.tokens,
+        supervised=cfg.supervised,
+        scaler=run.scaler.state_dict(),
+    )
     if cfg.reference == "init":
         ckpt["reference"] = run.ref_model.state_dict()
     if rt.master:
@@ -518,7 +679,8 @@ def train(cfg, out_dir, rt):
     run = build_run(cfg, out_dir, rt)
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
-    t_start, last_eval = time.time(), {}
+    t_start = time.time()
+    last_eval = {}
     for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             last_eval = evaluate_chars(cfg, run, rt, step)
@@ -529,7 +691,10 @@ def train(cfg, out_dir, rt):
         lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        train_loss, grad_norm, metrics = (supervised_step if cfg.supervised else grpo_step)(cfg, run, rt)
+        if cfg.supervised:
+            train_loss, grad_norm, metrics = supervised_step(cfg, run, rt)
+        else:
+            train_loss, grad_norm, metrics = grpo_step(cfg, run, rt)
         n_global = cfg.batch_size * cfg.group_size * cfg.horizon * rt.world_size  # characters of the step
         run.tokens += n_global
         stop_requested = stop.requested(step + 1, rt)
@@ -547,25 +712,12 @@ def train(cfg, out_dir, rt):
     save_char_run(cfg, run, rt, cfg.max_steps)
     logger.close()
     results = {"mode": "supervised" if cfg.supervised else "grpo", "steps": cfg.max_steps, "tokens": run.tokens}
-    results.update(wall_time_s=time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()})
+    results["wall_time_s"] = time.time() - t_start
+    for name, value in last_eval.items():  # next_char_acc, bpc, greedy_match
+        results[name.removeprefix("eval/")] = value
     if rt.master:
         Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))
     return results
-
-
-def plot_compare(out_dir, runs):
-    """compare.png: val next-char accuracy and greedy match against characters generated (GRPO) or trained on
-    (supervised)."""
-    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
-
-    fig = Figure(figsize=(10, 3.5), layout="tight")
-    for ax, key in zip(fig.subplots(1, 2), ("eval/next_char_acc", "eval/greedy_match")):
-        for name, folder in runs.items():
-            rows = [r for r in read_metrics(os.path.join(folder, "metrics.jsonl")) if key in r]
-            ax.plot([r["rl/tokens"] for r in rows], [r[key] for r in rows], marker=".", label=name)
-        ax.set(title=key, xlabel="characters (generated or trained on)")
-        ax.legend()
-    fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
 
 
 def main():

@@ -34,7 +34,8 @@ def run_in_process(argv, monkeypatch):
 
 def test_rewards_hand_values_for_both_modes_and_partial_credit():
     """Rollout 'abxd' vs truth 'abcd': plus1 -> 1 1 0 1; pm1 -> 1 1 -1 1; partial credit adds w * log p."""
-    rollout, truth = torch.tensor([[0, 1, 9, 3]]), torch.tensor([[0, 1, 2, 3]])
+    rollout = torch.tensor([[0, 1, 9, 3]])
+    truth = torch.tensor([[0, 1, 2, 3]])
     assert cg.char_rewards(rollout, truth, "plus1").tolist() == [[1, 1, 0, 1]]
     assert cg.char_rewards(rollout, truth, "pm1").tolist() == [[1, 1, -1, 1]]
     logp_true = torch.log(torch.tensor([[0.5, 0.25, 0.125, 1.0]]))
@@ -56,12 +57,14 @@ def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tm
     rollouts; the first of two --num_iterations updates has ratio exactly 1 (old and new log-probs agree)."""
     T, C = 0.5, 8
     passes, losses, kls = [], [], []
-    completion_logprobs, policy_loss, kl_penalty = cg.completion_logprobs, cg.policy_loss, cg.kl_penalty
+    completion_logprobs = cg.completion_logprobs  # the originals, which the spies call
+    policy_loss = cg.policy_loss
+    kl_penalty = cg.kl_penalty
 
-    def completion_spy(model, seq, *args):
+    def completion_spy(model, seq, *args, **kwargs):
         if torch.is_grad_enabled():  # the training pass: the rollouts and the weights that score them
             passes.append((seq.clone(), {k: v.clone() for k, v in model.state_dict().items()}))
-        return completion_logprobs(model, seq, *args)
+        return completion_logprobs(model, seq, *args, **kwargs)
 
     def loss_spy(logp, old_logp, *args, **kwargs):
         losses.append((logp.detach().clone(), old_logp.clone()))
@@ -132,7 +135,8 @@ def test_float16_loss_scale_is_saved_and_restored_on_resume(tmp_path, text_file,
 def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file):
     """A few GRPO steps write SPEC section 4's folder; stopping at 4 of 6 steps and resuming gives the same metrics."""
     common = ["--data", text_file, *SMALL_RUN, "--eval_every", "2", "--save_every", "2", "--log_every", "1"]
-    full, part = tmp_path / "full", tmp_path / "part"
+    full = tmp_path / "full"
+    part = tmp_path / "part"
     args = ["--reference", "init", "--partial_logprob", "0.1", "--num_iterations", "2", "--grad_accum", "2"]
     assert run_script("char_grpo.py", *common, *args, "--out_dir", full, "--max_steps", "6").returncode == 0
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
@@ -144,7 +148,8 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_
     assert cfg["reference"] == "init"
     proc = run_script("char_grpo.py", "--resume", "--out_dir", part, "--max_steps", "6")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    a, b = metrics(full), metrics(part)
+    a = metrics(full)
+    b = metrics(part)
     # the lr schedule depends on max_steps, so compare the steps both runs took with the same settings
     assert [r for r in a if r["step"] < 4] == [r for r in b if r["step"] < 4]
     keys = {"rl/reward_mean", "rl/kl", "rl/tokens"}
@@ -178,13 +183,16 @@ def test_supervised_and_compare_runs(tmp_path, text_file):
 
 # char_grpo.py under torchrun with spies on the rewards and on the advantages that reach the loss, saved per rank
 SPY = """
-import os, sys
+import os
+import sys
+
 import torch
 sys.path.insert(0, {root!r})
 import char_grpo as cg
 
 seen = {{"rewards": [], "match": [], "adv": []}}
-char_rewards, policy_loss = cg.char_rewards, cg.policy_loss
+char_rewards = cg.char_rewards
+policy_loss = cg.policy_loss
 
 
 def rewards_spy(rollouts, truth, *args):
@@ -198,7 +206,8 @@ def loss_spy(logp, old_logp, adv, *args, **kwargs):
     return policy_loss(logp, old_logp, adv, *args, **kwargs)
 
 
-cg.char_rewards, cg.policy_loss = rewards_spy, loss_spy
+cg.char_rewards = rewards_spy
+cg.policy_loss = loss_spy
 cg.main()
 torch.save(seen, os.path.join(os.environ["SPY_DIR"], "seen" + os.environ["RANK"] + ".pt"))
 """
@@ -209,7 +218,8 @@ def test_two_process_gloo_run(tmp_path, text_file):
     """torchrun with 2 CPU ranks trains, counts both ranks' tokens and saves one checkpoint. With --scale_rewards
     batch each rank's advantages are those of one process on both ranks' rollouts (the std of the global batch), and
     the rl/ reward metrics are those of both ranks' rollouts."""
-    out, spy = tmp_path / "run", tmp_path / "spy.py"
+    out = tmp_path / "run"
+    spy = tmp_path / "spy.py"
     spy.write_text(SPY.format(root=str(ROOT)))
     args = [*SMALL_RUN, "--adv", "outcome", "--scale_rewards", "batch", "--partial_logprob", "0.1"]
     proc = torchrun(
@@ -275,5 +285,6 @@ def test_mean_reward_rises_on_repetitive_text(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rewards = [r["rl/reward_mean"] for r in metrics(out) if "rl/reward_mean" in r]
-    start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    start = sum(rewards[:5]) / 5
+    end = sum(rewards[-5:]) / 5
     assert start < 0.15 and end > 2 * start and end > start + 0.1, (start, end)

@@ -105,7 +105,8 @@ def test_process_advantages_are_suffix_sums_of_group_normalised_rewards(data, T)
 @given(arrays(np.float64, 8, elements=st.floats(-20, 0)), arrays(np.float64, 8, elements=st.floats(-20, 0)))
 def test_k2_and_k3_are_nonnegative_and_zero_only_when_equal(a, b):
     """k2 = d^2/2 and k3 = exp(-d) - 1 + d are >= 0, and 0 exactly where logp == ref_logp."""
-    logp, ref = torch.tensor(a), torch.tensor(b)
+    logp = torch.tensor(a)
+    ref = torch.tensor(b)
     for kind in ("k2", "k3"):
         k = cg.kl_penalty(logp, ref, kind)
         assert torch.all(k >= 0)
@@ -115,7 +116,8 @@ def test_k2_and_k3_are_nonnegative_and_zero_only_when_equal(a, b):
 
 def test_kl_estimators_hand_values():
     """d = log 2: k1 = log 2, k2 = (log 2)^2 / 2, k3 = 1/2 - 1 + log 2."""
-    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    logp = torch.tensor([math.log(0.5)])
+    ref = torch.tensor([math.log(0.25)])
     assert cg.kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2))
     assert cg.kl_penalty(logp, ref, "k2").item() == pytest.approx(math.log(2) ** 2 / 2)
     assert cg.kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + math.log(2))
@@ -143,7 +145,10 @@ def test_kl_estimators_as_loss_terms_have_these_expected_gradients():
     ref = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), 0)
     logp = torch.log_softmax(theta, 0)
     p = logp.exp().detach()  # the sampling weights carry no gradient
-    grad = lambda f: torch.autograd.grad(f, theta, retain_graph=True)[0]
+
+    def grad(f):
+        return torch.autograd.grad(f, theta, retain_graph=True)[0]
+
     expected = {kind: grad((p * cg.kl_penalty(logp, ref, kind)).sum()) for kind in ("k1", "k2", "k3")}
     forward_kl = grad((logp.exp() * (logp - ref)).sum())  # grad KL(pi || pi_ref)
     reverse_kl = grad((ref.exp() * (ref - logp)).sum())  # grad KL(pi_ref || pi)
@@ -211,12 +216,18 @@ def test_policy_loss_hand_values():
     seq 1 (A = -1): r = [0.5]      -> grpo term min(-0.5, -0.8) = -0.8."""
     old = torch.log(torch.tensor([[0.2, 0.5], [0.4, 0.3]]))
     logp = old + torch.log(torch.tensor([[1.5, 1.0], [0.5, 7.0]]))  # seq 1's second token is padding
-    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    loss = lambda t, **kw: cg.policy_loss(logp, old, adv, mask, t, clip_eps=0.2, clip_eps_high=0.28, **kw)[0].item()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+
+    def loss(loss_type, **kw):
+        return cg.policy_loss(logp, old, adv, mask, loss_type, clip_eps=0.2, clip_eps_high=0.28, **kw)[0].item()
+
     assert loss("grpo") == pytest.approx(-((1.2 + 1.0) / 2 + (-0.8)) / 2)
     assert loss("dapo") == pytest.approx(-(1.28 + 1.0 - 0.8) / 3)
     assert loss("dr_grpo", max_len=4) == pytest.approx(-(1.2 + 1.0 - 0.8) / (2 * 4))
-    s0, s1 = math.exp((math.log(1.5) + 0) / 2), 0.5  # sequence ratios: geometric means
+    # sequence ratios: geometric means of the token ratios
+    s0 = math.exp((math.log(1.5) + 0) / 2)
+    s1 = 0.5
     assert loss("gspo") == pytest.approx(-(min(s0, 1.28) * 1 + min(-s1, -0.8)) / 2)
     lp = logp[mask > 0]
     assert loss("cispo") == pytest.approx(-(1.28 * lp[0] + 1.0 * lp[1] - 0.5 * lp[2]).item() / 3)
@@ -270,7 +281,9 @@ def test_copies_in_every_script_give_identical_results(name):
         "process_advantages": lambda f: [f(logp, mask, 3)],
         "rloo_advantages": lambda f: [f(adv, 3)],
         "kl_penalty": lambda f: [f(logp, old, k) for k in ("k1", "k2", "k3")],
-        "policy_loss": lambda f: [f(logp, old, adv, mask, t, 0.2, 0.28, 5)[0] for t in LOSS_TYPES],
+        "policy_loss": lambda f: [
+            f(logp, old, adv, mask, t, clip_eps=0.2, clip_eps_high=0.28, max_len=5)[0] for t in LOSS_TYPES
+        ],
     }[name]
     first = calls(getattr(modules[0], name))
     for module in modules[1:]:
