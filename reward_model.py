@@ -335,7 +335,7 @@ def held_out_metrics(model, eval_data, cfg, rt):
     stats = {}
     for b in range(0, most, cfg.batch_size):
         batch = mine[b : b + cfg.batch_size]
-        weight = 1.0 if batch else 0.0
+        weight = 1.0 if batch else 0.0  # a rank out of rows runs a dummy batch that counts for nothing
         _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt)
         for name, value in batch_stats.items():
             stats[name] = stats.get(name, 0.0) + weight * value
@@ -354,7 +354,7 @@ def batch_indices(n, step, per_rank, rank, world_size, seed):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The reward model. grpo.py and ppo.py carry verbatim copies of RewardModel and load_reward_model.
+# The reward model. grpo.py, ppo.py and dpo.py carry verbatim copies of RewardModel and load_reward_model.
 
 
 class RewardModel(nn.Module):
@@ -599,8 +599,9 @@ def encode(task, tok, example, max_len):
 
 
 def validate(cfg):
-    positive = ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val")
-    for name in (*positive, "digits", "n_layer", "n_head", "n_embd", "block_size", "lr"):
+    positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val"]
+    positive += ["digits", "n_layer", "n_head", "n_embd", "block_size", "lr"]
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
@@ -682,7 +683,7 @@ def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
             "config": dataclasses.asdict(cfg),
             "optimizer": optim_sd,
             "scaler": scaler.state_dict(),
-            "rng": rngs[0],
+            "rng": rngs[0],  # rank 0's streams, as every script's ckpt.pt; rng_ranks: each rank's, for --resume
             "rng_ranks": rngs,
         }
         save_checkpoint(path, ckpt)
