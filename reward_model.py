@@ -93,30 +93,35 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # the run: where it writes, what it starts from
     out_dir: str = ""  # run folder; default out/reward_model-<YYYYmmdd-HHMMSS>
+    init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | ... | hub id | ckpt.pt of any script | HF folder
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    score: str = ""  # print the reward of this text under the --init_from reward model (up to its block_size), exit
+    # task and data
     task: str = "preference"  # preference (HH-RLHF pairs) | orm (outcome RM) | prm (process RM) on arithmetic
     data: str = "Anthropic/hh-rlhf"  # preference: hub dataset of chosen/rejected dialogues (train/test splits)
     data_path: str = ""  # preference: local .jsonl/.jsonl.gz with chosen/rejected dialogues instead of the hub
     tokenizer: str = "auto"  # auto | char | gpt2 (auto: the model's; a new model: gpt2 for preference, else char)
     max_len: int = 0  # longest training sequence in tokens (0: the model's block_size); longer ones lose prompt tokens
+    # loss (preference)
     margin: float = 0.0  # preference: m in -log sigmoid(r_c - r_r - m)
     center_coef: float = 0.0  # preference: weight of mean((r_c + r_r)^2), which keeps rewards near 0
+    # generated arithmetic (orm, prm)
     digits: int = 2  # orm/prm: largest number of digits of the first operand
     ops: str = "+-*"  # orm/prm: operators to draw from
     chain_len: int = 4  # prm: most steps in a chain (2..chain_len)
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
     n_train: int = 20000  # orm/prm: generated training examples
     n_val: int = 1000  # orm/prm: generated held-out examples
-    eval_size: int = 0  # held-out examples per evaluation (0: all)
-    init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | ... | hub id | ckpt.pt of any script | HF folder
-    resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    score: str = ""  # print the reward of this text under the --init_from reward model (up to its block_size), exit
+    # model (a new one; a checkpoint brings its own)
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
     block_size: int = 256  # context length of the model (scratch only)
     dropout: float = 0.0  # dropout probability
     bias: bool = True  # biases in Linear and LayerNorm layers (scratch only)
+    # optimisation
     batch_size: int = 16  # pairs (preference) or sequences (orm, prm) per micro-batch per rank
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int = 500  # optimizer steps
@@ -127,9 +132,12 @@ class Config:
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    # evaluation, logging, checkpoints
+    eval_size: int = 0  # held-out examples per evaluation (0: all)
     eval_every: int = 100  # steps between evaluations
     log_every: int = 25  # steps between log lines
     save_every: int = 500  # steps between checkpoints (one is always written at the end)
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the reward model
@@ -138,62 +146,6 @@ class Config:
     deterministic: bool = False  # torch.use_deterministic_algorithms
     wandb: bool = False  # log to Weights & Biases
     wandb_project: str = "rlhf-gpt"  # wandb project
-
-
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
-
-
-def mfu(model, seq_len, tokens, seconds, rt):
-    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU). FLOPs per
-    token: 6N for the weights plus the attention scores, forward and backward (PaLM appendix B)."""
-    c = model.config
-    flops = (6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len) * tokens
-    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else ""
-    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
-    peak = next((v for k, v in peaks.items() if k in name), None)
-    return None if peak is None else flops / (seconds * peak * rt.world_size)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The reward model. grpo.py and ppo.py carry verbatim copies of RewardModel and load_reward_model.
-
-
-class RewardModel(nn.Module):
-    """A GPT body and a scalar head on its final hidden states."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.body = GPT(config)
-        self.head = nn.Linear(config.n_embd, 1)
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
-        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
-        return self.head(h).squeeze(-1).float()
-
-
-def load_reward_model(path):
-    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
-    ckpt = load_checkpoint(path)
-    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
-    model = RewardModel(GPTConfig(**ckpt["model_config"]))
-    model.body.load_state_dict(ckpt["model"])
-    model.head.load_state_dict(ckpt["reward_head"])
-    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,9 +174,12 @@ def first_error_hits(scores, labels):
     """Per chain (B,): 1.0 where the first step scored <= 0 is the first step labelled 0, or where no step is
     either. Steps are the positions with labels >= 0, in order."""
     T = labels.size(1)
-    # (B,): the position of the first flagged step, T where no step is
-    first = lambda flagged: torch.where(flagged & (labels >= 0), torch.arange(T, device=labels.device), T).min(1).values
-    return (first(labels == 0) == first(scores <= 0)).float()
+    positions = torch.arange(T, device=labels.device)  # (T,)
+    is_step = labels >= 0  # (B, T)
+    # (B,) each: the position of the first such step, T where there is none
+    first_wrong = torch.where((labels == 0) & is_step, positions, T).min(1).values
+    first_low = torch.where((scores <= 0) & is_step, positions, T).min(1).values
+    return (first_wrong == first_low).float()
 
 
 def truncate_pair(prompt, chosen, rejected, max_len):
@@ -238,8 +193,213 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Data: HH-RLHF pairs (preference) and generated arithmetic (orm, prm). An example is a pair of token-id lists
-# (preference) or token ids with a label per position, -1 where there is no loss (orm, prm).
+# The training step: rows -> scores -> rewards -> loss -> update. main() picks this rank's rows of each step with
+# batch_indices and calls reward_model_step; held_out_metrics runs the same batch_loss on the held-out rows.
+#
+# A row, as encode() makes it (token ids: a list of ints, at most --max_len long):
+#   preference   (chosen_ids, rejected_ids)   prompt + response (+ <|endoftext|>), the same prompt tokens in both
+#   orm, prm     (ids, labels)                labels: an int per token, 1 right, 0 wrong, -1 no loss there
+# batch_loss's statistics, {name: (2,) tensor [sum, count]}, are added up by name over micro-batches, summed over
+# ranks and divided by summarize() (a count of 0 gives 0.0), then logged as train/<name> and eval/<name>:
+#   every task   loss                     train/loss, eval/loss                  per pair or labelled position
+#   preference   accuracy, margin         train/accuracy, train/margin           per pair
+#                chosen, chosen_sq        train/chosen_mean, train/chosen_std    per pair (std: from the squares)
+#                rejected, rejected_sq    train/rejected_mean, train/rejected_std
+#   orm          accuracy                 train/accuracy                         per sequence
+#                reward_correct           train/reward_correct                   per right answer
+#                reward_wrong             train/reward_wrong                     per corrupted answer
+#   prm          step_accuracy            train/step_accuracy                    per labelled step
+#                first_error_accuracy     train/first_error_accuracy             per chain
+
+
+def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
+    """One optimizer step on this rank's rows (--grad_accum micro-batches of --batch_size): (train/ metrics, real
+    tokens of all ranks)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # ALGO LOGIC: the loss sums every pair's (or labelled position's) term over the whole step, all ranks and
+    # micro-batches, and divides by their global count, so it does not depend on how the batch is split
+    if cfg.task == "preference":
+        terms = len(rows)
+        n_tokens = sum(len(chosen) + len(rejected) for chosen, rejected in rows)
+    else:
+        terms = sum(y >= 0 for _, labels in rows for y in labels)
+        n_tokens = sum(len(ids) for ids, _ in rows)
+    # the step's terms and real tokens over all ranks, in one all-reduce
+    all_terms, all_tokens = all_reduce(torch.tensor([float(terms), float(n_tokens)], device=rt.device), rt)
+    stats = {}
+    for micro in range(cfg.grad_accum):
+        grad_sync(model, micro == cfg.grad_accum - 1)  # DDP syncs gradients on the last micro-batch only
+        batch = rows[micro * cfg.batch_size : (micro + 1) * cfg.batch_size]
+        loss_sum, batch_stats = batch_loss(model, batch, cfg, rt)
+        # ranks' gradients are averaged, so each rank's share is scaled by world_size
+        loss = loss_sum * rt.world_size / all_terms
+        scaler.scale(loss).backward()
+        for name, value in batch_stats.items():
+            stats[name] = stats.get(name, 0.0) + value
+    scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(model, cfg.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {f"train/{name}": value for name, value in summarize(stats, rt).items()}  # the table above
+    metrics["train/lr"] = lr
+    metrics["train/grad_norm"] = grad_norm.item()
+    return metrics, all_tokens.item()
+
+
+def batch_loss(model, batch, cfg, rt):
+    """(loss summed over the batch's terms, statistics {name: (2,) tensor [sum, count]} of the batch, the table above).
+    A metric is its sum over the micro-batches and ranks divided by its count (summarize)."""
+    if cfg.task == "preference":
+        # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
+        # follows real tokens, and positions count from 0 in every row
+        seqs = [chosen for chosen, _ in batch] + [rejected for _, rejected in batch]
+    else:
+        seqs = [ids for ids, _ in batch]  # one row per example
+    idx, lengths = pad_right(seqs, rt.device)  # (B, T), (B,); preference: 2B rows
+    with rt.autocast():
+        scores = model(idx)  # (B, T) float32
+    if cfg.task == "preference":
+        r_c, r_r = last_token_rewards(scores, lengths).chunk(2)  # (B,), (B,)
+        loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
+        r_c = r_c.detach()
+        r_r = r_r.detach()
+        d = r_c - r_r  # (B,)
+        terms = d.new_tensor(len(batch))
+        values = {
+            "accuracy": (d > 0).float() + 0.5 * (d == 0).float(),  # ties count one half
+            "margin": d,
+            "chosen": r_c,
+            "chosen_sq": r_c**2,  # the squares give summarize() the std
+            "rejected": r_r,
+            "rejected_sq": r_r**2,
+        }
+    else:
+        labels, _ = pad_right([y for _, y in batch], rt.device, value=-1)  # (B, T)
+        loss = token_bce_sum(scores, labels)
+        scores = scores.detach()
+        labelled = labels >= 0  # (B, T)
+        terms = labelled.sum().float()
+        if cfg.task == "orm":
+            r = last_token_rewards(scores, lengths)  # (B,) rewards
+            y = last_token_rewards(labels, lengths)  # (B,) outcome labels
+            values = {"accuracy": ((r > 0) == (y == 1)).float()}
+            values["reward_correct"] = r[y == 1]
+            values["reward_wrong"] = r[y == 0]
+        else:
+            values = {
+                "step_accuracy": ((scores > 0) == (labels == 1))[labelled].float(),
+                "first_error_accuracy": first_error_hits(scores, labels),
+            }
+    stats = {"loss": torch.stack([loss.detach(), terms])}
+    for name, value in values.items():
+        stats[name] = torch.stack([value.sum(), value.new_tensor(value.numel())])
+    return loss, stats
+
+
+def pad_right(seqs, device="cpu", value=0):
+    """Right-padded (B, T) LongTensor of lists of ints, and their lengths (B,), on device."""
+    idx = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=value)  # (B, T)
+    return idx.to(device), torch.tensor([len(s) for s in seqs], device=device)
+
+
+def summarize(stats, rt):
+    """Metrics (without namespace) of {name: [sum, count]} statistics summed over micro-batches: each sum over all
+    ranks divided by its count over all ranks. Preference: the rewards' standard deviations from their squares'
+    means."""
+    names = list(stats)
+    totals = all_reduce(torch.stack([stats[name] for name in names]), rt)  # (K, 2): one all-reduce for all
+    out = {}
+    for name, (total, count) in zip(names, totals.tolist()):
+        out[name] = total / max(count, 1)
+    if "chosen" in out:
+        chosen = out.pop("chosen")
+        chosen_sq = out.pop("chosen_sq")
+        rejected = out.pop("rejected")
+        rejected_sq = out.pop("rejected_sq")
+        out["chosen_mean"] = chosen
+        out["chosen_std"] = math.sqrt(max(chosen_sq - chosen**2, 0.0))
+        out["rejected_mean"] = rejected
+        out["rejected_std"] = math.sqrt(max(rejected_sq - rejected**2, 0.0))
+    return out
+
+
+@torch.no_grad()
+def held_out_metrics(model, eval_data, cfg, rt):
+    """eval/ metrics of the held-out rows. The rows are dealt out over ranks, which all run the same number of
+    batches (under FSDP a forward pass is collective), the last ones possibly on a dummy row with weight 0."""
+    model.eval()
+    mine = eval_data[rt.rank :: rt.world_size]
+    most = math.ceil(len(eval_data) / rt.world_size)  # the most rows any rank holds
+    stats = {}
+    for b in range(0, most, cfg.batch_size):
+        batch = mine[b : b + cfg.batch_size]
+        weight = 1.0 if batch else 0.0  # a rank out of rows runs a dummy batch that counts for nothing
+        _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt)
+        for name, value in batch_stats.items():
+            stats[name] = stats.get(name, 0.0) + weight * value
+    model.train()
+    return {f"eval/{name}": value for name, value in summarize(stats, rt).items()}  # the table above
+
+
+def batch_indices(n, step, per_rank, rank, world_size, seed):
+    """This rank's example indices at an optimizer step. Each epoch reads the n examples in a fresh random order;
+    a step's global batch is the next world_size * per_rank of them, one disjoint slice per rank. The step alone
+    decides them, so a resumed run continues with exactly the examples it would have seen."""
+    start = (step * world_size + rank) * per_rank  # position p is example orders[p // n][p % n]
+    epochs = range(start // n, (start + per_rank - 1) // n + 1)
+    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist() for e in epochs}
+    return [orders[p // n][p % n] for p in range(start, start + per_rank)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The reward model. grpo.py, ppo.py and dpo.py carry verbatim copies of RewardModel and load_reward_model.
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+@torch.no_grad()
+def score(model, tok, texts, device, max_len=None, batch_size=32):
+    """Rewards (a list of floats) of whole texts (prompt and response) under a reward model: each text tokenized,
+    <|endoftext|> appended when the tokenizer has one, truncated from the left to max_len (default: the model's
+    block_size), right-padded in batches; a text's reward is the score at its last token."""
+    max_len = max_len or model.body.config.block_size
+    end = [tok.eot_id] if tok.eot_id is not None else []
+    rewards = []
+    for i in range(0, len(texts), batch_size):
+        seqs = [(tok.encode(t) + end)[-max_len:] for t in texts[i : i + batch_size]]
+        if not all(seqs):
+            raise ValueError("cannot score an empty text")
+        idx, lengths = pad_right(seqs, device)
+        rewards += last_token_rewards(model(idx), lengths).tolist()
+    return rewards
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: HH-RLHF pairs (preference) and generated arithmetic (orm, prm). An example is (prompt, chosen, rejected)
+# texts (preference), (prompt, answer, label) (orm) or steps ((text, label), ...) (prm); encode() makes its row.
 
 HH_TURN = "\n\nAssistant:"
 
@@ -285,6 +445,24 @@ def encode_pair(tok, prompt, chosen, rejected, max_len):
     return p + c, p + r, len(p)
 
 
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
 def load_preference_data(cfg, rt):
     """(train, held-out) lists of (prompt, chosen, rejected) and the count of skipped records per reason, which rank
     0 also prints in one line."""
@@ -294,17 +472,20 @@ def load_preference_data(cfg, rt):
         records = read_jsonl(cfg.data_path, ["chosen"])
         order = random.Random(0).sample(range(len(records)), len(records))  # fixed split, whatever --seed
         n_val = max(1, len(records) // 20)
-        parts = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]]
+        train_records = [records[i] for i in order[n_val:]]
+        val_records = [records[i] for i in order[:n_val]]
     else:
         try:
             import datasets
 
             hub = datasets.load_dataset(cfg.data)
-            parts = [hub[split].to_list() for split in ("train", "test")]  # dicts with "chosen" and "rejected"
+            train_records = hub["train"].to_list()  # dicts with "chosen" and "rejected"
+            val_records = hub["test"].to_list()
         except Exception as e:
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-    (train, skipped), (val, skipped_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
-    skipped = {k: skipped.get(k, 0) + skipped_val.get(k, 0) for k in {**skipped, **skipped_val}}
+    train, skipped_train = hh_pairs(train_records)
+    val, skipped_val = hh_pairs(val_records)
+    skipped = {k: skipped_train.get(k, 0) + skipped_val.get(k, 0) for k in {**skipped_train, **skipped_val}}
     reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none"
     check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {reasons})")
     check(val, f"{source}: the held-out split has no usable preference pair")
@@ -333,7 +514,8 @@ def corrupt(rng, value):
     s = str(abs(value))
     i = rng.randrange(len(s))
     digit = rng.choice([d for d in "0123456789" if d != s[i] and not (i == 0 and d == "0" and len(s) > 1)])
-    return int(s[:i] + digit + s[i + 1 :]) * (-1 if value < 0 else 1)
+    sign = -1 if value < 0 else 1
+    return sign * int(s[:i] + digit + s[i + 1 :])
 
 
 def orm_example(rng, cfg):
@@ -341,7 +523,9 @@ def orm_example(rng, cfg):
     probability --error_frac, a corrupted answer (label 0)."""
     prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
     right = rng.random() >= cfg.error_frac
-    return prompt, answer if right else f"{corrupt(rng, int(answer))}\n", int(right)
+    if not right:
+        answer = f"{corrupt(rng, int(answer))}\n"
+    return prompt, answer, int(right)
 
 
 def prm_chain(rng, cfg):
@@ -349,12 +533,22 @@ def prm_chain(rng, cfg):
     the previous result. With probability --error_frac one step's result is corrupted: later steps compute on from
     the wrong value, and that step and every later one are labelled 0 (the chain so far is wrong)."""
     n = rng.randint(2, cfg.chain_len)
-    wrong = rng.randrange(n) if rng.random() < cfg.error_frac else n
-    x, steps = rng.randint(0, 10 ** rng.randint(1, cfg.digits) - 1), []
+    wrong = n  # the index of the wrong step; n: none
+    if rng.random() < cfg.error_frac:
+        wrong = rng.randrange(n)
+    x = rng.randint(0, 10 ** rng.randint(1, cfg.digits) - 1)
+    steps = []
     for i in range(n):
-        op, b = rng.choice(cfg.ops), rng.randint(1, 9)
-        y = x + b if op == "+" else x - b if op == "-" else x * b
-        y = corrupt(rng, y) if i == wrong else y
+        op = rng.choice(cfg.ops)
+        b = rng.randint(1, 9)
+        if op == "+":
+            y = x + b
+        elif op == "-":
+            y = x - b
+        else:
+            y = x * b
+        if i == wrong:
+            y = corrupt(rng, y)
         steps.append((f"{x}{op}{b}={y}", int(i < wrong)))
         x = y
     return tuple(steps)
@@ -364,118 +558,50 @@ def synthetic_data(cfg, rt):
     """(train, held-out) lists of orm problems (prompt, answer, label) or prm chains, and {} (nothing is skipped);
     no training example has the text of a held-out one."""
     make = orm_example if cfg.task == "orm" else prm_chain
-    val_rng, train_rng = random.Random(cfg.seed + 1), random.Random(cfg.seed)
+    val_rng = random.Random(cfg.seed + 1)
+    train_rng = random.Random(cfg.seed)
     val = [make(val_rng, cfg) for _ in range(cfg.n_val)]
     held_out = set(val)  # an example's labels follow from its text, so equal examples are equal texts
-    train = [ex for ex in (make(train_rng, cfg) for _ in range(cfg.n_train)) if ex not in held_out]
+    generated = [make(train_rng, cfg) for _ in range(cfg.n_train)]
+    train = [ex for ex in generated if ex not in held_out]
     check(train, f"every generated training example is also held out; raise --digits (now {cfg.digits})")
     return train, val, {}
 
 
 def encode(task, tok, example, max_len):
-    """The training row(s) of an example. preference: the token ids of prompt + chosen and prompt + rejected, cut
+    """The training row of an example. preference: the token ids of prompt + chosen and prompt + rejected, cut
     together by truncate_pair. orm and prm: token ids (+ <|endoftext|>) and a label per token, -1 where there is no
     loss. orm puts the outcome label on every answer token. prm writes one step a line, as gpt.py's arithmetic data,
     and puts each step's label on the last token after it: its newline (the last step's <|endoftext|>, if any)."""
     if task == "preference":
-        return encode_pair(tok, *example, max_len)[:2]
+        chosen, rejected, _ = encode_pair(tok, *example, max_len)
+        return chosen, rejected
     if task == "orm":
         prompt, answer, label = example
         ids, _, n_prompt = encode_pair(tok, prompt, answer, answer, max_len)  # a pair of one answer, twice
         return ids, [-1] * n_prompt + [label] * (len(ids) - n_prompt)
-    ids, labels, end = [], [], [tok.eot_id] if tok.eot_id is not None else []
+    end = [tok.eot_id] if tok.eot_id is not None else []
+    ids = []
+    labels = []
     for i, (text, label) in enumerate(example):
-        step, sep = tok.encode(text), tok.encode("\n") + (end if i == len(example) - 1 else [])
+        step = tok.encode(text)
+        sep = tok.encode("\n")
+        if i == len(example) - 1:
+            sep += end
         ids += step + sep
         labels += [-1] * (len(step) + len(sep) - 1) + [label]
     check(len(ids) <= max_len, f"a prm chain takes {len(ids)} tokens, more than --max_len {max_len}; raise it")
     return ids, labels
 
 
-def pad_right(seqs, device="cpu", value=0):
-    """Right-padded (B, T) LongTensor of lists of ints, and their lengths (B,), on device."""
-    idx = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=value)  # (B, T)
-    return idx.to(device), torch.tensor([len(s) for s in seqs], device=device)
-
-
-@torch.no_grad()
-def score(model, tok, texts, device, max_len=None, batch_size=32):
-    """Rewards (a list of floats) of whole texts (prompt and response) under a reward model: each text tokenized,
-    <|endoftext|> appended when the tokenizer has one, truncated from the left to max_len (default: the model's
-    block_size), right-padded in batches; a text's reward is the score at its last token."""
-    max_len = max_len or model.body.config.block_size
-    end = [tok.eot_id] if tok.eot_id is not None else []
-    rewards = []
-    for i in range(0, len(texts), batch_size):
-        seqs = [(tok.encode(t) + end)[-max_len:] for t in texts[i : i + batch_size]]
-        if not all(seqs):
-            raise ValueError("cannot score an empty text")
-        idx, lengths = pad_right(seqs, device)
-        rewards += last_token_rewards(model(idx), lengths).tolist()
-    return rewards
-
-
 # ----------------------------------------------------------------------------------------------------------
-# One micro-batch: forward pass, loss summed over the batch (normalised by the caller), and summed statistics.
-
-
-def batch_loss(model, batch, cfg, rt):
-    """(loss summed over the batch's terms, statistics {name: (sum, count)} of the batch). A metric is its sum over
-    the micro-batches and ranks divided by its count (summarize): the loss per term (pair or labelled position), the
-    others per pair, sequence, labelled step or chain."""
-    # preference: chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding
-    # only follows real tokens, and positions count from 0 in every row. orm, prm: one row per example
-    seqs = [c for c, _ in batch] + [r for _, r in batch] if cfg.task == "preference" else [ids for ids, _ in batch]
-    idx, lengths = pad_right(seqs, rt.device)
-    with rt.autocast():
-        scores = model(idx)  # (B, T) float32; preference: (2B, T)
-    if cfg.task == "preference":
-        r_c, r_r = last_token_rewards(scores, lengths).chunk(2)  # (B,), (B,)
-        loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
-        r_c, r_r, d = r_c.detach(), r_r.detach(), (r_c - r_r).detach()
-        terms, values = d.new_tensor(len(batch)), {"accuracy": (d > 0).float() + 0.5 * (d == 0).float(), "margin": d}
-        values.update(chosen=r_c, chosen_sq=r_c**2, rejected=r_r, rejected_sq=r_r**2)  # squares: the std
-    else:
-        labels, _ = pad_right([y for _, y in batch], rt.device, value=-1)
-        loss, scores, terms = token_bce_sum(scores, labels), scores.detach(), (labels >= 0).sum().float()
-        if cfg.task == "orm":
-            r, y = last_token_rewards(scores, lengths), last_token_rewards(labels, lengths)  # rewards, labels (B,)
-            values = dict(accuracy=((r > 0) == (y == 1)).float(), reward_correct=r[y == 1], reward_wrong=r[y == 0])
-        else:
-            values = {"step_accuracy": ((scores > 0) == (labels == 1))[labels >= 0].float()}
-            values["first_error_accuracy"] = first_error_hits(scores, labels)
-    stats = {"loss": torch.stack([loss.detach(), terms])}
-    stats.update({k: torch.stack([v.sum(), v.new_tensor(v.numel())]) for k, v in values.items()})
-    return loss, stats
-
-
-def summarize(stats, rt):
-    """Metrics (without namespace) from (sum, count) statistics summed over micro-batches: each sum over all ranks
-    divided by its count over all ranks. Preference: the rewards' standard deviations from their squares' means."""
-    totals = all_reduce(torch.stack(list(stats.values())), rt).tolist()  # (K, 2)
-    out = {name: s / max(n, 1) for name, (s, n) in zip(stats, totals)}
-    for side in ("chosen", "rejected") if "chosen" in out else ():
-        mean = out.pop(side)
-        out[f"{side}_mean"], out[f"{side}_std"] = mean, math.sqrt(max(out.pop(f"{side}_sq") - mean**2, 0.0))
-    return out
-
-
-def batch_indices(n, step, per_rank, rank, world_size, seed):
-    """This rank's example indices at an optimizer step. Each epoch reads the n examples in a fresh random order;
-    a step's global batch is the next world_size * per_rank of them, one disjoint slice per rank. The step alone
-    decides them, so a resumed run continues with exactly the examples it would have seen."""
-    start = (step * world_size + rank) * per_rank  # position p is example orders[p // n][p % n]
-    epochs = range(start // n, (start + per_rank - 1) // n + 1)
-    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist() for e in epochs}
-    return [orders[p // n][p % n] for p in range(start, start + per_rank)]
-
-
-# ----------------------------------------------------------------------------------------------------------
+# Setup, main() and their helpers.
 
 
 def validate(cfg):
-    positive = ("batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val")
-    for name in (*positive, "digits", "n_layer", "n_head", "n_embd", "block_size", "lr"):
+    positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val"]
+    positive += ["digits", "n_layer", "n_head", "n_embd", "block_size", "lr"]
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
@@ -511,7 +637,10 @@ def build_reward_model(cfg, ckpt_path, texts, rt):
     checkpoint of any script, GPT-2 weights) with its head if it is a reward model, or a new head; else a new model.
     A new head (or model) is seeded alike on every rank: FSDP does not broadcast it."""
     init_from = ckpt_path if cfg.resume else cfg.init_from
-    body, spec, ckpt = load_model(init_from, cfg.dropout) if init_from != "scratch" else (None, None, None)
+    if init_from == "scratch":
+        body, spec, ckpt = None, None, None
+    else:
+        body, spec, ckpt = load_model(init_from, cfg.dropout)
     tok = make_tokenizer(cfg, spec, texts)
     config = GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
     with torch.random.fork_rng(devices=[]):
@@ -519,7 +648,7 @@ def build_reward_model(cfg, ckpt_path, texts, rt):
         raw = RewardModel(config if body is None else body.config)
     if body is not None:
         raw.body = body
-    if "reward_head" in (ckpt or {}):
+    if ckpt is not None and "reward_head" in ckpt:
         raw.head.load_state_dict(ckpt["reward_head"])
     block_size = raw.body.config.block_size
     check(cfg.max_len <= block_size, f"--max_len {cfg.max_len} is longer than the model's block_size {block_size}")
@@ -527,51 +656,14 @@ def build_reward_model(cfg, ckpt_path, texts, rt):
     model = wrap_model(raw.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    start_step = 0
     if cfg.resume:
         load_optimizer_state(raw, optimizer, ckpt["optimizer"], rt)
         if ckpt.get("scaler"):  # float16's loss scale (empty without float16; absent in older checkpoints)
             scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, rt)
-    return raw, model, tok, optimizer, scaler, ckpt["step"] if cfg.resume else 0
-
-
-@torch.no_grad()
-def held_out_metrics(model, eval_data, cfg, rt):
-    """Held-out metrics; the examples are dealt out over ranks, which all run the same number of batches (under
-    FSDP a forward pass is collective), the last ones possibly on a dummy example with weight 0."""
-    model.eval()
-    mine, stats = eval_data[rt.rank :: rt.world_size], {}
-    for b in range(0, math.ceil(len(eval_data) / rt.world_size), cfg.batch_size):  # the most any rank holds
-        batch = mine[b : b + cfg.batch_size]
-        _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt)
-        stats = {k: stats.get(k, 0.0) + (1.0 if batch else 0.0) * v for k, v in batch_stats.items()}
-    model.train()
-    return {f"eval/{k}": v for k, v in summarize(stats, rt).items()}
-
-
-def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
-    """One optimizer step on this rank's rows: (train metrics without namespace, real tokens of all ranks)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    # ALGO LOGIC: the loss sums every pair's (or labelled position's) term over the whole step, all ranks and
-    # micro-batches, and divides by their global count
-    terms = len(rows) if cfg.task == "preference" else sum(y >= 0 for _, labels in rows for y in labels)
-    n_tokens = sum(len(ex[0]) + (len(ex[1]) if cfg.task == "preference" else 0) for ex in rows)  # real tokens
-    counts = all_reduce(torch.tensor([float(terms), float(n_tokens)], device=rt.device), rt)
-    stats = {}
-    for micro in range(cfg.grad_accum):
-        grad_sync(model, micro == cfg.grad_accum - 1)
-        batch = rows[micro * cfg.batch_size : (micro + 1) * cfg.batch_size]
-        loss_sum, batch_stats = batch_loss(model, batch, cfg, rt)
-        # ranks' gradients are averaged, so each rank's share is scaled by world_size
-        scaler.scale(loss_sum * rt.world_size / counts[0]).backward()
-        stats = {k: stats.get(k, 0.0) + v for k, v in batch_stats.items()}
-    scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(model, cfg.grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return {**summarize(stats, rt), "lr": lr, "grad_norm": grad_norm.item()}, counts[1].item()
+        start_step = ckpt["step"]
+    return raw, model, tok, optimizer, scaler, start_step
 
 
 def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
@@ -579,10 +671,21 @@ def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
     state, optim_sd = training_state(raw, optimizer, rt)
     rngs = all_rng_states(rt)
     if rt.master:
-        part = lambda prefix: {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-        ckpt = dict(model=part("body."), reward_head=part("head."), reward_task=cfg.task, tokenizer=tok.spec, step=step)
-        ckpt.update(model_config=dataclasses.asdict(raw.body.config), config=dataclasses.asdict(cfg))
-        ckpt.update(optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
+        body = {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")}
+        head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+        ckpt = {
+            "model": body,
+            "reward_head": head,
+            "reward_task": cfg.task,
+            "tokenizer": tok.spec,
+            "step": step,
+            "model_config": dataclasses.asdict(raw.body.config),
+            "config": dataclasses.asdict(cfg),
+            "optimizer": optim_sd,
+            "scaler": scaler.state_dict(),
+            "rng": rngs[0],  # rank 0's streams, as every script's ckpt.pt; rng_ranks: each rank's, for --resume
+            "rng_ranks": rngs,
+        }
         save_checkpoint(path, ckpt)
 
 
@@ -593,15 +696,21 @@ def main():
     rt = setup_runtime(cfg)
     if cfg.score:  # print the reward of one text under the --init_from reward model, and exit
         model, spec, _ = load_reward_model(cfg.init_from)
+        tok = make_tokenizer(cfg, spec, [cfg.score])
         with rt.autocast():
-            (reward,) = score(model.to(rt.device), make_tokenizer(cfg, spec, [cfg.score]), [cfg.score], rt.device)
+            (reward,) = score(model.to(rt.device), tok, [cfg.score], rt.device)
         if rt.master:
             print(f"{reward:.6f}")
-        return cleanup(rt)
+        cleanup(rt)
+        return
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    train_text, val_text, skipped = (load_preference_data if cfg.task == "preference" else synthetic_data)(cfg, rt)
-    texts = [t for pair in train_text + val_text for t in pair] if cfg.task == "preference" else [ARITHMETIC_CHARS]
+    if cfg.task == "preference":
+        train_text, val_text, skipped = load_preference_data(cfg, rt)
+        texts = [t for pair in train_text + val_text for t in pair]  # a char vocabulary must cover them
+    else:
+        train_text, val_text, skipped = synthetic_data(cfg, rt)
+        texts = [ARITHMETIC_CHARS]
     raw, model, tok, optimizer, scaler, start_step = build_reward_model(cfg, ckpt_path, texts, rt)
     max_len = cfg.max_len or raw.body.config.block_size
     train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
@@ -615,8 +724,9 @@ def main():
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
     per_rank = cfg.batch_size * cfg.grad_accum
-    epochs = lambda steps: steps * per_rank * rt.world_size / len(train_data)  # passes over the training data
-    t_start, last_eval = time.time(), {}
+    per_step = per_rank * rt.world_size  # examples per optimizer step, all ranks
+    t_start = time.time()
+    last_eval = {}
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             last_eval = held_out_metrics(model, eval_data, cfg, rt)
@@ -625,30 +735,50 @@ def main():
             break
         t0 = time.time()
         lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-        rows = [train_data[i] for i in batch_indices(len(train_data), step, per_rank, rt.rank, rt.world_size, cfg.seed)]
-        train, n_tokens = reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt)
+        indices = batch_indices(len(train_data), step, per_rank, rt.rank, rt.world_size, cfg.seed)
+        rows = [train_data[i] for i in indices]
+        metrics, n_tokens = reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt)
         stop_requested = stop.requested(step + 1, rt)
-        stop_if_not_finite(train["loss"], step, ckpt_path, rt)
+        stop_if_not_finite(metrics["train/loss"], step, ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
-        logger.bar.set_postfix(loss=f"{train['loss']:.4f}")
-        metrics = {**{f"train/{k}": v for k, v in train.items()}, "train/epoch": epochs(step + 1)}
-        perf = {"perf/tokens_per_s": n_tokens / dt, "perf/step_ms": 1000 * dt}
-        perf["perf/mfu"] = mfu(raw.body, max_len, n_tokens, dt, rt)
-        logger.log(step, {**metrics, **perf}, echo=step % cfg.log_every == 0)
+        logger.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+        metrics["train/epoch"] = (step + 1) * per_step / len(train_data)  # passes over the training data
+        metrics["perf/tokens_per_s"] = n_tokens / dt
+        metrics["perf/step_ms"] = 1000 * dt
+        metrics["perf/mfu"] = mfu(raw.body, max_len, n_tokens, dt, rt)
+        logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop_requested:
             save_reward_model(ckpt_path, raw, optimizer, scaler, tok, step + 1, cfg, rt)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
     logger.close()
     if rt.master:
-        # skipped: the preference records skipped per reason ({} for orm, prm)
-        results = {"task": cfg.task, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}, "skipped": skipped}
-        results.update(eval_examples=len(eval_data), train_examples=len(train_data), epochs=epochs(cfg.max_steps))
-        results.update(steps=cfg.max_steps, wall_time_s=time.time() - t_start, params=raw.body.num_params())
+        results = {
+            "task": cfg.task,
+            **{name.removeprefix("eval/"): value for name, value in last_eval.items()},
+            "skipped": skipped,  # the preference records skipped per reason ({} for orm, prm)
+            "eval_examples": len(eval_data),
+            "train_examples": len(train_data),
+            "epochs": cfg.max_steps * per_step / len(train_data),
+            "steps": cfg.max_steps,
+            "wall_time_s": time.time() - t_start,
+            "params": raw.body.num_params(),
+        }
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
     cleanup(rt)
+
+
+def mfu(model, seq_len, tokens, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU). FLOPs per
+    token: 6N for the weights plus the attention scores, forward and backward (PaLM appendix B)."""
+    c = model.config
+    flops = (6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len) * tokens
+    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else ""
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops / (seconds * peak * rt.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -52,16 +52,20 @@ def run_main(monkeypatch, *args):
 WORDS = "the a cat dog sat ran on in big small red blue".split()
 
 
+def words(rng, lo, hi):
+    return " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))
+
+
 def marker_record(rng):
     """An HH-format pair on which preference is learnable: the chosen response contains "thanks", the rejected one
     does not (the prompt never does); a third of the dialogues have an earlier exchange."""
-    words = lambda lo, hi: " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))
-    prompt = f"\n\nHuman: {words(3, 7)}?"
+    prompt = f"\n\nHuman: {words(rng, 3, 7)}?"
     if rng.random() < 0.3:
-        prompt += f"\n\nAssistant: {words(2, 4)}\n\nHuman: {words(2, 5)}?"
-    chosen = words(3, 7).split()
+        prompt += f"\n\nAssistant: {words(rng, 2, 4)}\n\nHuman: {words(rng, 2, 5)}?"
+    chosen = words(rng, 3, 7).split()
     chosen.insert(rng.randrange(len(chosen) + 1), "thanks")
-    return {"chosen": f"{prompt}\n\nAssistant: {' '.join(chosen)}", "rejected": f"{prompt}\n\nAssistant: {words(3, 7)}"}
+    rejected = words(rng, 3, 7)
+    return {"chosen": f"{prompt}\n\nAssistant: {' '.join(chosen)}", "rejected": f"{prompt}\n\nAssistant: {rejected}"}
 
 
 BAD_RECORDS = [
@@ -155,10 +159,10 @@ def test_encode_pair_cuts_one_prompt_from_the_left_for_both_responses():
     """Too long: the prompt loses its start, by as much as the longer response needs, the same tokens for both rows;
     the responses stay whole; at least one prompt token always stays, and only then does a response lose its end."""
     tok = rm.CharTokenizer("abcdefxyz")
-    enc = lambda *texts: [tok.encode(t) for t in texts]
-    assert rm.encode_pair(tok, "abcdef", "xyz", "x", 20) == (*enc("abcdefxyz", "abcdefx"), 6)
-    assert rm.encode_pair(tok, "abcdef", "xyz", "x", 5) == (*enc("efxyz", "efx"), 2)  # per row: "bcdefx"
-    assert rm.encode_pair(tok, "abcdef", "x", "xyz", 3) == (*enc("fx", "fxy"), 1)
+    enc = tok.encode
+    assert rm.encode_pair(tok, "abcdef", "xyz", "x", 20) == (enc("abcdefxyz"), enc("abcdefx"), 6)
+    assert rm.encode_pair(tok, "abcdef", "xyz", "x", 5) == (enc("efxyz"), enc("efx"), 2)  # per row: "bcdefx"
+    assert rm.encode_pair(tok, "abcdef", "x", "xyz", 3) == (enc("fx"), enc("fxy"), 1)
 
 
 def test_truncate_pair_hand_example():
@@ -173,8 +177,11 @@ def parse(step):
     """ "a op b=y" (a possibly negative) as (a, value of a op b, y)."""
     expression, y = step.split("=")
     i = next(i for i in range(1, len(expression)) if expression[i] in "+-*")
-    a, op, b = int(expression[:i]), expression[i], int(expression[i + 1 :])
-    return a, a + b if op == "+" else a - b if op == "-" else a * b, int(y)
+    a = int(expression[:i])
+    op = expression[i]
+    b = int(expression[i + 1 :])
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return a, value, int(y)
 
 
 def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
@@ -239,8 +246,13 @@ def test_synthetic_held_out_examples_never_appear_in_training(task):
     """No training problem (orm) or chain (prm) has the text of a held-out one; digits 1 makes repeats common."""
     cfg = rm.Config(task=task, digits=1, chain_len=2, ops="+" if task == "prm" else "+-*", n_train=3000, n_val=300)
     train, val, _ = rm.synthetic_data(cfg, None)
-    text = lambda ex: ex[0] + ex[1] if task == "orm" else "\n".join(step for step, _ in ex)
-    assert not {text(ex) for ex in train} & {text(ex) for ex in val} and 1000 < len(train) < 3000
+    if task == "orm":
+        train_texts = {prompt + answer for prompt, answer, _ in train}
+        val_texts = {prompt + answer for prompt, answer, _ in val}
+    else:
+        train_texts = {"\n".join(step for step, _ in chain) for chain in train}
+        val_texts = {"\n".join(step for step, _ in chain) for chain in val}
+    assert not train_texts & val_texts and 1000 < len(train) < 3000
 
 
 # ------------------------------------------------------------------------------------------- the model and reward
@@ -424,7 +436,10 @@ def test_preference_rows_of_a_pair_share_their_prompt_tokens(tmp_path, clean_fil
     code, _, err = run_main(monkeypatch, "--data_path", clean_file, *PREF, *args)
     assert code == 0, err[-5:]
     colon = toks[0].encode(":")[0]
-    prompt_end = lambda row: max(i for i, t in enumerate(row) if t == colon) + 1
+
+    def prompt_end(row):
+        return max(i for i, t in enumerate(row) if t == colon) + 1
+
     cut_and_unequal = False
     for seqs in batches:
         half = len(seqs) // 2
