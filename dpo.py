@@ -407,7 +407,7 @@ def train_step(run, step):
     sums = {}  # per-pair statistics summed over the micro-batches, by name
     batches = micro_slices(cfg, indices, pairs)
     for k, (rows, batch) in enumerate(batches):
-        grad_sync(run.policy, k == len(batches) - 1)  # DDP: all-reduce the gradients once, after the last
+        grad_sync(run.policy, k == len(batches) - 1)  # DDP: one all-reduce of the gradients, after the last
         # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
         # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
         # its gradient, as it is the embedding's (tied) weight.
@@ -443,7 +443,8 @@ def train_step(run, step):
         old_mean, count = run.bco
         n_new = 2 * n_pairs  # a chosen and a rejected reward per pair
         new_sum = (mean["chosen_reward"] + mean["rejected_reward"]).item() * n_pairs
-        run.bco = [(old_mean * count + new_sum) / (count + n_new), count + n_new]
+        new_count = count + n_new
+        run.bco = [(old_mean * count + new_sum) / new_count, new_count]
     run.pairs_seen += n_pairs
     metrics["train/lr"] = lr
     metrics["train/grad_norm"] = grad_norm.item()
