@@ -122,16 +122,20 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # run
     out_dir: str = ""  # run folder; default out/dpo-<YYYYmmdd-HHMMSS>
+    # task: where the preference pairs come from
     data: str = "Anthropic/hh-rlhf"  # hub dataset of chosen/rejected dialogues (train, test), or arithmetic
     data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --data (1 in 20 held out)
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
     pair_prompts: int = 256  # arithmetic: training problems whose sampled answers give the pairs
     pair_samples: int = 8  # arithmetic: answers sampled per problem (temperature 1); a pair is two of them
+    # models: the policy, the reference, a run to continue
     init_from: str = "gpt2"  # policy: ckpt.pt of gpt.py (SFT) or any script, Hugging Face GPT-2 folder, or hub id
     reference: str = ""  # reference model (same forms); default: a frozen copy of the starting policy
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    # loss
     loss_type: str = "sigmoid"  # a loss of the table above: sigmoid, ipo, simpo, kto, ... (LOSS_TYPES)
     beta: float = 0.1  # inverse temperature of the implicit reward (SimPO: about 2)
     label_smoothing: float = 0.0  # eps: assumed share of flipped labels (sigmoid -> cDPO, robust, exo_pair, simpo)
@@ -142,9 +146,11 @@ class Config:
     kto_undesirable_weight: float = 1.0  # KTO's weight of undesirable (rejected) responses
     sft_weight: float = 0.0  # add this times the chosen response's mean token NLL (RPO)
     precompute_ref: bool = False  # compute the reference log-probs of every pair once, before training
+    # batches
     max_len: int = 256  # tokens per sequence (prompt + response): prompts lose their start first
     batch_size: int = 8  # pairs per optimizer step per rank
     grad_accum: int = 1  # micro-batches per optimizer step
+    # optimisation
     max_steps: int = 100  # optimizer steps
     lr: float = 1e-5  # peak learning rate (a small model SFT'd by gpt.py takes about 2e-4)
     min_lr: float = 1e-6  # learning rate at the end of the cosine decay
@@ -152,14 +158,17 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     dropout: float = 0.0  # dropout of the policy (DPO usually trains without)
+    # evaluation
     eval_every: int = 25  # steps between evaluations on the held-out pairs
     eval_size: int = 256  # held-out pairs per evaluation (0: all); arithmetic: held-out problems (> 0)
     judge: str = ""  # ckpt.pt of reward_model.py: scores greedy responses at the end; arithmetic: also ranks pairs
     judge_prompts: int = 64  # held-out prompts the judge scores
     num_samples: int = 4  # greedy held-out responses written to samples.txt
     sample_tokens: int = 64  # longest greedy response (tokens)
+    # logging and checkpoints
     log_every: int = 10  # steps between log lines
     save_every: int = 50  # steps between checkpoints (one is always written at the end)
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the policy's training forward
@@ -170,33 +179,27 @@ class Config:
     wandb_project: str = "rlhf-gpt"  # wandb project
 
 
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
-
-
 # ----------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: the losses, pure functions of per-sequence log-probs (SPEC section 7). tests/test_dpo.py checks each
 # against its formula and its properties.
 
-PAIR_LOSSES = "sigmoid robust hinge ipo exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop simpo".split()
+# the losses of preference_loss, on the chosen-minus-rejected log-ratios of a pair
+PAIR_LOSSES = (
+    "sigmoid",
+    "robust",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "simpo",
+)
 LOSS_TYPES = (*PAIR_LOSSES, "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # trained without the reference
-PAIR_FIELDS = ("split", "prompt", "answer", "chosen", "rejected")  # a line of pairs.jsonl (--data arithmetic)
-STATS = ("loss", "reward_acc", "margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
 
 
 def preference_loss(
@@ -217,55 +220,71 @@ def preference_loss(
     (ref_*). Returns (losses, chosen_rewards, rejected_rewards); the rewards are the implicit beta * (pi - ref),
     detached (simpo: beta * mean token log-prob, with chosen_len and rejected_len the response token counts).
     a = pi_chosen - ref_chosen, b = pi_rejected - ref_rejected, h = a - b, x = beta * h; the formulas are the
-    docstring's table. ipo first averages the log-ratios per token, a / chosen_len and b / rejected_len (TRL's form;
-    rlhf-book and OpenRLHF sum), and its rewards are beta times those averages. bco_delta is BCO's reward shift, a
-    running mean of earlier rewards that the caller keeps (the function stays pure); discopop_tau is DiscoPOP's
-    temperature."""
+    docstring's table (s = torch.sigmoid, log s = F.logsigmoid). ipo first averages the log-ratios per token,
+    a / chosen_len and b / rejected_len (TRL's form; rlhf-book and OpenRLHF sum), and its rewards are beta times
+    those averages. bco_delta is BCO's reward shift, a running mean of earlier rewards that the caller keeps (the
+    function stays pure); discopop_tau is DiscoPOP's temperature."""
     eps = label_smoothing
     if loss_type not in PAIR_LOSSES:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     if loss_type in ("ipo", "simpo") and (chosen_len is None or rejected_len is None):
         raise ValueError(f"{loss_type} needs chosen_len and rejected_len")
-    # (B,) log-ratios; simpo has no reference: the policy's log-probs take their place
-    a, b = (pi_chosen, pi_rejected) if loss_type == "simpo" else (pi_chosen - ref_chosen, pi_rejected - ref_rejected)
-    # per token: simpo's mean token log-probs; ipo's target 1/(2 beta) then does not depend on response lengths
+    if loss_type == "simpo":  # no reference: the policy's log-probs take the log-ratios' place
+        a = pi_chosen
+        b = pi_rejected
+    else:  # (B,) log-ratios
+        a = pi_chosen - ref_chosen
+        b = pi_rejected - ref_rejected
     if loss_type in ("ipo", "simpo"):
-        a, b = a / chosen_len, b / rejected_len
+        # per token: simpo's mean token log-probs; ipo's target 1/(2 beta) then does not depend on response lengths
+        a = a / chosen_len
+        b = b / rejected_len
     h = a - b
-    x = beta * h - gamma if loss_type == "simpo" else beta * h  # SimPO's target margin gamma
-    e = eps or 1e-3  # exo_pair: eps = 0 would put log 0 in its loss
-    s, log_s = torch.sigmoid, F.logsigmoid  # the docstring's s and log s
-    formulas = {  # the docstring's table, per pair (B,); only loss_type's is evaluated
-        "sigmoid": lambda: -(1 - eps) * log_s(x) - eps * log_s(-x),
-        # robust: unbiased under label noise eps (eps < 1/2)
-        "robust": lambda: (-(1 - eps) * log_s(x) + eps * log_s(-x)) / (1 - 2 * eps),
-        "hinge": lambda: torch.relu(1 - x),
-        # ipo regresses h onto 1/(2 beta) instead of pushing it to infinity
-        "ipo": lambda: (h - 1 / (2 * beta)) ** 2,
-        # exo_pair: the reverse KL from the model's pair distribution s(+-x) to the labels (1-eps, eps)
-        "exo_pair": lambda: s(x) * (log_s(x) - math.log1p(-e)) + s(-x) * (log_s(-x) - math.log(e)),
-        # nca_pair: absolute rewards, so the chosen one rises, not only the gap
-        "nca_pair": lambda: -log_s(beta * a) - 0.5 * log_s(-beta * a) - 0.5 * log_s(-beta * b),
-        # bco_pair: a binary classifier, chosen rewards above delta and rejected ones below
-        "bco_pair": lambda: -log_s(beta * a - bco_delta) - log_s(-(beta * b - bco_delta)),
-        "sppo_hard": lambda: (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2,
-        # apo_zero and apo_down are anchored: chosen up and rejected down, each against the reference; or both
-        # down, the rejected more
-        "apo_zero": lambda: 1 - s(beta * a) + s(beta * b),
-        "apo_down": lambda: s(beta * a) + 1 - s(x),
-        # discopop: m exp(-x) as exp(log m - x), so m = 0 never meets exp(-x) = inf
-        "discopop": lambda: -(1 - s(x / discopop_tau)) * log_s(x) + torch.exp(log_s(x / discopop_tau) - x),
-    }
-    # simpo is sigmoid on SimPO's x
-    return formulas["sigmoid" if loss_type == "simpo" else loss_type](), (beta * a).detach(), (beta * b).detach()
+    if loss_type == "simpo":
+        x = beta * h - gamma  # SimPO's target margin gamma
+    else:
+        x = beta * h
+
+    if loss_type in ("sigmoid", "simpo"):  # simpo is sigmoid on SimPO's x
+        losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+    elif loss_type == "robust":  # unbiased under label noise eps (eps < 1/2)
+        losses = (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - x)
+    elif loss_type == "ipo":  # regresses h onto 1/(2 beta) instead of pushing it to infinity
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "exo_pair":
+        # the reverse KL from the model's pair distribution s(+-x) to the labels (1-eps, eps)
+        e = eps or 1e-3  # eps = 0 would put log 0 in the loss
+        chosen_term = torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-e))
+        rejected_term = torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(e))
+        losses = chosen_term + rejected_term
+    elif loss_type == "nca_pair":  # absolute rewards, so the chosen one rises, not only the gap
+        losses = -F.logsigmoid(beta * a) - 0.5 * F.logsigmoid(-beta * a) - 0.5 * F.logsigmoid(-beta * b)
+    elif loss_type == "bco_pair":  # a binary classifier: chosen rewards above delta, rejected ones below
+        losses = -F.logsigmoid(beta * a - bco_delta) - F.logsigmoid(-(beta * b - bco_delta))
+    elif loss_type == "sppo_hard":
+        losses = (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2
+    elif loss_type == "apo_zero":  # anchored: chosen up and rejected down, each against the reference
+        losses = 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
+    elif loss_type == "apo_down":  # anchored: both down, the rejected more
+        losses = torch.sigmoid(beta * a) + 1 - torch.sigmoid(x)
+    else:  # discopop: m exp(-x) as exp(log m - x), so m = 0 never meets exp(-x) = inf
+        m = torch.sigmoid(x / discopop_tau)  # (B,) the modulation
+        losses = -(1 - m) * F.logsigmoid(x) + torch.exp(F.logsigmoid(x / discopop_tau) - x)
+    chosen_rewards = (beta * a).detach()
+    rejected_rewards = (beta * b).detach()
+    return losses, chosen_rewards, rejected_rewards
 
 
 def orpo_loss(avg_logp_chosen, avg_logp_rejected, nll_chosen, lam):
     """ORPO per pair (B,): nll_chosen - lam * log sigmoid(log odds(chosen) - log odds(rejected)), where
     odds = p / (1 - p) of p = exp(mean token log-prob) (no reference). Returns (losses, chosen_rewards,
     rejected_rewards) with rewards lam * mean token log-prob, detached."""
-    log1m = lambda logp: torch.log(-torch.expm1(logp.clamp(max=-1e-7)))  # log(1 - p), finite for p -> 1
-    log_odds = (avg_logp_chosen - avg_logp_rejected) - (log1m(avg_logp_chosen) - log1m(avg_logp_rejected))
+    # log(1 - p), finite for p -> 1
+    log1m_chosen = torch.log(-torch.expm1(avg_logp_chosen.clamp(max=-1e-7)))
+    log1m_rejected = torch.log(-torch.expm1(avg_logp_rejected.clamp(max=-1e-7)))
+    log_odds = (avg_logp_chosen - avg_logp_rejected) - (log1m_chosen - log1m_rejected)
     losses = nll_chosen - lam * F.logsigmoid(log_odds)
     return losses, (lam * avg_logp_chosen).detach(), (lam * avg_logp_rejected).detach()
 
@@ -281,14 +300,206 @@ def kto_loss(logps, ref_logps, desirable, beta, kl_ref, desirable_weight=1.0, un
     return torch.where(desirable, gain, loss), (beta * r).detach()
 
 
-def truncate_pair(prompt, chosen, rejected, max_len):
-    """Cut a pair of token-id lists to fit max_len: (prompt, chosen, rejected) with len(prompt) + len(response) <=
-    max_len for both responses. The prompt is cut once, from its start (its end, next to the responses, stays), to
-    as many tokens as fit beside the longer response, so both responses are scored on the same context; it never
-    becomes empty. A response is cut, from its end, only where even a one-token prompt does not fit beside it."""
-    keep = max(1, max_len - max(len(chosen), len(rejected)))  # prompt tokens beside the longer response
-    prompt = prompt[-keep:]
-    return prompt, chosen[: max_len - len(prompt)], rejected[: max_len - len(prompt)]
+def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
+    """The --loss_type loss per pair (B,) and the chosen and rejected rewards (B,) of B pairs, from the policy's
+    summed response log-probs (2B,) and response token counts (2B,) (chosen rows, then rejected rows) and the
+    reference's log-probs (None for simpo and orpo). kl_ref is KTO's reference point z0, bco_delta BCO's reward
+    shift; --sft_weight adds the chosen response's mean token NLL (RPO)."""
+    pi_c, pi_r = logp.chunk(2)  # (B,) each
+    len_c, len_r = n_tokens.clamp(min=1).chunk(2)
+    if cfg.loss_type == "orpo":
+        nll_c = -pi_c / len_c  # the chosen response's mean token NLL
+        losses, chosen_r, rejected_r = orpo_loss(pi_c / len_c, pi_r / len_r, nll_c, cfg.orpo_lambda)
+    elif cfg.loss_type == "kto":
+        desirable = torch.arange(len(logp), device=logp.device) < len(pi_c)  # the chosen rows
+        row_losses, rewards = kto_loss(
+            logp,
+            ref_logp,
+            desirable,
+            cfg.beta,
+            kl_ref,
+            desirable_weight=cfg.kto_desirable_weight,
+            undesirable_weight=cfg.kto_undesirable_weight,
+        )
+        losses = 0.5 * sum(row_losses.chunk(2))  # a pair is two unpaired examples: the loss is their mean
+        chosen_r, rejected_r = rewards.chunk(2)
+    else:
+        ref_c = None  # simpo: no reference
+        ref_r = None
+        if ref_logp is not None:
+            ref_c, ref_r = ref_logp.chunk(2)
+        losses, chosen_r, rejected_r = preference_loss(
+            pi_c,
+            pi_r,
+            ref_c,
+            ref_r,
+            loss_type=cfg.loss_type,
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            chosen_len=len_c,
+            rejected_len=len_r,
+            gamma=cfg.gamma,
+            bco_delta=bco_delta,
+            discopop_tau=cfg.discopop_tau,
+        )
+    losses = losses - cfg.sft_weight * pi_c / len_c  # RPO: the chosen response's mean token NLL (0: none)
+    return losses, chosen_r, rejected_r
+
+
+def win_score(d):
+    """1 where d > 0, 1/2 on a tie (d == 0), else 0: accuracies and win rates count ties as half."""
+    return (d > 0).float() + 0.5 * (d == 0).float()
+
+
+def pair_stats(losses, chosen_r, rejected_r, logp, ref_logp):
+    """Per-pair statistics (B,) each, by metric name (train/ and eval/ log their means): the loss, reward accuracy,
+    margin, chosen and rejected rewards, chosen and rejected log-probs, and DPO's log-ratio accuracy and margin h
+    (0 without reference log-probs)."""
+    pi_c, pi_r = logp.detach().chunk(2)
+    if ref_logp is None:  # simpo and orpo: every log-ratio counts as 0
+        ref_c, ref_r = pi_c, pi_r
+    else:
+        ref_c, ref_r = ref_logp.chunk(2)
+    h = (pi_c - ref_c) - (pi_r - ref_r)  # (B,)
+    margin = chosen_r - rejected_r
+    return {
+        "loss": losses.detach(),
+        "reward_acc": win_score(margin),
+        "margin": margin,
+        "chosen_reward": chosen_r,
+        "rejected_reward": rejected_r,
+        "chosen_logp": pi_c,
+        "rejected_logp": pi_r,
+        "logratio_acc": win_score(h),
+        "logratio_margin": h,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The training step: the step's pairs -> log-probs of policy and reference -> per-pair loss -> update. A micro-batch
+# of b pairs, as train_step and evaluate hold it (rows: the b chosen responses, then the b rejected ones):
+#   rows        (b,) indices of the pairs in their split (the key of --precompute_ref's table)
+#   batch       b (prompt, chosen, rejected) texts; encode_pair tokenizes them and cuts them to --max_len
+#   logp        (2b,) policy log-probs, summed over each response's tokens
+#   n_tokens    (2b,) response token counts
+#   ref_logp    (2b,) reference log-probs; None for simpo and orpo (trained without the reference)
+#   kl_ref      () KTO's reference point z0, one for the whole step; None for every other loss
+#   losses, chosen_r, rejected_r   (b,) per pair (pair_losses)
+
+
+def train_step(run, step):
+    """One optimizer step on the step's pairs (--batch_size per rank); returns its train/ metrics."""
+    cfg = run.cfg
+    rt = run.rt
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+
+    # ALGO LOGIC 1. the step's pairs: ranks take disjoint slices of one fixed order per epoch
+    n = len(run.train_pairs)
+    start = (step * rt.world_size + rt.rank) * cfg.batch_size  # the run's position of this rank's first pair
+    indices = [epoch_order(n, cfg.seed, pos // n)[pos % n] for pos in range(start, start + cfg.batch_size)]
+    pairs = [run.train_pairs[i] for i in indices]
+    kl_ref = None
+    if cfg.loss_type == "kto":  # KTO's reference point, from mismatched pairs
+        kl_ref = kto_reference_point(run.model, run.ref, pairs, run.tok, cfg, rt)
+    n_pairs = cfg.batch_size * rt.world_size  # the loss normaliser: the pairs of the step, on all ranks
+    sums = {}  # per-pair statistics summed over the micro-batches, by name
+    batches = micro_slices(cfg, indices, pairs)
+    for k, (rows, batch) in enumerate(batches):
+        grad_sync(run.policy, k == len(batches) - 1)  # DDP: one all-reduce of the gradients, after the last
+        # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
+        # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
+        # its gradient, as it is the embedding's (tied) weight.
+        logp, n_tokens = pair_logprobs(run.policy, batch, run.tok, cfg, rt, head=run.model.lm_head)  # (2b,) each
+        ref_logp = None
+        if cfg.loss_type not in REFERENCE_FREE:
+            ref_logp = reference_logprobs(run, "train", rows, batch)  # (2b,)
+        # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
+        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])  # (b,) each
+        run.scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
+        add_stats(sums, pair_stats(losses, chosen_r, rejected_r, logp, ref_logp))
+
+    # 4. update
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+
+    mean = pair_means(sums, n_pairs, rt)  # over the step's pairs on all ranks: 0-d tensors by name
+    metrics = {
+        "train/loss": mean["loss"].item(),
+        "train/reward_acc": mean["reward_acc"].item(),
+        "train/margin": mean["margin"].item(),
+        "train/chosen_reward": mean["chosen_reward"].item(),
+        "train/rejected_reward": mean["rejected_reward"].item(),
+        "train/chosen_logp": mean["chosen_logp"].item(),
+        "train/rejected_logp": mean["rejected_logp"].item(),
+        "train/kto_kl": kl_ref,  # None (not logged) but for kto
+    }
+    if cfg.loss_type == "bco_pair":  # delta: the running mean of every chosen and rejected reward of earlier steps
+        metrics["train/bco_delta"] = run.bco[0]
+        old_mean, count = run.bco
+        n_new = 2 * n_pairs  # a chosen and a rejected reward per pair
+        new_sum = (mean["chosen_reward"] + mean["rejected_reward"]).item() * n_pairs
+        new_count = count + n_new
+        run.bco = [(old_mean * count + new_sum) / new_count, new_count]
+    run.pairs_seen += n_pairs
+    metrics["train/lr"] = lr
+    metrics["train/grad_norm"] = grad_norm.item()
+    metrics["train/pairs"] = run.pairs_seen
+    return metrics
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n, seed, epoch):
+    """The order of n training pairs in an epoch: a fixed shuffle per epoch, independent of --resume."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def micro_slices(cfg, *lists):
+    """A step's forward passes: consecutive slices of --batch_size // --grad_accum items of each of the lists,
+    as [[slice of the first list, slice of the second, ...], ...]."""
+    micro = cfg.batch_size // cfg.grad_accum
+    return [[items[i : i + micro] for items in lists] for i in range(0, len(lists[0]), micro)]
+
+
+@torch.no_grad()
+def kto_reference_point(model, ref, pairs, tok, cfg, rt):
+    """KTO's z0: the mean log-ratio of mismatched rows (the prompt of pair i, the responses of pair i+1), over all
+    ranks, clamped at 0. The policy's share is detached: z0 is a baseline, not a target."""
+    shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
+    total = torch.zeros((), device=rt.device)  # the sum of this rank's log-ratios
+    for [rows] in micro_slices(cfg, shifted):
+        logp, _ = pair_logprobs(model, rows, tok, cfg, rt)
+        ref_logp, _ = pair_logprobs(ref, rows, tok, cfg, rt)
+        total += (logp - ref_logp).sum()
+    z0 = all_reduce(total, rt) / (2 * len(pairs) * rt.world_size)  # every rank has len(pairs) pairs, 2 rows each
+    return z0.clamp(min=0)
+
+
+def pair_logprobs(net, pairs, tok, cfg, rt, head=None):
+    """Summed response log-probs (2B,) and response token counts (2B,) of B pairs: the chosen rows, then the
+    rejected rows, right-padded into one forward pass (encode_pair cuts each pair to --max_len). head: the output
+    layer, where net is a DDP/FSDP wrapper (default net.lm_head)."""
+    encoded = [encode_pair(tok, *pair, cfg.max_len) for pair in pairs]  # (chosen ids, rejected ids, prompt length)
+    chosen_rows = [(chosen, n_prompt) for chosen, _, n_prompt in encoded]
+    rejected_rows = [(rejected, n_prompt) for _, rejected, n_prompt in encoded]
+    ids, mask = collate(chosen_rows + rejected_rows)  # (2B, T) each
+    if head is None:
+        head = net.lm_head
+    with rt.autocast():
+        return sequence_logprobs(net, head, ids.to(rt.device), mask.to(rt.device))
+
+
+def collate(rows, pad_id=0):
+    """Right-pad (token ids, prompt length) rows into ids (N, T) and the response mask (N, T)."""
+    ids = nn.utils.rnn.pad_sequence([torch.tensor(row) for row, _ in rows], batch_first=True, padding_value=pad_id)
+    pos = torch.arange(ids.size(1))  # (T,)
+    # the response: from the end of the prompt to the end of the row
+    mask = torch.stack([(pos >= n_prompt) & (pos < len(row)) for row, n_prompt in rows]).float()  # (N, T)
+    return ids, mask
 
 
 def sequence_logprobs(model, head, ids, mask):
@@ -300,60 +511,124 @@ def sequence_logprobs(model, head, ids, mask):
     h, _ = model(ids[:, :-1], output="hidden")  # (N, T-1, C)
     scored = mask[:, 1:] > 0  # (N, T-1)
     logp = token_logprobs(head(h[scored]), ids[:, 1:][scored])  # (n,): every scored token of the batch
-    sums = torch.zeros(len(ids), device=ids.device).index_add(0, scored.nonzero()[:, 0], logp)  # (N,)
+    row = scored.nonzero()[:, 0]  # (n,): the row of each scored token
+    sums = torch.zeros(len(ids), device=ids.device).index_add(0, row, logp)  # (N,)
     return sums, scored.sum(1).float()
 
 
-def collate(rows, pad_id=0):
-    """Right-pad (token ids, prompt length) rows into ids (N, T) and the response mask (N, T)."""
-    ids = nn.utils.rnn.pad_sequence([torch.tensor(row) for row, _ in rows], batch_first=True, padding_value=pad_id)
-    pos = torch.arange(ids.size(1))  # (T,)
-    return ids, torch.stack([(pos >= n_prompt) & (pos < len(row)) for row, n_prompt in rows]).float()  # (N, T) each
+def reference_logprobs(run, split, indices, pairs):
+    """The reference log-probs (2B,) of pairs (chosen rows, then rejected rows) of split ("train" or "eval"): their
+    rows `indices` of the table --precompute_ref made, or without one a forward of the frozen reference (no gradient:
+    its weights require none)."""
+    if split not in run.ref_cache:
+        return pair_logprobs(run.ref, pairs, run.tok, run.cfg, run.rt)[0]
+    table = run.ref_cache[split][indices]  # (B, 2): chosen, rejected
+    return table.t().flatten().to(run.rt.device)  # (2B,): chosen, then rejected
 
 
-def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
-    """The --loss_type loss per pair (B,) and the chosen and rejected rewards (B,) of B pairs, from the policy's
-    summed response log-probs (2B,) and response token counts (2B,) (chosen rows, then rejected rows) and the
-    reference's log-probs (None for simpo and orpo). kl_ref is KTO's reference point z0, bco_delta BCO's reward
-    shift; --sft_weight adds the chosen response's mean token NLL (RPO)."""
-    pi_c, pi_r = logp.chunk(2)
-    len_c, len_r = n_tokens.clamp(min=1).chunk(2)
-    if cfg.loss_type == "orpo":
-        losses, chosen_r, rejected_r = orpo_loss(pi_c / len_c, pi_r / len_r, -pi_c / len_c, cfg.orpo_lambda)
-    elif cfg.loss_type == "kto":
-        desirable = torch.arange(len(logp), device=logp.device) < len(pi_c)  # chosen rows
-        w_d, w_u = cfg.kto_desirable_weight, cfg.kto_undesirable_weight
-        row_losses, rewards = kto_loss(logp, ref_logp, desirable, cfg.beta, kl_ref, w_d, w_u)
-        losses = 0.5 * sum(row_losses.chunk(2))  # a pair is two unpaired examples: the loss is their mean
-        chosen_r, rejected_r = rewards.chunk(2)
-    else:
-        ref_c, ref_r = (None, None) if ref_logp is None else ref_logp.chunk(2)
-        settings = (cfg.loss_type, cfg.beta, cfg.label_smoothing, len_c, len_r, cfg.gamma, bco_delta, cfg.discopop_tau)
-        losses, chosen_r, rejected_r = preference_loss(pi_c, pi_r, ref_c, ref_r, *settings)
-    # RPO: the chosen response's mean token NLL (0: none)
-    return losses - cfg.sft_weight * pi_c / len_c, chosen_r, rejected_r
+def add_stats(sums, stats, weight=None):
+    """Add a micro-batch's per-pair statistics (B,), by name, summed over its pairs (each times weight (B,) if given),
+    to the running sums, by the same names."""
+    table = torch.stack(list(stats.values()), 1)  # (B, k): a column per statistic, all summed in one reduction
+    if weight is not None:
+        table = table * weight[:, None]
+    for name, total in zip(stats, table.sum(0)):
+        sums[name] = sums.get(name, 0) + total
 
 
-def win_score(d):
-    """1 where d > 0, 1/2 on a tie (d == 0), else 0: accuracies and win rates count ties as half."""
-    return (d > 0).float() + 0.5 * (d == 0).float()
+def pair_means(sums, n, rt):
+    """Sums of per-pair statistics, by name, summed over ranks (one collective for all) and divided by n: 0-d
+    tensors by the same names."""
+    total = all_reduce(torch.stack(list(sums.values())), rt) / n
+    return dict(zip(sums, total))
 
 
-def pair_stats(losses, chosen_r, rejected_r, logp, ref_logp):
-    """Per pair (B, 9): the loss, reward accuracy, margin, chosen and rejected rewards, chosen and rejected
-    log-probs, and DPO's log-ratio accuracy and margin h (0 without reference log-probs): the names of STATS, then
-    logratio_acc and logratio_margin."""
-    pi_c, pi_r = logp.detach().chunk(2)
-    ref_c, ref_r = (pi_c, pi_r) if ref_logp is None else ref_logp.chunk(2)
-    h = (pi_c - ref_c) - (pi_r - ref_r)  # (B,)
-    margin = chosen_r - rejected_r
-    cols = [losses.detach(), win_score(margin), margin, chosen_r, rejected_r, pi_c, pi_r, win_score(h), h]
-    return torch.stack(cols, 1)  # (B, 9)
+@torch.no_grad()
+def evaluate(run, step, logger):
+    """eval/ metrics of the held-out pairs, each rank scoring a share, logged at step and returned; the reference's
+    log-probs for every loss type (eval/logratio_* compare runs of different losses). Arithmetic adds eval/accuracy:
+    the share of the held-out problems whose greedy answer is exactly right (arithmetic_reward), grpo.py's."""
+    cfg = run.cfg
+    rt = run.rt
+    run.model.eval()
+    idx, weight = shard(len(run.eval_pairs), rt)
+    mine = [run.eval_pairs[i] for i in idx]
+    kl_ref = None
+    if cfg.loss_type == "kto":
+        kl_ref = kto_reference_point(run.model, run.ref, mine, run.tok, cfg, rt)
+    sums = {}  # per-pair statistics summed over the micro-batches, by name
+    for rows, batch, w in micro_slices(cfg, idx, mine, weight):
+        logp, n_tokens = pair_logprobs(run.model, batch, run.tok, cfg, rt)
+        ref_logp = reference_logprobs(run, "eval", rows, batch)
+        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])
+        add_stats(sums, pair_stats(losses, chosen_r, rejected_r, logp, ref_logp), w)  # w: 0 on shard's repeats
+    mean = pair_means(sums, len(run.eval_pairs), rt)
+    metrics = {
+        "eval/loss": mean["loss"].item(),
+        "eval/reward_acc": mean["reward_acc"].item(),
+        "eval/margin": mean["margin"].item(),
+        "eval/chosen_reward": mean["chosen_reward"].item(),
+        "eval/rejected_reward": mean["rejected_reward"].item(),
+        "eval/chosen_logp": mean["chosen_logp"].item(),
+        "eval/rejected_logp": mean["rejected_logp"].item(),
+        "eval/logratio_acc": mean["logratio_acc"].item(),
+        "eval/logratio_margin": mean["logratio_margin"].item(),
+    }
+    if run.problems:  # arithmetic: greedy answers to the held-out problems, each rank a share
+        idx, weight = shard(len(run.problems), rt)
+        answers = respond(run.model, [run.problems[i][0] for i in idx], run.tok, cfg, rt)
+        rewards = [arithmetic_reward(text, run.problems[i][1]) for text, i in zip(answers, idx)]
+        right = torch.tensor(rewards, device=rt.device)
+        n_right = all_reduce((right * weight).sum(), rt)
+        metrics["eval/accuracy"] = (n_right / len(run.problems)).item()
+    run.model.train()
+    logger.log(step, metrics)
+    return metrics
+
+
+def shard(n, rt):
+    """This rank's equal share of n items as (indices, weights): the last ranks repeat items with weight 0, so
+    every rank runs the same number of forward passes (FSDP's forward is collective)."""
+    per_rank = math.ceil(n / rt.world_size)
+    idx = range(rt.rank * per_rank, (rt.rank + 1) * per_rank)
+    indices = [i % n for i in idx]  # past n: the first items again
+    weights = torch.tensor([float(i < n) for i in idx], device=rt.device)
+    return indices, weights
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Data: HH-RLHF records -> (prompt, chosen, rejected). split_hh, hh_pairs, encode_pair (and truncate_pair above) are
-# copied verbatim in reward_model.py; tests/test_dpo.py checks that both give the same results.
+# Data: HH-RLHF records -> (prompt, chosen, rejected). read_jsonl, split_hh, hh_pairs, encode_pair and truncate_pair
+# are copied verbatim in reward_model.py (read_jsonl and split_hh also elsewhere); tests/test_dpo.py checks that both
+# give the same results.
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def truncate_pair(prompt, chosen, rejected, max_len):
+    """Cut a pair of token-id lists to fit max_len: (prompt, chosen, rejected) with len(prompt) + len(response) <=
+    max_len for both responses. The prompt is cut once, from its start (its end, next to the responses, stays), to
+    as many tokens as fit beside the longer response, so both responses are scored on the same context; it never
+    becomes empty. A response is cut, from its end, only where even a one-token prompt does not fit beside it."""
+    keep = max(1, max_len - max(len(chosen), len(rejected)))  # prompt tokens beside the longer response
+    prompt = prompt[-keep:]
+    return prompt, chosen[: max_len - len(prompt)], rejected[: max_len - len(prompt)]
+
 
 HH_TURN = "\n\nAssistant:"
 
@@ -371,13 +646,16 @@ def split_hh(text):
 def hh_pairs(records):
     """(prompt, chosen, rejected) triples of HH-RLHF records {"chosen": dialogue, "rejected": dialogue}, and a
     dict counting the records skipped for each reason (missing field, no response, prompts differ, identical)."""
-    pairs, skipped = [], {}
+    pairs = []
+    skipped = {}
     for rec in records:
-        chosen, rejected = rec.get("chosen"), rec.get("rejected")
+        chosen = rec.get("chosen")
+        rejected = rec.get("rejected")
         if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
             reason = "missing field"
         else:
-            c, r = split_hh(chosen), split_hh(rejected)
+            c = split_hh(chosen)  # (prompt, response) or None
+            r = split_hh(rejected)
             if c is None or r is None:
                 reason = "no Assistant response"
             elif c[0] != r[0]:
@@ -407,16 +685,19 @@ def load_pairs(cfg, rt):
         records = read_jsonl(cfg.data_path, ["chosen"])  # as gpt.py reads it: the same records, the same split
         order = random.Random(0).sample(range(len(records)), len(records))
         n_val = max(1, len(records) // 20)
-        parts = [[records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]]
+        train_records = [records[i] for i in order[n_val:]]
+        val_records = [records[i] for i in order[:n_val]]
     else:
         try:
             import datasets
 
             hub = datasets.load_dataset(cfg.data)
-            parts = [hub["train"].to_list(), hub["test"].to_list()]  # records {"chosen": ..., "rejected": ...}
+            train_records = hub["train"].to_list()  # records {"chosen": ..., "rejected": ...}
+            val_records = hub["test"].to_list()
         except Exception as e:
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-    (train, skip_train), (val, skip_val) = hh_pairs(parts[0]), hh_pairs(parts[1])
+    train, skip_train = hh_pairs(train_records)
+    val, skip_val = hh_pairs(val_records)
     skipped = {k: skip_train.get(k, 0) + skip_val.get(k, 0) for k in {**skip_train, **skip_val}}
     summary = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
     check(train and val, f"{cfg.data_path or cfg.data}: a split without usable pairs (skipped: {summary or 'none'})")
@@ -426,7 +707,7 @@ def load_pairs(cfg, rt):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Data: arithmetic problems and their gold reward, copied verbatim from grpo.py (pairs: arithmetic_pairs, below).
+# Data: arithmetic problems and their gold reward, copied verbatim from grpo.py, and the pairs of sampled answers.
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -442,6 +723,103 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     horizon, anything else before the end, not a number)."""
     m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
     return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
+
+
+def arithmetic_pairs(run, out_dir):
+    """--data arithmetic: (train, held-out) pairs (prompt, chosen, rejected). Rank 0 builds them (arithmetic_records)
+    and writes them to pairs.jsonl before training, or on --resume reads that file back; every rank gets rank 0's.
+    Sets run.problems, the held-out problems, and run.agreement: the share of pairs whose chosen answer is right and
+    rejected wrong (1 without --judge)."""
+    cfg = run.cfg
+    path = os.path.join(out_dir, "pairs.jsonl")
+    heldout_rng = random.Random(1234)  # held-out problems: grpo.py's and ppo.py's, whatever --seed
+    run.problems = [arithmetic_problem(heldout_rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+    if isinstance(run.tok, CharTokenizer):
+        lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(run.tok.chars)))
+        check(
+            not lacking, f"--data arithmetic: the policy's char vocabulary lacks {lacking!r} (a newline ends answers)"
+        )
+    records = None  # pairs.jsonl's records: rank 0 reads or builds them, then every rank gets them
+    if run.rt.master and cfg.resume:
+        # chosen or rejected may be an empty answer (a BPE policy's first token <|endoftext|>): not required non-empty
+        records = read_jsonl(path, ["split", "prompt", "answer"])
+    elif run.rt.master:
+        records = arithmetic_records(run)
+    records = broadcast_object(records, run.rt)
+    train = [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == "train"]
+    val = [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == "heldout"]
+    check(train and val, "--data arithmetic: a split without pairs: every problem's answers all right or all wrong")
+    # the gold reward: chosen right and rejected wrong
+    agree = [
+        arithmetic_reward(r["chosen"], r["answer"]) > arithmetic_reward(r["rejected"], r["answer"]) for r in records
+    ]
+    run.agreement = sum(agree) / len(agree)
+    if run.rt.master and not cfg.resume:  # before training: nothing after this can fail on bad input
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return train, val
+
+
+@torch.no_grad()
+def arithmetic_records(run):
+    """pairs.jsonl's records {split, prompt, answer, chosen, rejected}: --pair_samples answers of the starting policy
+    (temperature 1) to each of --pair_prompts training problems (random.Random(--seed)) and each held-out problem;
+    chosen is the answer scored highest, rejected the lowest (the first of equals), by arithmetic_reward or, with
+    --judge, by the reward model. Problems whose answers all score the same (all right, all wrong, a tie of the
+    judge) give none."""
+    cfg = run.cfg
+    G = cfg.pair_samples
+    rng = random.Random(cfg.seed)
+    problems = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
+    problems += [("heldout", *p) for p in run.problems]
+    rows = [row for row in problems for _ in range(G)]  # (split, prompt, answer), each problem G times in a row
+    prompts = [prompt for _, prompt, _ in rows]
+    generator = torch.Generator(run.rt.device).manual_seed(cfg.seed)
+    texts = respond(run.model, prompts, run.tok, cfg, run.rt, 1.0, generator, G)  # a problem a batch
+    if run.judge is None:  # gold
+        scores = [arithmetic_reward(text, answer) for text, (_, _, answer) in zip(texts, rows)]
+    else:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
+        triples = [(prompt, text, text) for prompt, text in zip(prompts, texts)]
+        scores = judge_scores(run, triples)[:, 0].tolist()
+    records = []
+    for i in range(0, len(rows), G):
+        group = range(i, i + G)  # the rows of one problem
+        best = max(group, key=scores.__getitem__)
+        worst = min(group, key=scores.__getitem__)
+        if scores[best] > scores[worst]:
+            split, prompt, answer = rows[best]
+            records.append(dict(split=split, prompt=prompt, answer=answer, chosen=texts[best], rejected=texts[worst]))
+    return records
+
+
+def response_tokens(cfg):
+    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer (a product of two --digits
+    numbers), its newline and one more."""
+    return 2 * cfg.digits + 2 if cfg.data == "arithmetic" else cfg.sample_tokens
+
+
+def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0):
+    """Responses (text) of a model to prompts, in batches of `batch` (default --batch_size): greedy, or sampled at
+    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the first newline
+    (arithmetic). No early stop at the end: under FSDP every rank must run as many forwards. Leaves the model in eval
+    mode."""
+    net.eval()
+    n_tokens = response_tokens(cfg)
+    batch = batch or cfg.batch_size
+    texts = []
+    for i in range(0, len(prompts), batch):
+        # each prompt keeps its last block_size - n_tokens tokens: room for the response
+        ids = [tok.encode(p)[n_tokens - net.config.block_size :] for p in prompts[i : i + batch]]
+        with rt.autocast():
+            out, _ = generate(net, ids, n_tokens, temperature, generator=generator)
+        for row in out.tolist():
+            if tok.eot_id in row:
+                row = row[: row.index(tok.eot_id)]
+            texts.append(tok.decode(row))
+    if cfg.data == "arithmetic":  # an answer ends at its first newline
+        texts = [re.match(r"[^\n]*\n?", t).group() for t in texts]
+    return texts
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -471,16 +849,36 @@ def load_reward_model(path):
     return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
 
 
+def judge_scores(run, triples):
+    """--judge's rewards (n, 2) of both responses of (prompt, response, response) triples: each the score at its
+    last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
+    block_size = run.judge.body.config.block_size
+    pairs = [encode_pair(run.judge_tok, *triple, block_size) for triple in triples]
+    scores = []
+    for i in range(0, len(pairs), run.cfg.batch_size):
+        # the rows: each pair's first response, then its second
+        rows = [row for first, second, _ in pairs[i : i + run.cfg.batch_size] for row in (first, second)]
+        ids, _ = collate([(row, 0) for row in rows])
+        last = torch.tensor([len(row) - 1 for row in rows])  # each row's last token
+        with run.rt.autocast():
+            score = run.judge(ids.to(run.rt.device)).cpu()  # (2b, T)
+        scores.append(score[torch.arange(len(rows)), last].view(-1, 2))  # (b, 2)
+    return torch.cat(scores)
+
+
 # ----------------------------------------------------------------------------------------------------------
+# Setup, the training loop, main()
 
 
 def validate(cfg):
-    positive = "batch_size grad_accum max_steps eval_every log_every save_every sample_tokens lr beta discopop_tau"
-    positive += " orpo_lambda kto_desirable_weight kto_undesirable_weight digits pair_prompts"
-    non_negative = "eval_size judge_prompts num_samples warmup_steps min_lr weight_decay grad_clip sft_weight gamma"
-    for name in positive.split():
+    positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"]
+    positive += ["lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"]
+    positive += ["digits", "pair_prompts"]
+    non_negative = ["eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay"]
+    non_negative += ["grad_clip", "sft_weight", "gamma"]
+    for name in positive:
         check(0 < getattr(cfg, name) < math.inf, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in non_negative.split():
+    for name in non_negative:
         check(0 <= getattr(cfg, name) < math.inf, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     check(0 <= cfg.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
@@ -500,170 +898,15 @@ def weights_checksum(model):
     return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
-def pair_logprobs(net, pairs, tok, cfg, rt, head=None):
-    """Summed response log-probs (2B,) and response token counts (2B,) of B pairs: the chosen rows, then the
-    rejected rows, right-padded into one forward pass (encode_pair cuts each pair to --max_len). head: the output
-    layer, where net is a DDP/FSDP wrapper (default net.lm_head)."""
-    encoded = [encode_pair(tok, *pair, cfg.max_len) for pair in pairs]
-    ids, mask = collate([(c, n) for c, _, n in encoded] + [(r, n) for _, r, n in encoded])
-    with rt.autocast():
-        return sequence_logprobs(net, net.lm_head if head is None else head, ids.to(rt.device), mask.to(rt.device))
-
-
-def micro_slices(cfg, *lists):
-    """A step's forward passes: consecutive slices of --batch_size // --grad_accum items of each of the lists,
-    as [[slice of the first list, slice of the second, ...], ...]."""
-    micro = cfg.batch_size // cfg.grad_accum
-    return [[items[i : i + micro] for items in lists] for i in range(0, len(lists[0]), micro)]
-
-
-def shard(n, rt):
-    """This rank's equal share of n items as (indices, weights): the last ranks repeat items with weight 0, so
-    every rank runs the same number of forward passes (FSDP's forward is collective)."""
-    per_rank = math.ceil(n / rt.world_size)
-    idx = range(rt.rank * per_rank, (rt.rank + 1) * per_rank)
-    return [i % n for i in idx], torch.tensor([float(i < n) for i in idx], device=rt.device)
-
-
 def reference_table(ref, pairs, tok, cfg, rt):
     """--precompute_ref: the reference log-probs (n, 2) [chosen, rejected] of every pair; each rank computes a
     share, then a sum over ranks fills the table."""
     table = torch.zeros(len(pairs), 2, device=rt.device)
-    for rows, weight in micro_slices(cfg, *shard(len(pairs), rt)):
-        table[rows] = pair_logprobs(ref, [pairs[j] for j in rows], tok, cfg, rt)[0].view(2, -1).t() * weight[:, None]
+    indices, weight = shard(len(pairs), rt)
+    for rows, w in micro_slices(cfg, indices, weight):
+        logp, _ = pair_logprobs(ref, [pairs[j] for j in rows], tok, cfg, rt)  # (2b,): chosen rows, then rejected
+        table[rows] = logp.view(2, -1).t() * w[:, None]  # (b, 2); a repeated pair adds 0
     return all_reduce(table, rt).cpu()
-
-
-def reference_logprobs(run, split, indices, pairs):
-    """The reference log-probs (2B,) of pairs (chosen rows, then rejected rows) of split ("train" or "eval"): their
-    rows `indices` of the table --precompute_ref made, or without one a forward of the frozen reference (no gradient:
-    its weights require none)."""
-    if split not in run.ref_cache:
-        return pair_logprobs(run.ref, pairs, run.tok, run.cfg, run.rt)[0]
-    return run.ref_cache[split][indices].t().flatten().to(run.rt.device)  # (B, 2) -> (2B,): chosen, then rejected
-
-
-@torch.no_grad()
-def kto_reference_point(model, ref, pairs, tok, cfg, rt):
-    """KTO's z0: the mean log-ratio of mismatched rows (the prompt of pair i, the responses of pair i+1), over all
-    ranks, clamped at 0. The policy's share is detached: z0 is a baseline, not a target."""
-    shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
-    total = torch.zeros((), device=rt.device)  # the sum of this rank's log-ratios
-    for [rows] in micro_slices(cfg, shifted):
-        total += (pair_logprobs(model, rows, tok, cfg, rt)[0] - pair_logprobs(ref, rows, tok, cfg, rt)[0]).sum()
-    return (all_reduce(total, rt) / (2 * len(pairs) * rt.world_size)).clamp(min=0)  # every rank has len(pairs)
-
-
-@torch.no_grad()
-def evaluate(run, step, logger):
-    """eval/ metrics of the held-out pairs, each rank scoring a share, logged at step and returned; the reference's
-    log-probs for every loss type (eval/logratio_* compare runs of different losses). Arithmetic adds eval/accuracy:
-    the share of the held-out problems whose greedy answer is exactly right (arithmetic_reward), grpo.py's."""
-    cfg, rt, model, tok = run.cfg, run.rt, run.model, run.tok
-    model.eval()
-    idx, weight = shard(len(run.eval_pairs), rt)
-    mine = [run.eval_pairs[i] for i in idx]
-    kl_ref = kto_reference_point(model, run.ref, mine, tok, cfg, rt) if cfg.loss_type == "kto" else None
-    sums = torch.zeros(9, device=rt.device)
-    for rows, batch, w in micro_slices(cfg, idx, mine, weight):
-        logp, n_tokens = pair_logprobs(model, batch, tok, cfg, rt)
-        ref_logp = reference_logprobs(run, "eval", rows, batch)
-        stats = pair_stats(*pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0]), logp, ref_logp)
-        sums += (stats * w[:, None]).sum(0)
-    sums = all_reduce(sums, rt) / len(run.eval_pairs)
-    metrics = {f"eval/{k}": v for k, v in zip((*STATS, "logratio_acc", "logratio_margin"), sums.tolist())}
-    if run.problems:
-        idx, weight = shard(len(run.problems), rt)
-        answers = respond(model, [run.problems[i][0] for i in idx], tok, cfg, rt)
-        right = torch.tensor([arithmetic_reward(t, run.problems[i][1]) for t, i in zip(answers, idx)], device=rt.device)
-        metrics["eval/accuracy"] = (all_reduce((right * weight).sum(), rt) / len(run.problems)).item()
-    model.train()
-    logger.log(step, metrics)
-    return metrics
-
-
-def response_tokens(cfg):
-    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer (a product of two --digits
-    numbers), its newline and one more."""
-    return 2 * cfg.digits + 2 if cfg.data == "arithmetic" else cfg.sample_tokens
-
-
-def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0):
-    """Responses (text) of a model to prompts, in batches of `batch` (default --batch_size): greedy, or sampled at
-    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the first newline
-    (arithmetic). No early stop at the end: under FSDP every rank must run as many forwards. Leaves the model in eval
-    mode."""
-    net.eval()
-    n_tokens = response_tokens(cfg)
-    texts, batch = [], batch or cfg.batch_size
-    for i in range(0, len(prompts), batch):
-        ids = [tok.encode(p)[n_tokens - net.config.block_size :] for p in prompts[i : i + batch]]  # room for n_tokens
-        with rt.autocast():
-            out, _ = generate(net, ids, n_tokens, temperature, generator=generator)
-        texts += [tok.decode(row[: row.index(tok.eot_id)] if tok.eot_id in row else row) for row in out.tolist()]
-    return [re.match(r"[^\n]*\n?", t).group() for t in texts] if cfg.data == "arithmetic" else texts
-
-
-def judge_scores(run, triples):
-    """--judge's rewards (n, 2) of both responses of (prompt, response, response) triples: each the score at its
-    last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
-    pairs = [encode_pair(run.judge_tok, *t, run.judge.body.config.block_size) for t in triples]
-    scores = []
-    for i in range(0, len(pairs), run.cfg.batch_size):
-        rows = [row for a, b, _ in pairs[i : i + run.cfg.batch_size] for row in (a, b)]  # first, second, ...
-        ids, _ = collate([(row, 0) for row in rows])
-        last = torch.tensor([len(row) - 1 for row in rows])
-        with run.rt.autocast():
-            scores.append(run.judge(ids.to(run.rt.device)).cpu()[torch.arange(len(rows)), last].view(-1, 2))  # (b, 2)
-    return torch.cat(scores)
-
-
-@torch.no_grad()
-def arithmetic_pairs(run, out_dir):
-    """--data arithmetic: (train, held-out) pairs (prompt, chosen, rejected). Rank 0 builds them and writes them to
-    pairs.jsonl before training, or on --resume reads that file back; every rank gets rank 0's. Building: --pair_samples
-    answers of the starting policy (temperature 1) to each of --pair_prompts training problems (random.Random(--seed))
-    and each held-out problem; chosen is the answer scored highest, rejected the lowest (the first of equals), by
-    arithmetic_reward or, with --judge, by the reward model. Problems whose answers all score the same (all right, all
-    wrong, a tie of the judge) give none. Sets run.problems, the held-out problems, and run.agreement: the share of
-    pairs whose chosen answer is right and rejected wrong (1 without --judge)."""
-    cfg, tok, path = run.cfg, run.tok, os.path.join(out_dir, "pairs.jsonl")
-    heldout_rng = random.Random(1234)  # held-out problems: grpo.py's and ppo.py's, whatever --seed
-    run.problems = [arithmetic_problem(heldout_rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
-    lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(tok.chars))) if isinstance(tok, CharTokenizer) else ""
-    check(not lacking, f"--data arithmetic: the policy's char vocabulary lacks {lacking!r} (a newline ends answers)")
-    # chosen or rejected may be an empty answer (a BPE policy's first token <|endoftext|>): not required non-empty
-    records = read_jsonl(path, PAIR_FIELDS[:3]) if run.rt.master and cfg.resume else None
-    if run.rt.master and not cfg.resume:  # pairs.jsonl's records: G answers to each problem, the best and the worst
-        G, rng = cfg.pair_samples, random.Random(cfg.seed)
-        problems = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
-        # (split, prompt, answer), each problem G times
-        rows = [row for row in problems + [("heldout", *p) for p in run.problems] for _ in range(G)]
-        generator = torch.Generator(run.rt.device).manual_seed(cfg.seed)
-        texts = respond(run.model, [p for _, p, _ in rows], tok, cfg, run.rt, 1.0, generator, G)  # a problem a batch
-        scores = [arithmetic_reward(t, a) for t, (_, _, a) in zip(texts, rows)]  # gold
-        if run.judge is not None:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
-            scores = judge_scores(run, [(p, t, t) for (_, p, _), t in zip(rows, texts)])[:, 0].tolist()
-        groups = [range(i, i + G) for i in range(0, len(rows), G)]  # the rows of each problem
-        ends = [(max(g, key=scores.__getitem__), min(g, key=scores.__getitem__)) for g in groups]  # best, worst
-        records = [dict(zip(PAIR_FIELDS, (*rows[b], texts[b], texts[w]))) for b, w in ends if scores[b] > scores[w]]
-    records = broadcast_object(records, run.rt)
-    triples = lambda split: [(r["prompt"], r["chosen"], r["rejected"]) for r in records if r["split"] == split]
-    train, val = triples("train"), triples("heldout")
-    check(train and val, "--data arithmetic: a split without pairs: every problem's answers all right or all wrong")
-    gold = [[arithmetic_reward(r[k], r["answer"]) for k in ("chosen", "rejected")] for r in records]
-    run.agreement = sum(chosen > rejected for chosen, rejected in gold) / len(gold)  # chosen right, rejected wrong
-    if run.rt.master and not cfg.resume:  # before training: nothing after this can fail on bad input
-        os.makedirs(out_dir, exist_ok=True)
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-    return train, val
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(n, seed, epoch):
-    """The order of n training pairs in an epoch: a fixed shuffle per epoch, independent of --resume."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 def setup(cfg, out_dir, rt):
@@ -672,30 +915,37 @@ def setup(cfg, out_dir, rt):
     run = SimpleNamespace(cfg=cfg, rt=rt, ckpt_path=os.path.join(out_dir, "ckpt.pt"), problems=[], judge=None)
     # the policy: the run's ckpt.pt on --resume, else --init_from; the reference: --reference, else a frozen copy of
     # the starting policy (reloaded from --init_from on --resume)
-    run.model, spec, ckpt = load_model(run.ckpt_path if cfg.resume else cfg.init_from, cfg.dropout)
+    model, spec, ckpt = load_model(run.ckpt_path if cfg.resume else cfg.init_from, cfg.dropout)
     reference = cfg.reference or cfg.init_from
     if cfg.reference or cfg.resume:
         ref, ref_spec, _ = load_model(reference)
         check(ref_spec == spec, f"the reference {reference} uses another tokenizer than the policy")
     else:
-        ref = copy.deepcopy(run.model)
+        ref = copy.deepcopy(model)
     run.ref_checksum = weights_checksum(ref)
-    check(not cfg.resume or ckpt["ref_checksum"] == run.ref_checksum, f"--resume: the reference {reference} changed")
-    block = min(run.model.config.block_size, ref.config.block_size)
+    if cfg.resume:
+        check(ckpt["ref_checksum"] == run.ref_checksum, f"--resume: the reference {reference} changed")
+    block = min(model.config.block_size, ref.config.block_size)
     check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
     check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
-    run.model, run.tok = run.model.to(rt.device), get_tokenizer(spec)
+    run.model = model.to(rt.device)
+    run.tok = get_tokenizer(spec)
     ref.to(rt.device).eval().requires_grad_(False)
     if cfg.judge:  # a reward_model.py checkpoint whose vocabulary can encode the policy's responses
         judge, judge_spec, _ = load_reward_model(cfg.judge)
-        run.judge, run.judge_tok = judge.to(rt.device), get_tokenizer(judge_spec)
+        run.judge = judge.to(rt.device)
+        run.judge_tok = get_tokenizer(judge_spec)
         fits = judge_spec == "gpt2" or (run.tok.spec != "gpt2" and set(run.tok.chars) <= set(run.judge_tok.chars))
         check(fits, f"--judge {cfg.judge}: its char vocabulary cannot encode this policy's responses")
 
     # data: pairs as text, tokenized per batch (encode_pair truncates to --max_len)
-    run.train_pairs, run.val_pairs = arithmetic_pairs(run, out_dir) if cfg.data == "arithmetic" else load_pairs(cfg, rt)
+    if cfg.data == "arithmetic":
+        run.train_pairs, run.val_pairs = arithmetic_pairs(run, out_dir)
+    else:
+        run.train_pairs, run.val_pairs = load_pairs(cfg, rt)
     if isinstance(run.tok, CharTokenizer):
-        unknown = set().union(*(set("".join(t)) for t in run.train_pairs + run.val_pairs)) - set(run.tok.chars)
+        used = set().union(*(set("".join(pair)) for pair in run.train_pairs + run.val_pairs))
+        unknown = used - set(run.tok.chars)
         check(not unknown, f"the data has characters {''.join(sorted(unknown)[:10])!r} outside the model's vocabulary")
     run.eval_pairs = run.val_pairs[: cfg.eval_size or None]
 
@@ -703,62 +953,31 @@ def setup(cfg, out_dir, rt):
     run.policy = wrap_model(run.model, rt, cfg.compile)
     run.optimizer = make_optimizer(run.model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    run.start_step, run.pairs_seen, run.bco, run.ref_cache = 0, 0, [0.0, 0], {}  # bco: [mean reward, rewards counted]
+    run.start_step = 0
+    run.pairs_seen = 0
+    run.bco = [0.0, 0]  # bco_pair: [mean reward, rewards counted]
+    run.ref_cache = {}  # --precompute_ref: {"train": (n, 2), "eval": (n, 2)} reference log-probs
     if cfg.resume:
         load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"], rt)
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())  # float16's loss scale, else empty
         restore_rng(ckpt, rt)
-        run.start_step, run.pairs_seen, run.bco, run.ref_cache = map(ckpt.get, ("step", "pairs", "bco", "ref_logps"))
-        run.ref_cache = run.ref_cache or {}  # older checkpoints saved None without --precompute_ref
+        run.start_step = ckpt["step"]
+        run.pairs_seen = ckpt["pairs"]
+        run.bco = ckpt["bco"]
+        run.ref_cache = ckpt.get("ref_logps") or {}  # older checkpoints saved None without --precompute_ref
     if cfg.precompute_ref and not run.ref_cache:
-        run.ref_cache = {"train": reference_table(ref, run.train_pairs, run.tok, cfg, rt)}
-        run.ref_cache["eval"] = reference_table(ref, run.eval_pairs, run.tok, cfg, rt)
-    # --precompute_ref cached every reference log-prob (kto's z0 and --judge's responses still need the model)
-    run.ref = None if cfg.precompute_ref and cfg.loss_type != "kto" and run.judge is None else ref
+        run.ref_cache = {
+            "train": reference_table(ref, run.train_pairs, run.tok, cfg, rt),
+            "eval": reference_table(ref, run.eval_pairs, run.tok, cfg, rt),
+        }
+    run.ref = ref
+    if cfg.precompute_ref and cfg.loss_type != "kto" and run.judge is None:
+        run.ref = None  # every reference log-prob is cached (kto's z0 and --judge's responses still need the model)
     if rt.master:
-        n_params, n_train, n_eval = run.model.num_params() / 1e6, len(run.train_pairs), len(run.eval_pairs)
-        print(f"{n_params:.2f}M parameters, {n_train} train and {n_eval} held-out pairs, {rt.world_size} x {rt.device}")
+        n_params = run.model.num_params() / 1e6
+        sizes = f"{len(run.train_pairs)} train and {len(run.eval_pairs)} held-out pairs"
+        print(f"{n_params:.2f}M parameters, {sizes}, {rt.world_size} x {rt.device}")
     return run
-
-
-def train_step(run, step):
-    """One optimizer step on the step's pairs (--batch_size per rank); returns its train/ metrics."""
-    cfg, rt, model, tok = run.cfg, run.rt, run.model, run.tok
-    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    # ALGO LOGIC 1. the step's pairs (ranks take disjoint slices); KTO's reference point from mismatched pairs
-    n, start = len(run.train_pairs), (step * rt.world_size + rt.rank) * cfg.batch_size
-    indices = [epoch_order(n, cfg.seed, pos // n)[pos % n] for pos in range(start, start + cfg.batch_size)]
-    pairs = [run.train_pairs[i] for i in indices]
-    kl_ref = kto_reference_point(model, run.ref, pairs, tok, cfg, rt) if cfg.loss_type == "kto" else None
-    n_pairs = cfg.batch_size * rt.world_size  # the loss normaliser: the pairs of the step, on all ranks
-    sums = torch.zeros(9, device=rt.device)
-    batches = micro_slices(cfg, indices, pairs)
-    for k, (rows, batch) in enumerate(batches):
-        grad_sync(run.policy, k == len(batches) - 1)
-        # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
-        # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
-        # its gradient, as it is the embedding's (tied) weight.
-        logp, n_tokens = pair_logprobs(run.policy, batch, tok, cfg, rt, head=model.lm_head)  # (2b,), (2b,)
-        ref_logp = None if cfg.loss_type in REFERENCE_FREE else reference_logprobs(run, "train", rows, batch)
-        # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
-        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])
-        run.scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
-        sums += pair_stats(losses, chosen_r, rejected_r, logp, ref_logp).sum(0)
-    # 4. update
-    run.scaler.unscale_(run.optimizer)
-    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    sums = all_reduce(sums, rt) / n_pairs
-    metrics = {f"train/{k}": v for k, v in zip(STATS, sums.tolist())} | {"train/kto_kl": kl_ref}  # None but for kto
-    if cfg.loss_type == "bco_pair":  # the running mean of every chosen and rejected reward so far
-        metrics["train/bco_delta"], (mean, count), n_new = run.bco[0], run.bco, 2 * n_pairs
-        run.bco = [(mean * count + (sums[3] + sums[4]).item() * n_pairs) / (count + n_new), count + n_new]
-    run.pairs_seen += n_pairs
-    return {**metrics, "train/lr": lr, "train/grad_norm": grad_norm.item(), "train/pairs": run.pairs_seen}
 
 
 def save(run, step):
@@ -767,21 +986,32 @@ def save(run, step):
     model_sd, optim_sd = training_state(run.model, run.optimizer, run.rt)
     rngs = all_rng_states(run.rt)
     if run.rt.master:
-        state = dict(model=model_sd, model_config=dataclasses.asdict(run.model.config), tokenizer=run.tok.spec)
-        state.update(step=step, optimizer=optim_sd, scaler=run.scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
-        extras = dict(pairs=run.pairs_seen, bco=run.bco, ref_checksum=run.ref_checksum, ref_logps=run.ref_cache)
-        save_checkpoint(run.ckpt_path, {**state, "config": dataclasses.asdict(run.cfg), **extras})
+        ckpt = {
+            "model": model_sd,
+            "model_config": dataclasses.asdict(run.model.config),
+            "tokenizer": run.tok.spec,
+            "step": step,
+            "optimizer": optim_sd,
+            "scaler": run.scaler.state_dict(),
+            "rng": rngs[0],
+            "rng_ranks": rngs,
+            "config": dataclasses.asdict(run.cfg),
+            "pairs": run.pairs_seen,
+            "bco": run.bco,
+            "ref_checksum": run.ref_checksum,
+            "ref_logps": run.ref_cache,
+        }
+        save_checkpoint(run.ckpt_path, ckpt)
 
 
 def train(cfg, out_dir, rt):
-    """One DPO-family run into out_dir: the training loop, then greedy responses of policy and reference to held-out
-    prompts (every rank takes part: under FSDP the forward is collective), the judge's win rate, final_results.json
-    and samples.txt. Returns the final results."""
+    """One DPO-family run into out_dir: the training loop, then held_out_outputs. Returns the final results."""
     stop = GracefulExit()
     run = setup(cfg, out_dir, rt)
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
-    t_start, last_eval = time.time(), {}
+    t_start = time.time()
+    last_eval = {}
     for step in range(run.start_step, cfg.max_steps):
         if step % cfg.eval_every == 0:
             last_eval = evaluate(run, step, logger)
@@ -792,29 +1022,49 @@ def train(cfg, out_dir, rt):
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{last_eval.get('eval/reward_acc', 0):.3f}")
-        metrics.update({"perf/pairs_per_s": cfg.batch_size * rt.world_size / dt, "perf/step_ms": 1000 * dt})
+        metrics["perf/pairs_per_s"] = cfg.batch_size * rt.world_size / dt
+        metrics["perf/step_ms"] = 1000 * dt
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested or step + 1 == cfg.max_steps:
             save(run, step + 1)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
     last_eval = evaluate(run, cfg.max_steps, logger)
+    return held_out_outputs(run, out_dir, logger, last_eval, t_start)
 
-    # greedy responses of policy and reference to held-out prompts, the judge's win rate, the results
-    prompts = [p for p, _, _ in run.val_pairs[: max(cfg.num_samples, cfg.judge_prompts if cfg.judge else 0)]]
+
+def held_out_outputs(run, out_dir, logger, last_eval, t_start):
+    """After training: greedy responses of policy and reference to held-out prompts (every rank takes part: under
+    FSDP the forward is collective), the judge's win rate, final_results.json and samples.txt. Returns the final
+    results: last_eval without eval/ and the run's counts."""
+    cfg = run.cfg
+    rt = run.rt
+    n_prompts = max(cfg.num_samples, cfg.judge_prompts if cfg.judge else 0)
+    prompts = [prompt for prompt, _, _ in run.val_pairs[:n_prompts]]
     responses = respond(run.model, prompts, run.tok, cfg, rt)
-    ref_responses = respond(run.ref, prompts, run.tok, cfg, rt) if run.ref is not None else None
+    ref_responses = None  # no reference model: --precompute_ref cached its log-probs
+    if run.ref is not None:
+        ref_responses = respond(run.ref, prompts, run.tok, cfg, rt)
     if run.judge is not None:
-        scores = judge_scores(run, list(zip(prompts, responses, ref_responses)))  # (n, 2)
-        last_eval["eval/win_rate"] = win_score(scores[:, 0] - scores[:, 1]).mean().item()
-        logger.log(cfg.max_steps, {"eval/win_rate": last_eval["eval/win_rate"]})
+        scores = judge_scores(run, list(zip(prompts, responses, ref_responses)))  # (n, 2): policy, reference
+        win_rate = win_score(scores[:, 0] - scores[:, 1]).mean().item()
+        last_eval["eval/win_rate"] = win_rate
+        logger.log(cfg.max_steps, {"eval/win_rate": win_rate})
     logger.close()
-    results = {"loss_type": cfg.loss_type, "steps": cfg.max_steps, "pairs": run.pairs_seen}
-    results.update({"train_pairs": len(run.train_pairs), "heldout_pairs": len(run.eval_pairs)})
-    results.update({"wall_time_s": time.time() - t_start, **{k.removeprefix("eval/"): v for k, v in last_eval.items()}})
+    results = {
+        "loss_type": cfg.loss_type,
+        "steps": cfg.max_steps,
+        "pairs": run.pairs_seen,
+        "train_pairs": len(run.train_pairs),
+        "heldout_pairs": len(run.eval_pairs),
+        "wall_time_s": time.time() - t_start,
+    }
+    for name, value in last_eval.items():
+        results[name.removeprefix("eval/")] = value
     if rt.master and run.problems:  # arithmetic: greedy accuracy at step 0 (first line of metrics.jsonl), pairs
-        before = read_metrics(logger.path)[0]["eval/accuracy"]
-        results.update(accuracy_before=before, heldout_problems=len(run.problems), gold_agreement=run.agreement)
+        results["accuracy_before"] = read_metrics(logger.path)[0]["eval/accuracy"]
+        results["heldout_problems"] = len(run.problems)
+        results["gold_agreement"] = run.agreement
     if rt.master:  # samples.txt: held-out prompts, the greedy responses of policy and reference, the chosen one
         with open(os.path.join(out_dir, "samples.txt"), "w") as f:
             for i, (prompt, chosen, _) in enumerate(run.val_pairs[: cfg.num_samples]):

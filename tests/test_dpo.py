@@ -33,11 +33,15 @@ def log_s(x):
     return -math.log1p(math.exp(-x))
 
 
+def f64(*values):
+    """A float64 tensor of the values: f64(0.5) has shape (1,)."""
+    return torch.tensor(values, dtype=torch.float64)
+
+
 def loss(loss_type, pi_c, pi_r, ref_c, ref_r, **kw):
     """preference_loss on 1-element float64 tensors, as Python floats (losses, chosen reward, rejected reward)."""
-    t = lambda v: torch.tensor([v], dtype=torch.float64)
-    kw = {k: t(v) if k.endswith("_len") else v for k, v in kw.items()}
-    out = dpo.preference_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), loss_type, **kw)
+    kw = {k: f64(v) if k.endswith("_len") else v for k, v in kw.items()}
+    out = dpo.preference_loss(f64(pi_c), f64(pi_r), f64(ref_c), f64(ref_r), loss_type, **kw)
     return [x.item() for x in out]
 
 
@@ -152,7 +156,10 @@ def test_sigmoid_loss_is_log2_when_policy_equals_reference(pi_c, pi_r, beta):
 def test_cdpo_is_the_label_noise_mixture_and_equals_sigmoid_at_zero_smoothing(pi_c, pi_r, ref_c, ref_r, beta, eps):
     """cDPO(eps) = (1 - eps) DPO(h) + eps DPO(-h); with eps = 0 it is DPO's -log s(beta h), and so is robust."""
     h = (pi_c - ref_c) - (pi_r - ref_r)
-    dpo_loss = lambda x: math.log1p(math.exp(-beta * x))  # -log s(beta x)
+
+    def dpo_loss(x):  # -log s(beta x)
+        return math.log1p(math.exp(-beta * x))
+
     plain = loss("sigmoid", pi_c, pi_r, ref_c, ref_r, beta=beta)[0]
     assert plain == pytest.approx(dpo_loss(h), rel=1e-9, abs=1e-12)
     assert loss("sigmoid", pi_c, pi_r, ref_c, ref_r, beta=beta, label_smoothing=0.0)[0] == plain
@@ -171,9 +178,8 @@ def test_ipo_is_minimised_at_h_equal_to_one_over_two_beta(a, b, beta, len_c, len
     at_min = loss("ipo", a + target * len_c, 0.0, a, 0.0, beta=beta, **lens)[0]  # h = target exactly
     assert at_min == pytest.approx(0.0, abs=1e-12)
     assert loss("ipo", a, b, 0.0, 0.0, beta=beta, **lens)[0] >= at_min
-    t = lambda v: torch.tensor([v], dtype=torch.float64)
-    pi_c = t(a + target * len_c).requires_grad_()
-    dpo.preference_loss(pi_c, t(0.0), t(a), t(0.0), "ipo", beta, 0.0, t(len_c), t(len_r))[0].sum().backward()
+    pi_c = f64(a + target * len_c).requires_grad_()
+    dpo.preference_loss(pi_c, f64(0.0), f64(a), f64(0.0), "ipo", beta, 0.0, f64(len_c), f64(len_r))[0].sum().backward()
     assert abs(pi_c.grad.item()) < 1e-9
 
 
@@ -187,9 +193,8 @@ def test_monotone_losses_decrease_as_the_chosen_logratio_grows(loss_type, pi_c, 
     after = loss(loss_type, pi_c + step, pi_r, ref_c, ref_r, **kw)[0]
     assert after <= before + 1e-12
     x = torch.tensor([pi_c], dtype=torch.float64, requires_grad=True)
-    t = lambda v: torch.tensor([v], dtype=torch.float64)
-    kw = {k: t(v) if k.endswith("_len") else v for k, v in kw.items()}
-    dpo.preference_loss(x, t(pi_r), t(ref_c), t(ref_r), loss_type, **kw)[0].sum().backward()
+    kw = {k: f64(v) if k.endswith("_len") else v for k, v in kw.items()}
+    dpo.preference_loss(x, f64(pi_r), f64(ref_c), f64(ref_r), loss_type, **kw)[0].sum().backward()
     assert x.grad.item() <= 1e-12
 
 
@@ -199,9 +204,14 @@ def test_orpo_and_kto_decrease_as_the_chosen_logprob_grows(avg_c, avg_r, step):
     """ORPO: a likelier chosen response lowers both the NLL and the odds-ratio term. KTO: a desirable row's loss
     falls and an undesirable row's rises as its log-ratio grows."""
     avg_c = min(avg_c, -step - 1e-3)  # room to rise below 0
-    orpo = lambda c: dpo.orpo_loss(torch.tensor([c]), torch.tensor([avg_r]), torch.tensor([-c]), 0.5)[0].item()
+
+    def orpo(c):
+        return dpo.orpo_loss(torch.tensor([c]), torch.tensor([avg_r]), torch.tensor([-c]), 0.5)[0].item()
+
+    def kto(r, good):
+        return dpo.kto_loss(torch.tensor([r]), torch.zeros(1), torch.tensor([good]), 0.5, 0.2)[0].item()
+
     assert orpo(avg_c + step) <= orpo(avg_c) + 1e-6
-    kto = lambda r, good: dpo.kto_loss(torch.tensor([r]), torch.zeros(1), torch.tensor([good]), 0.5, 0.2)[0].item()
     assert kto(avg_c + step, True) <= kto(avg_c, True) and kto(avg_c + step, False) >= kto(avg_c, False)
 
 
@@ -220,8 +230,7 @@ def test_simpo_ignores_the_reference_arguments(pi_c, pi_r, ref_c, ref_r, ref_c2,
     kw = dict(beta=2.0, gamma=0.7, chosen_len=len_c, rejected_len=len_r)
     first = loss("simpo", pi_c, pi_r, ref_c, ref_r, **kw)
     assert first == loss("simpo", pi_c, pi_r, ref_c2, ref_r2, **kw)
-    t = lambda v: torch.tensor([v], dtype=torch.float64)
-    none = dpo.preference_loss(t(pi_c), t(pi_r), None, None, "simpo", 2.0, 0.0, t(len_c), t(len_r), 0.7)
+    none = dpo.preference_loss(f64(pi_c), f64(pi_r), None, None, "simpo", 2.0, 0.0, f64(len_c), f64(len_r), 0.7)
     assert [x.item() for x in none] == first
 
 
@@ -413,9 +422,8 @@ def test_truncate_pair_gives_identical_results_in_dpo_and_reward_model(prompt, c
 def test_sigmoid_loss_equals_reward_model_bradley_terry_on_implicit_rewards(pi_c, pi_r, ref_c, ref_r, beta):
     """DPO is a Bradley-Terry model of the implicit rewards beta * (pi - ref): reward_model.py's loss on them."""
     rm = reward_model_module()
-    t = lambda *v: torch.tensor(v, dtype=torch.float64)
-    losses, chosen_r, rejected_r = dpo.preference_loss(t(pi_c), t(pi_r), t(ref_c), t(ref_r), "sigmoid", beta)
-    bt = rm.bradley_terry_loss(beta * (t(pi_c) - t(ref_c)), beta * (t(pi_r) - t(ref_r)))
+    losses, chosen_r, rejected_r = dpo.preference_loss(f64(pi_c), f64(pi_r), f64(ref_c), f64(ref_r), "sigmoid", beta)
+    bt = rm.bradley_terry_loss(beta * (f64(pi_c) - f64(ref_c)), beta * (f64(pi_r) - f64(ref_r)))
     assert losses.mean().item() == pytest.approx(bt.item(), rel=1e-9)
 
 
@@ -846,9 +854,12 @@ def test_arithmetic_judge_ranks_the_pairs_and_its_agreement_with_gold_is_reporte
     )
     records = read_pairs(tmp_path / "run")
     assert len(records) > 10
-    with torch.no_grad():
-        score = lambda prompt, answer: judge(torch.tensor([arith.tok.encode(prompt + answer)]))[0, -1].item()
-        assert all(score(r["prompt"], r["chosen"]) > score(r["prompt"], r["rejected"]) for r in records)
+
+    @torch.no_grad()
+    def score(prompt, answer):  # the judge's score at the last token of prompt + answer
+        return judge(torch.tensor([arith.tok.encode(prompt + answer)]))[0, -1].item()
+
+    assert all(score(r["prompt"], r["chosen"]) > score(r["prompt"], r["rejected"]) for r in records)
     agree = [r["chosen"] == addition(r["prompt"]) != r["rejected"] for r in records]
     assert results["gold_agreement"] == pytest.approx(sum(agree) / len(agree)) and 0 < sum(agree) < len(agree)
     assert "win_rate" in results
