@@ -417,13 +417,16 @@ def split_hh(text):
 def hh_pairs(records):
     """(prompt, chosen, rejected) triples of HH-RLHF records {"chosen": dialogue, "rejected": dialogue}, and a
     dict counting the records skipped for each reason (missing field, no response, prompts differ, identical)."""
-    pairs, skipped = [], {}
+    pairs = []
+    skipped = {}
     for rec in records:
-        chosen, rejected = rec.get("chosen"), rec.get("rejected")
+        chosen = rec.get("chosen")
+        rejected = rec.get("rejected")
         if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
             reason = "missing field"
         else:
-            c, r = split_hh(chosen), split_hh(rejected)
+            c = split_hh(chosen)  # (prompt, response) or None
+            r = split_hh(rejected)
             if c is None or r is None:
                 reason = "no Assistant response"
             elif c[0] != r[0]:
