@@ -204,6 +204,7 @@ def evaluate(model, eval_batches, rt):
 
 
 def mean_loss(model, batches, rt):
+    """The token losses of the batches summed, over their target count (evaluate calls it under no_grad)."""
     loss_sum = torch.zeros((), device=rt.device)
     n_targets = torch.zeros((), device=rt.device)
     for x, y in batches:
@@ -471,8 +472,17 @@ def download(url, path):
 
 def validate(cfg):
     """Impossible flags end the run with one line (exit code 2) before anything is written."""
-    positive = ("batch_size", "grad_accum", "max_steps", "block_size", "eval_every", "eval_iters", "log_every")
-    positive += ("save_every", "denoise_steps")
+    positive = (
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "block_size",
+        "eval_every",
+        "eval_iters",
+        "log_every",
+        "save_every",
+        "denoise_steps",
+    )
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
@@ -486,8 +496,10 @@ def validate(cfg):
     check(cfg.attention == "mla" or not cfg.kv_latent_dim, "--kv_latent_dim needs --attention mla")
     is_variant = (cfg.attention, cfg.objective, cfg.kv_latent_dim) != ("mha", "causal", 0)
     # a checkpoint or GPT-2's weights keep their own kind of model
-    message = "--attention, --objective, --kv_latent_dim build a new model (scratch)"
-    check(cfg.init_from == "scratch" or not is_variant, message)
+    check(
+        cfg.init_from == "scratch" or not is_variant,
+        "--attention, --objective, --kv_latent_dim build a new model (scratch)",
+    )
 
 
 def model_and_tokenizer(cfg, ckpt):
