@@ -78,12 +78,14 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # data
     out_dir: str = ""  # run folder; default out/gpt-<YYYYmmdd-HHMMSS>
     data: str = "shakespeare_char"  # shakespeare_char | shakespeare | hh_sft | arithmetic | path of a text file
     data_path: str = ""  # local copy of the named dataset (text file, or .jsonl/.jsonl.gz for hh_sft)
     tokenizer: str = "auto"  # auto | char | gpt2 (auto: char for shakespeare_char and text files, else gpt2)
     digits: int = 2  # arithmetic: largest number of digits of an operand
     ops: str = "+-*"  # arithmetic: operators to draw from
+    # model: a checkpoint, GPT-2 weights, or a new GPT of these sizes
     init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | hub id | ckpt.pt | HF folder
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
     n_layer: int = 4  # transformer blocks (scratch only)
@@ -92,10 +94,12 @@ class Config:
     block_size: int = 128  # context length in tokens
     dropout: float = 0.0  # dropout probability
     bias: bool = True  # biases in Linear and LayerNorm layers (scratch only)
+    # the variants (gpt.py only; a new model: see VariantAttention)
     attention: str = "mha"  # mha (GPT-2's multi-head attention) | mla (multi-head latent attention) (scratch only)
     kv_latent_dim: int = 0  # mla: latent numbers per token and layer (0: 2*n_embd//3, the parameters of mha)
     objective: str = "causal"  # causal (next token) | denoise (masked diffusion: bidirectional) (scratch only)
     denoise_steps: int = 60  # denoise: unmasking steps of the sampler
+    # optimisation
     batch_size: int = 32  # sequences per micro-batch per rank
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int = 1500  # optimizer steps
@@ -107,15 +111,18 @@ class Config:
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    # evaluation, logging, checkpoints
     eval_every: int = 250  # steps between evaluations
     eval_iters: int = 20  # batches per evaluation
     log_every: int = 50  # steps between log lines
     save_every: int = 500  # steps between checkpoints (one is always written at the end)
+    # the samples written at the end
     num_samples: int = 3  # samples written to samples.txt at the end
     sample_tokens: int = 120  # tokens per sample
     sample_prompt: str = "\n"  # prompt of the samples
     temperature: float = 0.8  # sampling temperature (0: greedy)
     top_k: int = 0  # sample among the k most likely tokens (0: all)
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the model
@@ -126,44 +133,89 @@ class Config:
     wandb_project: str = "rlhf-gpt"  # wandb project
 
 
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
+# ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: batches of the token stream, and the training step.
+#
+# A split is a pair (ids, mask): ids (N,) LongTensor, the whole split's tokens laid end to end; mask (N,) BoolTensor,
+# True on the tokens that are targets (SFT: Assistant turns, arithmetic answers), or None when every token is one.
+# A batch, from get_batch, is a pair of LongTensors:
+#   x   (B, T)  input tokens; --objective denoise: the window with its noised positions replaced by the mask token
+#   y   (B, T)  targets: the next token (causal) or the original token at a noised position (denoise); -1 where a
+#               position is no target (mask False, or a position the noise left alone), which the loss skips
 
 
-def download(url, path):
-    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            torch.hub.download_url_to_file(url, path)
-        except Exception as e:
-            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    return path
+def get_batch(data, batch_size, block_size, device, generator=None, mask_id=None):
+    """Random windows of the stream: inputs x and next-token targets y, with -1 where y is not a target.
+
+    With mask_id (--objective denoise), MDLM's forward process on the window instead: each row draws a mask rate
+    t ~ U(0, 1], each token is replaced by mask_id with probability t, and the targets are the original tokens at
+    the masked positions only (y = -1 elsewhere, so the loss ignores them). SFT target masks do not apply here: the
+    denoiser learns the whole text."""
+    ids, mask = data
+    ix = torch.randint(len(ids) - block_size - 1, (batch_size,), generator=generator)  # (B,) window starts
+    x = torch.stack([ids[i : i + block_size] for i in ix])  # (B, T)
+    y = torch.stack([ids[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
+    if mask is not None:
+        is_target = torch.stack([mask[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
+        y = y.masked_fill(~is_target, -1)
+    if mask_id is not None:
+        t = 1 - torch.rand(batch_size, 1, generator=generator)  # (B, 1) mask rate in (0, 1]
+        noised = torch.rand(x.shape, generator=generator) < t  # (B, T)
+        y = x.masked_fill(~noised, -1)  # the denoiser predicts the original tokens where it sees the mask
+        x = x.masked_fill(noised, mask_id)
+    return x.to(device), y.to(device)
 
 
-def mfu(model, seq_len, tokens, seconds, rt):
-    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU). FLOPs per
-    token: 6N for the weights plus the attention scores, forward and backward (PaLM appendix B)."""
-    c = model.config
-    flops = (6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len) * tokens
-    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else ""
-    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
-    peak = next((v for k, v in peaks.items() if k in name), None)
-    return None if peak is None else flops / (seconds * peak * rt.world_size)
+def train_step(model, optimizer, scaler, batches, rt, grad_clip):
+    """ALGO LOGIC: one optimizer step. The loss is the sum of token losses over every micro-batch and rank divided
+    by the global target count, so it does not depend on how the batch is split. Returns (loss, grad norm)."""
+    n_targets = sum((y != -1).sum() for _, y in batches).float()  # this rank's targets
+    n_targets = all_reduce(n_targets, rt).clamp(min=1)  # every rank's: the step's normaliser
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro, (x, y) in enumerate(batches):
+        grad_sync(model, micro == len(batches) - 1)  # ranks exchange gradients once, after the last micro-batch
+        with rt.autocast():
+            _, loss = model(x, y, output="loss")  # mean over this micro-batch's targets; no (B, T, V) logits held
+        token_loss_sum = loss * (y != -1).sum()
+        # ranks' gradients are averaged, so each rank's share is scaled by world_size
+        scaler.scale(token_loss_sum * rt.world_size / n_targets).backward()
+        loss_sum += token_loss_sum.detach()
+    scaler.unscale_(optimizer)  # clip the true gradients, not float16's scaled ones
+    grad_norm = clip_grad_norm(model, grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    loss = all_reduce(loss_sum, rt) / n_targets
+    return loss.item(), grad_norm.item()
+
+
+@torch.no_grad()
+def evaluate(model, eval_batches, rt):
+    """eval/train_loss and eval/val_loss: the mean token loss of each split's fixed batches (token losses summed,
+    then divided by the target count). Every rank evaluates the same batches (under FSDP the forward is
+    collective), so every rank gets the same numbers without a reduction."""
+    model.eval()
+    out = {
+        "eval/train_loss": mean_loss(model, eval_batches["train"], rt),
+        "eval/val_loss": mean_loss(model, eval_batches["val"], rt),
+    }
+    model.train()
+    return out
+
+
+def mean_loss(model, batches, rt):
+    """The token losses of the batches summed, over their target count (evaluate calls it under no_grad)."""
+    loss_sum = torch.zeros((), device=rt.device)
+    n_targets = torch.zeros((), device=rt.device)
+    for x, y in batches:
+        x = x.to(rt.device)
+        y = y.to(rt.device)
+        with rt.autocast():
+            _, loss = model(x, y, output="loss")  # mean over this batch's targets
+        count = (y != -1).sum()
+        loss_sum += loss * count
+        n_targets += count
+    return (loss_sum / n_targets.clamp(min=1)).item()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,27 +243,39 @@ class VariantAttention(nn.Module):
 
     def __init__(self, config, kv_latent_dim, causal):
         super().__init__()
-        self.n_head, self.n_layer, self.dropout, self.causal = config.n_head, config.n_layer, config.dropout, causal
-        C, L = config.n_embd, kv_latent_dim
-        self.q_proj, self.c_proj = nn.Linear(C, C, bias=config.bias), nn.Linear(C, C, bias=config.bias)
+        self.n_head = config.n_head
+        self.n_layer = config.n_layer
+        self.dropout = config.dropout
+        self.causal = causal
+        C = config.n_embd
+        L = kv_latent_dim
+        # registered in this order, which the weight initialisation draws in
+        self.q_proj = nn.Linear(C, C, bias=config.bias)  # W_Q
+        self.c_proj = nn.Linear(C, C, bias=config.bias)  # the output projection, as in CausalSelfAttention
         self.kv_down = nn.Linear(C, L, bias=config.bias) if L else nn.Identity()  # W_DKV
         self.kv_up = nn.Linear(L or C, 2 * C, bias=config.bias)  # W_UK and W_UV side by side
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, attn_mask, layer, cache):
-        B, T, C = x.size()
-        c_kv = self.kv_down(x)  # (B, T, L)
+        B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
+        hs = C // self.n_head  # head size
+        c_kv = self.kv_down(x)  # (B, T, L): all the cache keeps of a token (L = C without compression)
         if cache is not None:  # the block's KVCache keeps positions and padding; its k and v are never allocated
             if not hasattr(cache, "latent"):
                 cache.latent = c_kv.new_empty(self.n_layer, B, cache.real.size(1), c_kv.size(-1))  # (nl, B, max, L)
             cache.latent[layer, :, cache.pos : cache.pos + T] = c_kv
             c_kv = cache.latent[layer, :, : cache.pos + T]  # (B, past+T, L)
-        q = self.q_proj(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k, v = (t.view(B, -1, self.n_head, C // self.n_head).transpose(1, 2) for t in self.kv_up(c_kv).split(C, 2))
-        causal = self.causal and attn_mask is None and k.size(2) == T and T > 1  # as in CausalSelfAttention
+        q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = self.kv_up(c_kv).split(C, dim=2)  # each (B, S, C), S = T, or past+T with a cache
+        k = k.view(B, -1, self.n_head, hs).transpose(1, 2)  # (B, nh, S, hs)
+        v = v.view(B, -1, self.n_head, hs).transpose(1, 2)  # (B, nh, S, hs)
+        # as in CausalSelfAttention: attn_mask None is plain causal attention over this chunk; denoise: none at all
+        causal = self.causal and attn_mask is None and k.size(2) == T and T > 1
         dropout = self.dropout if self.training else 0.0
+        # (B, nh, T, hs): each query's weighted sum of the values it may see
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): the heads side by side
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
 def make_model(model_config):
@@ -219,14 +283,17 @@ def make_model(model_config):
     initialised as GPT-2 initialises the block's; model.variant keeps them for the checkpoint. A standard
     model_config builds exactly the block's GPT."""
     variant = {k: v for k, v in model_config.items() if k in VARIANT_FIELDS}
-    model = GPT(GPTConfig(**{k: v for k, v in model_config.items() if k not in VARIANT_FIELDS}))
-    for block in model.transformer.h if variant else []:
-        causal = variant.get("objective", "causal") == "causal"
-        latent = variant.get("kv_latent_dim", 0) if variant.get("attention") == "mla" else 0  # 0: no compression
+    sizes = {k: v for k, v in model_config.items() if k not in VARIANT_FIELDS}
+    model = GPT(GPTConfig(**sizes))
+    model.variant = variant
+    if not variant:
+        return model
+    causal = variant.get("objective", "causal") == "causal"
+    latent = variant.get("kv_latent_dim", 0) if variant.get("attention") == "mla" else 0  # 0: no compression
+    for block in model.transformer.h:
         block.attn = VariantAttention(model.config, latent, causal)
         block.attn.apply(model._init_weights)
         nn.init.normal_(block.attn.c_proj.weight, std=0.02 / math.sqrt(2 * model.config.n_layer))
-    model.variant = variant
     return model
 
 
@@ -237,16 +304,20 @@ def denoise_generate(model, prompts, n_new, steps, temperature=1.0, top_k=None, 
     predicts every position at once, draws a token for each masked one (sample_next: temperature, top_k) and keeps
     the most confident draws (by the model's probability of the drawn token), a fixed share of n_new per step; the
     rest stay masked. The last step unmasks what is left. Returns (tokens (B, n_new), mask of ones) as generate()."""
-    mask_id, device = model.config.vocab_size - 1, next(model.parameters()).device
+    mask_id = model.config.vocab_size - 1
+    device = next(model.parameters()).device
     x = torch.tensor([list(p) + [mask_id] * n_new for p in prompts], device=device)  # (B, T + n_new)
     for step in range(steps):
         logits, _ = model(x)  # (B, T + n_new, V)
         logits[..., mask_id] = float("-inf")  # never draw the mask token itself
         draw = sample_next(logits.flatten(0, 1), temperature, top_k, generator).view(x.shape)  # (B, T + n_new)
         p = torch.softmax(logits.float(), -1).gather(-1, draw[..., None])[..., 0]  # (B, T + n_new) confidence
-        keep = p.masked_fill(x != mask_id, -1.0).topk(n_new * (step + 1) // steps - n_new * step // steps).indices
+        # after this step n_new * (step + 1) // steps positions are unmasked: after the last, all of them
+        n_keep = n_new * (step + 1) // steps - n_new * step // steps
+        keep = p.masked_fill(x != mask_id, -1.0).topk(n_keep).indices  # (B, n_keep)
         x = x.scatter(1, keep, draw.gather(1, keep))  # only masked positions compete: p of the others is -1
-    return x[:, -n_new:], torch.ones_like(x[:, -n_new:], dtype=torch.float)
+    tokens = x[:, -n_new:]  # (B, n_new)
+    return tokens, torch.ones_like(tokens, dtype=torch.float)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,21 +331,83 @@ SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dat
 ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of --data arithmetic --tokenizer char
 
 
+def load_splits(cfg, tok):
+    """(train, val) as pairs of (ids LongTensor, target mask BoolTensor or None)."""
+    if cfg.data == "arithmetic":
+        check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
+        splits = []
+        for seed, n in ((cfg.seed, 20000), (cfg.seed + 1, 1000)):  # train, then val: problems drawn from seed
+            rng = random.Random(seed)
+            examples = []
+            for _ in range(n):
+                prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
+                p = tok.encode(prompt)
+                a = tok.encode(answer)
+                examples.append((p + a, [False] * len(p) + [True] * len(a)))  # only the answer is a target
+            splits.append(stream(examples))
+        return splits
+    if cfg.data == "hh_sft":
+        if cfg.data_path:
+            texts = [r["chosen"] for r in read_jsonl(cfg.data_path, ["chosen"])]
+            order = random.Random(0).sample(range(len(texts)), len(texts))  # fixed split, whatever --seed
+            n_val = max(1, len(texts) // 20)
+            train_texts = [texts[i] for i in order[n_val:]]
+            val_texts = [texts[i] for i in order[:n_val]]
+        else:
+            try:
+                import datasets
+
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                train_texts = hub["train"]["chosen"]
+                val_texts = hub["test"]["chosen"]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        train = stream([hh_dialogue(text, tok) for text in train_texts])
+        val = stream([hh_dialogue(text, tok) for text in val_texts])
+        return [train, val]
+    path = text_path(cfg)
+    text = read_text(path)
+    if isinstance(tok, CharTokenizer):
+        unknown = sorted(set(text) - set(tok.chars))
+        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
+    ids = torch.tensor(tok.encode(text))
+    n = int(0.9 * len(ids))  # the first 90% trains, the rest validates
+    return [(ids[:n], None), (ids[n:], None)]
+
+
+def stream(examples):
+    """One token stream and its target mask from (ids, mask) examples laid end to end."""
+    ids = torch.tensor([t for example_ids, _ in examples for t in example_ids])
+    mask = torch.tensor([m for _, example_mask in examples for m in example_mask])
+    return ids, mask
+
+
 def arithmetic_problem(rng, digits, ops):
     """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
     op = rng.choice(ops)
-    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+    if op == "+":
+        result = a + b
+    elif op == "-":
+        result = a - b
+    else:
+        result = a * b
+    return f"{a}{op}{b}=", f"{result}\n"
 
 
 def hh_dialogue(text, tok):
     """Token ids of one HH-RLHF dialogue and the mask of its Assistant turns (the SFT targets), then <eot>."""
-    ids, mask, speaker = [], [], None
+    ids = []
+    mask = []
+    speaker = None
     for part in filter(None, re.split(r"(\n\nHuman:|\n\nAssistant:)", text)):
-        speaker = part if part in ("\n\nHuman:", "\n\nAssistant:") else speaker
+        is_marker = part in ("\n\nHuman:", "\n\nAssistant:")
+        if is_marker:
+            speaker = part
         piece = tok.encode(part)
         ids += piece
-        mask += [part != speaker and speaker == "\n\nAssistant:"] * len(piece)  # a turn's text, not its marker
+        mask += [speaker == "\n\nAssistant:" and not is_marker] * len(piece)  # a turn's text, not its marker
     return ids + [tok.eot_id], mask + [True]
 
 
@@ -283,46 +416,6 @@ def text_path(cfg):
     if cfg.data in ("shakespeare_char", "shakespeare"):
         return cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
     return cfg.data
-
-
-def stream(examples):
-    """One token stream and its target mask from (ids, mask) examples laid end to end."""
-    return torch.tensor([t for ids, _ in examples for t in ids]), torch.tensor([m for _, ms in examples for m in ms])
-
-
-def load_splits(cfg, tok):
-    """(train, val) as pairs of (ids LongTensor, target mask BoolTensor or None)."""
-    if cfg.data == "arithmetic":
-        check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
-        splits = []
-        for seed, n in ((cfg.seed, 20000), (cfg.seed + 1, 1000)):
-            rng = random.Random(seed)
-            pairs = [[tok.encode(s) for s in arithmetic_problem(rng, cfg.digits, cfg.ops)] for _ in range(n)]
-            splits.append(stream([(p + a, [False] * len(p) + [True] * len(a)) for p, a in pairs]))
-        return splits
-    if cfg.data == "hh_sft":
-        if cfg.data_path:
-            texts = [r["chosen"] for r in read_jsonl(cfg.data_path, ["chosen"])]
-            order = random.Random(0).sample(range(len(texts)), len(texts))  # fixed split, whatever --seed
-            n_val = max(1, len(texts) // 20)
-            parts = [[texts[i] for i in order[n_val:]], [texts[i] for i in order[:n_val]]]
-        else:
-            try:
-                import datasets
-
-                hub = datasets.load_dataset("Anthropic/hh-rlhf")
-                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
-            except Exception as e:
-                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        return [stream([hh_dialogue(text, tok) for text in texts]) for texts in parts]
-    path = text_path(cfg)
-    text = read_text(path)
-    if isinstance(tok, CharTokenizer):
-        unknown = sorted(set(text) - set(tok.chars))
-        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
-    ids = torch.tensor(tok.encode(text))
-    n = int(0.9 * len(ids))
-    return [(ids[:n], None), (ids[n:], None)]
 
 
 def make_tokenizer(cfg, model_spec):
@@ -342,32 +435,55 @@ def make_tokenizer(cfg, model_spec):
     return CharTokenizer(sorted(set(read_text(text_path(cfg)))))
 
 
-def get_batch(data, batch_size, block_size, device, generator=None, mask_id=None):
-    """Random windows of the stream: inputs x and next-token targets y, with -1 where y is not a target.
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
 
-    With mask_id (--objective denoise), MDLM's forward process on the window instead: each row draws a mask rate
-    t ~ U(0, 1], each token is replaced by mask_id with probability t, and the targets are the original tokens at
-    the masked positions only (y = -1 elsewhere, so the loss ignores them). SFT target masks do not apply here: the
-    denoiser learns the whole text."""
-    ids, mask = data
-    ix = torch.randint(len(ids) - block_size - 1, (batch_size,), generator=generator)
-    x = torch.stack([ids[i : i + block_size] for i in ix])  # (B, T)
-    y = torch.stack([ids[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
-    if mask is not None:
-        y = y.masked_fill(~torch.stack([mask[i + 1 : i + 1 + block_size] for i in ix]), -1)
-    if mask_id is not None:
-        t = 1 - torch.rand(batch_size, 1, generator=generator)  # (B, 1) mask rate in (0, 1]
-        noised = torch.rand(x.shape, generator=generator) < t  # (B, T)
-        x, y = x.masked_fill(noised, mask_id), x.masked_fill(~noised, -1)
-    return x.to(device), y.to(device)
+
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Setup and main: flags checked, model and tokenizer, the training loop, samples.
 
 
 def validate(cfg):
-    positive = ("batch_size", "grad_accum", "max_steps", "block_size", "eval_every", "eval_iters", "log_every")
-    for name in (*positive, "save_every", "denoise_steps"):
+    """Impossible flags end the run with one line (exit code 2) before anything is written."""
+    positive = (
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "block_size",
+        "eval_every",
+        "eval_iters",
+        "log_every",
+        "save_every",
+        "denoise_steps",
+    )
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
@@ -378,9 +494,11 @@ def validate(cfg):
     check(cfg.objective in ("causal", "denoise"), f"--objective {cfg.objective!r}: use causal or denoise")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(cfg.attention == "mla" or not cfg.kv_latent_dim, "--kv_latent_dim needs --attention mla")
-    new = (cfg.attention, cfg.objective, cfg.kv_latent_dim) != ("mha", "causal", 0)  # a checkpoint keeps its own kind
+    is_variant = (cfg.attention, cfg.objective, cfg.kv_latent_dim) != ("mha", "causal", 0)
+    # a checkpoint or GPT-2's weights keep their own kind of model
     check(
-        cfg.init_from == "scratch" or not new, "--attention, --objective, --kv_latent_dim build a new model (scratch)"
+        cfg.init_from == "scratch" or not is_variant,
+        "--attention, --objective, --kv_latent_dim build a new model (scratch)",
     )
 
 
@@ -401,68 +519,37 @@ def model_and_tokenizer(cfg, ckpt):
         model.variant = {}
         return model, make_tokenizer(cfg, spec)
     tok = make_tokenizer(cfg, None)
-    sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")}
-    latent = cfg.kv_latent_dim or 2 * cfg.n_embd // 3  # MLA's 2C^2 + 3CL weights: about mha's 4C^2
-    mla = dict(attention="mla", kv_latent_dim=latent) if cfg.attention == "mla" else {}
-    denoise = dict(objective="denoise") if cfg.objective == "denoise" else {}  # its mask token: one more id
-    return make_model({**sizes, "vocab_size": tok.vocab_size + len(denoise), **mla, **denoise}), tok
-
-
-@torch.no_grad()
-def evaluate(model, eval_batches, rt):
-    """Mean token loss of each split's fixed batches (summed over targets, all ranks, then divided)."""
-    model.eval()
-    out = {}
-    for split, batches in eval_batches.items():
-        total = torch.zeros(2, device=rt.device)  # (loss sum, target count)
-        for x, y in batches:
-            x, y = x.to(rt.device), y.to(rt.device)
-            with rt.autocast():
-                _, loss = model(x, y, output="loss")  # mean over this batch's targets
-            count = (y != -1).sum()
-            total += torch.stack([loss * count, count])
-        out[f"eval/{split}_loss"] = (total[0] / total[1].clamp(min=1)).item()
-    model.train()
-    return out
-
-
-def train_step(model, optimizer, scaler, batches, rt, grad_clip):
-    """ALGO LOGIC: one optimizer step. The loss is the sum of token losses over every micro-batch and rank divided
-    by the global target count, so it does not depend on how the batch is split. Returns (loss, grad norm)."""
-    n_targets = all_reduce(sum((y != -1).sum() for _, y in batches).float(), rt).clamp(min=1)
-    loss_sum = torch.zeros((), device=rt.device)
-    for micro, (x, y) in enumerate(batches):
-        grad_sync(model, micro == len(batches) - 1)
-        with rt.autocast():
-            _, loss = model(x, y, output="loss")  # the (B, T, V) logits are never held whole
-        loss = loss * (y != -1).sum()  # this micro-batch's sum of token losses
-        # ranks' gradients are averaged, so each rank's share is scaled by world_size
-        scaler.scale(loss * rt.world_size / n_targets).backward()
-        loss_sum += loss.detach()
-    scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(model, grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return (all_reduce(loss_sum, rt) / n_targets).item(), grad_norm.item()
+    model_config = {k: getattr(cfg, k) for k in ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")}
+    model_config["vocab_size"] = tok.vocab_size
+    if cfg.attention == "mla":
+        model_config["attention"] = "mla"
+        # 0: the latent width that gives MLA's 2C^2 + 3CL weights about mha's 4C^2
+        model_config["kv_latent_dim"] = cfg.kv_latent_dim or 2 * cfg.n_embd // 3
+    if cfg.objective == "denoise":
+        model_config["objective"] = "denoise"
+        model_config["vocab_size"] += 1  # the mask token
+    return make_model(model_config), tok
 
 
 def write_samples(model, tok, cfg, rt, out_dir):
     """samples.txt: --num_samples continuations of --sample_prompt (every rank takes part: under FSDP the forward
     is collective), by generate() or, for a denoiser, denoise_generate(). Returns the texts and the sampling speed
     (generated tokens per second)."""
-    prompt = tok.encode(cfg.sample_prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
-    prompt = prompt[-(model.config.block_size // 2) :]
+    prompt = tok.encode(cfg.sample_prompt)
+    if not prompt:  # an empty prompt: start from <|endoftext|>, or from token 0 of a char vocabulary
+        prompt = [tok.eot_id] if tok.eot_id is not None else [0]
+    prompt = prompt[-(model.config.block_size // 2) :]  # at most half the context: the rest is for the sample
     n_new = min(cfg.sample_tokens, model.config.block_size - len(prompt))
+    prompts = [prompt] * cfg.num_samples
+    top_k = cfg.top_k or None
     gen = torch.Generator(rt.device).manual_seed(cfg.seed)
     model.eval()
-    t0, top_k = time.time(), cfg.top_k or None
+    t0 = time.time()
     with rt.autocast():
         if model.variant.get("objective") == "denoise":
-            prompts = [prompt] * cfg.num_samples
             tokens, mask = denoise_generate(model, prompts, n_new, cfg.denoise_steps, cfg.temperature, top_k, gen)
         else:
-            tokens, mask = generate(model, [prompt] * cfg.num_samples, n_new, cfg.temperature, top_k, tok.eot_id, gen)
+            tokens, mask = generate(model, prompts, n_new, cfg.temperature, top_k, tok.eot_id, gen)
     speed = mask.sum().item() / (time.time() - t0)
     texts = [tok.decode(prompt + t[m > 0].tolist()) for t, m in zip(tokens.cpu(), mask.cpu())]
     if rt.master:
@@ -483,14 +570,16 @@ def main():
     block_size = raw_model.config.block_size
     check(cfg.block_size <= block_size, f"--block_size {cfg.block_size} is longer than the model's {block_size}")
     check(tok.vocab_size <= raw_model.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
-    splits = dict(zip(("train", "val"), load_splits(cfg, tok)))
+    train_split, val_split = load_splits(cfg, tok)
+    splits = {"train": train_split, "val": val_split}
     for name, (ids, _) in splits.items():
         check(len(ids) > cfg.block_size + 1, f"the {name} split has {len(ids)} tokens; it needs > --block_size + 1")
     model = wrap_model(raw_model.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw_model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    start_step = 0 if ckpt is None else ckpt["step"]
+    start_step = 0
     if ckpt is not None:
+        start_step = ckpt["step"]
         load_optimizer_state(raw_model, optimizer, ckpt["optimizer"], rt)
         restore_rng(ckpt, rt)
         if ckpt.get("scaler"):  # float16: the loss scale the run had reached, not 65536 again
@@ -498,7 +587,10 @@ def main():
         del ckpt
     # --objective denoise: masked batches (get_batch), the mask token being the vocabulary's last id
     mask_id = raw_model.config.vocab_size - 1 if raw_model.variant.get("objective") == "denoise" else None
-    batch = lambda data, device, gen=None: get_batch(data, cfg.batch_size, cfg.block_size, device, gen, mask_id)
+
+    def batch(data, device, generator=None):
+        return get_batch(data, cfg.batch_size, cfg.block_size, device, generator, mask_id)
+
     fixed = torch.Generator().manual_seed(0)  # the same evaluation batches at every evaluation
     eval_batches = {name: [batch(data, "cpu", fixed) for _ in range(cfg.eval_iters)] for name, data in splits.items()}
     if rt.master:
@@ -510,16 +602,27 @@ def main():
     model_config = {**dataclasses.asdict(raw_model.config), **raw_model.variant}  # a variant's fields: see make_model
 
     def checkpoint(step):
-        model_sd, optim_sd = training_state(raw_model, optimizer, rt)
+        model_sd, optim_sd = training_state(raw_model, optimizer, rt)  # collective under FSDP: every rank calls it
         rngs = all_rng_states(rt)
         if rt.master:
-            state = dict(model=model_sd, model_config=model_config, tokenizer=tok.spec)
-            state.update(step=step, optimizer=optim_sd, scaler=scaler.state_dict(), rng=rngs[0], rng_ranks=rngs)
-            save_checkpoint(ckpt_path, {**state, "config": dataclasses.asdict(cfg)})
+            state = {
+                "model": model_sd,
+                "model_config": model_config,
+                "tokenizer": tok.spec,
+                "step": step,
+                "optimizer": optim_sd,
+                "scaler": scaler.state_dict(),
+                "rng": rngs[0],
+                "rng_ranks": rngs,
+                "config": dataclasses.asdict(cfg),
+            }
+            save_checkpoint(ckpt_path, state)
 
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
-    t_start, evals, last_eval = time.time(), [], {}
+    t_start = time.time()
+    evals = []
+    last_eval = {}
     n_tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * rt.world_size
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -540,8 +643,11 @@ def main():
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{train_loss:.4f}")
         metrics = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm}
-        perf = {"perf/tokens_per_s": n_tokens / dt, "perf/step_ms": 1000 * dt}
-        perf["perf/mfu"] = mfu(raw_model, cfg.block_size, n_tokens, dt, rt)
+        perf = {
+            "perf/tokens_per_s": n_tokens / dt,
+            "perf/step_ms": 1000 * dt,
+            "perf/mfu": mfu(raw_model, cfg.block_size, n_tokens, dt, rt),
+        }
         logger.log(step, {**metrics, **perf}, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             checkpoint(step + 1)
@@ -568,7 +674,17 @@ def main():
     cleanup(rt)
 
 
-# ----------------------------------------------------------------------------------------------------------
+def mfu(model, seq_len, tokens, seconds, rt):
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU). FLOPs per
+    token: 6N for the weights plus the attention scores, forward and backward (PaLM appendix B)."""
+    c = model.config
+    flops = (6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len) * tokens
+    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else ""
+    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+    peak = next((v for k, v in peaks.items() if k in name), None)
+    return None if peak is None else flops / (seconds * peak * rt.world_size)
+
+
 # Everything below is copied verbatim from gpt.py, where it is read: the GPT-2 model, sampling and log-probs
 # (model), then the command line, runtime, checkpoints, tokenizers and logging (train). tests/test_shared_blocks.py
 # checks that every copy equals gpt.py's; `python tests/test_shared_blocks.py --fix` copies gpt.py's into each script.

@@ -608,7 +608,10 @@ def hf_gpt2_state_dict(seed=0):
     lm_head.weight). Scales chosen so attention is peaked and the GELU runs beyond its linear range."""
     g = torch.Generator().manual_seed(seed)
     C, V, P = HF["n_embd"], HF["vocab_size"], HF["n_positions"]
-    rnd = lambda *shape, std=0.1: torch.randn(*shape, generator=g) * std
+
+    def rnd(*shape, std=0.1):
+        return torch.randn(*shape, generator=g) * std
+
     sd = {"transformer.wte.weight": rnd(V, C, std=0.3), "transformer.wpe.weight": rnd(P, C, std=0.3)}
     for i in range(HF["n_layer"]):
         h = f"transformer.h.{i}."
