@@ -452,13 +452,15 @@ def read_jsonl(path, required):
     """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
     skipped with a summary line; a file with no usable record is an error."""
     check(os.path.isfile(path), f"data file {path} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
     try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8") as f:
             lines = [line for line in f if line.strip()]
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
     check(lines, f"data file {path} is empty")
-    records = [r for r in map(json_or_none, lines) if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
     bad = len(lines) - len(records)
     check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
     if bad:
@@ -505,9 +507,16 @@ ARITHMETIC_CHARS = "\n*+-0123456789="
 
 def arithmetic_problem(rng, digits, ops):
     """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
     op = rng.choice(ops)
-    return f"{a}{op}{b}=", f"{a + b if op == '+' else a - b if op == '-' else a * b}\n"
+    if op == "+":
+        result = a + b
+    elif op == "-":
+        result = a - b
+    else:
+        result = a * b
+    return f"{a}{op}{b}=", f"{result}\n"
 
 
 def corrupt(rng, value):
