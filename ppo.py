@@ -75,6 +75,7 @@ Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, a
     train/entropy                  mean entropy of pi (the sampling distribution) over completion tokens (nats)
     train/approx_kl                mean k3 estimate of KL(pi_old || pi) per token, (rho - 1) - log rho
     train/clipfrac                 tokens whose clipped surrogate is the active branch
+    train/dual_clipfrac            with --dual_clip: tokens whose term is capped at -c A
     train/explained_variance       1 - Var[G - V_old] / Var[G] over the rollout's tokens (1: values predict returns)
     train/loss, train/lr, train/grad_norm, train/value_grad_norm (separate value model), train/epochs (epochs run,
                                    fewer than --ppo_epochs after an early stop)
@@ -556,12 +557,12 @@ def ppo_update(run, batch):
         for name, value in epoch_sums.items():
             all_reduce(value, rt)  # in place: shares of global means, whose sum over ranks is the mean
             sums[name] += value
-        epoch_kl = epoch_sums["train/approx_kl"].item() / cfg.num_minibatches  # the mean over its minibatches
+        epoch_kl = epoch_sums["train/approx_kl"].item() / cfg.num_minibatches  # all ranks, mean over its minibatches
         if cfg.target_kl_stop and epoch_kl > cfg.target_kl_stop:
             break
     n_updates = len(grad_norms)  # --num_minibatches per epoch run (fewer epochs after an early stop)
     metrics = {name: (total / n_updates).item() for name, total in sums.items()}
-    grad_norms = torch.stack(grad_norms)  # (updates, models)
+    grad_norms = torch.stack(grad_norms)  # (updates, models): the policy's column, then a separate value model's
     metrics["train/grad_norm"] = grad_norms[:, 0].mean().item()
     if len(models) == 2:
         metrics["train/value_grad_norm"] = grad_norms[:, 1].mean().item()
