@@ -75,6 +75,7 @@ Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, a
     train/entropy                  mean entropy of pi (the sampling distribution) over completion tokens (nats)
     train/approx_kl                mean k3 estimate of KL(pi_old || pi) per token, (rho - 1) - log rho
     train/clipfrac                 tokens whose clipped surrogate is the active branch
+    train/dual_clipfrac            with --dual_clip: tokens whose term is capped at -c A
     train/explained_variance       1 - Var[G - V_old] / Var[G] over the rollout's tokens (1: values predict returns)
     train/loss, train/lr, train/grad_norm, train/value_grad_norm (separate value model), train/epochs (epochs run,
                                    fewer than --ppo_epochs after an early stop)
@@ -105,6 +106,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -122,99 +124,79 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # the run: where it is written, what it starts from
     out_dir: str = ""  # run folder; default out/ppo-<YYYYmmdd-HHMMSS>
-    task: str = "next_token"  # next_token | arithmetic | reward_model
-    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
-    data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
     init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
-    tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    reward_model: str = ""  # reward_model.py's ckpt.pt: the learned reward (reward_model, arithmetic), --value_init
+    # a new model (scratch only)
+    tokenizer: str = "gpt2"  # new models only: gpt2 | char (the data's characters; small and offline, for tests)
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
     block_size: int = 128  # context length of the model (scratch only)
+    # the task: its prompts and its reward
+    task: str = "next_token"  # next_token | arithmetic | reward_model
+    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
+    data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
+    reward_model: str = ""  # reward_model.py's ckpt.pt: the learned reward (reward_model, arithmetic), --value_init
     context_len: int = 32  # next_token: tokens of real text before each rollout
-    horizon: int = 16  # most tokens per completion
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
     format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
+    missing_eos_penalty: float = 0.0  # subtracted from the score of a completion without an end token
+    # rollouts
     batch_size: int = 64  # prompts per step per rank, one completion each
+    horizon: int = 16  # most tokens per completion
     temperature: float = 1.0  # sampling temperature of rollouts
     top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
+    # the value model
     value_model: str = "separate"  # separate (a GPT body with a value head) | shared (a value head on the policy)
     value_init: str = "policy"  # separate value model: policy (head at zero) | reward_model (--reward_model's weights)
+    # the KL penalty in the reward
     reference: str = "auto"  # auto (bigram for next_token from scratch, else init) | bigram | random | init | none
     beta_kl: float = 0.05  # kl_coef, the per-token KL penalty's coefficient in the reward (start of --adaptive_kl)
     adaptive_kl: bool = False  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
     target_kl: float = 6.0  # adaptive_kl: target KL per sequence (nats, k1 summed over its tokens)
     kl_horizon: int = 10000  # adaptive_kl: completions over which the coefficient moves by at most a fifth
-    missing_eos_penalty: float = 0.0  # subtracted from the score of a completion without an end token
+    # advantages
     gamma: float = 1.0  # discount per token
     lam: float = 0.95  # GAE lambda (1: Monte Carlo returns minus values; 0: one-step TD errors)
     whiten_advantages: bool = True  # normalise advantages to mean 0, variance 1 over the rollout batch
+    # the loss
     clip_eps: float = 0.2  # PPO clip range of the probability ratio
     dual_clip: float = 0.0  # c > 1 caps the loss of negative-advantage tokens at -c A (0: off)
     clip_eps_value: float = 0.2  # clip range of the value around the rollout's value (0: unclipped value loss)
     vf_coef: float = 0.1  # shared value model: weight of the value loss on the shared trunk (separate: --value_lr)
     entropy_coef: float = 0.0  # entropy bonus coefficient
+    # optimisation: epochs of minibatch updates on each batch of rollouts
+    max_steps: int = 150  # PPO iterations (batches of rollouts)
     ppo_epochs: int = 4  # passes over each batch of rollouts
     num_minibatches: int = 4  # optimizer steps per pass (the batch split into this many minibatches)
-    target_kl_stop: float = 0.0  # stop the passes when an epoch's mean approx KL exceeds this (0: never)
     grad_accum: int = 1  # micro-batches per minibatch
-    max_steps: int = 150  # PPO iterations (batches of rollouts)
+    target_kl_stop: float = 0.0  # stop the passes when an epoch's mean approx KL exceeds this (0: never)
     lr: float = 1e-3  # peak learning rate of the policy (and of the shared value head)
     value_lr: float = 0.0  # peak learning rate of a separate value model (0: --lr)
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay (the value model's scaled alike)
     warmup_steps: int = 10  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm of each model to this (0: off)
+    # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
     eval_size: int = 128  # held-out windows, problems or prompts per evaluation
     log_every: int = 10  # steps between log lines
     save_every: int = 100  # steps between checkpoints (one is always written at the end)
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the training forward passes
     parallel: str = "ddp"  # ddp | fsdp (under torchrun)
     seed: int = 1337  # random seed (each rank adds its rank)
     deterministic: bool = False  # torch.use_deterministic_algorithms
-    wandb: bool = False  # log to Weights & Biases
-    wandb_project: str = "rlhf-gpt"  # wandb project
-
-
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
-    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
-
-
-def download(url, path):
-    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            torch.hub.download_url_to_file(url, path)
-        except Exception as e:
-            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,16 +262,21 @@ def ppo_policy_loss(logp, old_logp, adv, mask, clip_eps=0.2, dual_clip=None, num
     mask = mask.float()
     log_ratio = logp - old_logp.detach()  # (N, T)
     ratio = log_ratio.exp()
-    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (N, T) each: plain and clipped
-    per_token = torch.max(pg1, pg2)  # (N, T)
+    pg1 = -adv * ratio  # (N, T) the plain surrogate
+    pg2 = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (N, T) the clipped one
+    per_token = torch.max(pg1, pg2)  # (N, T): the pessimistic of the two
     dual = torch.zeros_like(per_token, dtype=torch.bool)
     if dual_clip is not None:
         dual = (adv < 0) & (per_token > -adv * dual_clip)
         per_token = torch.where(dual, -adv * dual_clip, per_token)
     loss = masked_mean(per_token, mask, num_tokens)
     with torch.no_grad():
-        stats = dict(clip_frac=(pg2 > pg1).float(), dual_clip_frac=dual.float(), ratio_mean=ratio)
-        stats["approx_kl"] = torch.expm1(log_ratio) - log_ratio  # k3 of KL(pi_old || pi)
+        stats = {
+            "clip_frac": (pg2 > pg1).float(),
+            "dual_clip_frac": dual.float(),
+            "ratio_mean": ratio,
+            "approx_kl": torch.expm1(log_ratio) - log_ratio,  # k3 of KL(pi_old || pi)
+        }
         return loss, {name: masked_mean(x, mask, num_tokens) for name, x in stats.items()}
 
 
@@ -309,7 +296,9 @@ class AdaptiveKLController:
     `horizon` completions."""
 
     def __init__(self, init_kl_coef, target, horizon):
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
 
     def update(self, current_kl, n_steps):
         error = min(max(current_kl / self.target - 1, -0.2), 0.2)
@@ -317,51 +306,357 @@ class AdaptiveKLController:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
+# The PPO step, as the algorithm reads: rollout -> reward -> advantage -> loss -> update (ppo_step), then the
+# functions it calls.
+
+
+def ppo_step(run, step):
+    """One PPO iteration, ALGO LOGIC 1-6: rollout -> rewards -> advantages -> epochs of updates -> the KL coefficient.
+    The raw actor samples, the wrapped models (DDP / FSDP) train. Returns the step's metrics (every rank's rollouts);
+    run.tokens counts the completion tokens of all ranks."""
+    cfg = run.cfg
+    rt = run.rt
+    t0 = time.time()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    n_seqs = cfg.batch_size * rt.world_size  # completions of the step, all ranks
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    lr_scales = [1.0, (cfg.value_lr or cfg.lr) / cfg.lr]  # the policy's optimizer, then a separate value model's
+    for opt, scale in zip(run.optimizers, lr_scales):
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+
+    # 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
+    batch = rollout(run)
+    t_rollout = time.time() - t0
+    mask = batch["mask"]
+    old_values = batch["old_values"]
+    scores = batch["scores"]
+
+    # 3. per-token rewards: the task's reward where it is earned (a sequence's score less --missing_eos_penalty when
+    # it has no end token), minus kl_coef * k1 at every token
+    kl = (batch["old_logp"] - batch["ref_logp"]) * mask  # (N, H) k1
+    penalty = 0.0
+    if scores.dim() == 1:  # a sequence reward; a dense one (next_token) has no end token to miss
+        penalty = cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
+    kl_coef = 0.0  # no reference: no penalty
+    if run.ref is not None:
+        kl_coef = run.kl_ctl.value
+    rewards = ppo_rewards(scores - penalty, kl, mask, kl_coef)  # (N, H)
+
+    # 4. advantages by GAE from the rollout's values; the returns are the value targets, taken before whitening
+    adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
+    if cfg.whiten_advantages:
+        adv = whiten(adv, mask)
+    batch["adv"] = adv
+    batch["returns"] = returns
+
+    # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
+    metrics = ppo_update(run, batch)  # the train/ losses, gradient norms and epochs run
+
+    # 6. the KL coefficient for the next step, from this step's KL per sequence (all ranks)
+    mean_seq_kl = (all_reduce(kl.sum(), rt) / n_seqs).item()
+    if cfg.adaptive_kl:
+        run.kl_ctl.update(mean_seq_kl, n_seqs)
+
+    # metrics over every rank's rollouts; the task's rewards before the missing-EOS penalty
+    _, residual_var = global_moments(returns - old_values, mask, rt)
+    returns_mean, returns_var = global_moments(returns, mask, rt)
+    if returns_var > 0:
+        metrics["train/explained_variance"] = 1 - residual_var / returns_var
+    metrics["train/lr"] = lr
+    if run.ref is not None:
+        metrics["rl/kl"] = mean_seq_kl
+    reward_mask = mask if scores.dim() == 2 else torch.ones_like(scores)  # per token (next_token) or per sequence
+    reward_mean, reward_var = global_moments(scores, reward_mask, rt)
+    metrics["rl/reward_mean"] = reward_mean
+    metrics["rl/reward_std"] = math.sqrt(reward_var)
+    metrics["rl/kl_coef"] = kl_coef
+    correct = run.task.correct(batch["completion"], mask, batch["info"], scores)  # (N,) or None
+    if correct is not None:
+        metrics["rl/accuracy"] = global_moments(correct, torch.ones_like(correct), rt)[0]
+    if cfg.task == "arithmetic" and cfg.reward_model:  # it learns from a proxy reward: measure the gold one too
+        gold = run.task.gold(batch["completion"], mask, batch["info"])  # (N,)
+        metrics["rl/gold_reward"] = global_moments(gold, torch.ones_like(gold), rt)[0]
+    metrics["rl/returns_mean"] = returns_mean
+    metrics["rl/value_mean"] = global_moments(old_values, mask, rt)[0]
+    n_tokens, n_truncated = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)
+    run.tokens += int(n_tokens.item())
+    metrics["rl/completion_len"] = (n_tokens / n_seqs).item()
+    if run.task.eos_id is not None:  # next_token has no end token: every completion runs the whole horizon
+        metrics["rl/truncated_frac"] = (n_truncated / n_seqs).item()
+    metrics["perf/rollout_tokens_per_s"] = cfg.batch_size * cfg.horizon * rt.world_size / max(t_rollout, 1e-9)
+    metrics["perf/rollout_ms"] = 1000 * t_rollout
+    metrics["perf/step_ms"] = 1000 * (time.time() - t0)
+    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
+    metrics["rl/tokens"] = run.tokens
+    return metrics
+
+
+# The rollout batch, a dict of per-row values (N = --batch_size rows on this rank, P the longest prompt, H = --horizon):
+#   prompts     N token-id lists       the prompts, unpadded
+#   seq         (N, P+H) long          left-padded prompts followed by the completions
+#   attn        (N, P+H) bool or None  attention mask of seq; None when no prompt is padded (plain causal attention)
+#   completion  (N, H) long            the sampled tokens; after an end token, padding (the end token again, or 0)
+#   mask        (N, H) float           1.0 on real completion tokens, up to and including the end token
+#   truncated   (N,) bool              no end token within the horizon (always False for next_token: it has none)
+#   info        what the reward needs: next_token's true continuations (N, H) long, arithmetic's answers (N strings),
+#               None for reward_model
+#   old_logp    (N, H) float           log pi_old(o_t | s_t) under the sampling distribution (--temperature, --top_k)
+#   old_values  (N, H) float           V_old(s_t), read at the position that predicts o_t
+#   ref_logp    (N, H) float           log pi_ref(o_t | s_t); old_logp itself without a reference (k1 = 0)
+#   scores      (N,) or (N, H) float   the task's rewards: one per completion, or one per token (next_token)
+# ppo_step adds adv (N, H), the GAE advantages (whitened with --whiten_advantages), and returns (N, H), the value
+# targets G_t = A_t + V_old(s_t).
+
+
+@torch.no_grad()
+def rollout(run):
+    """ALGO LOGIC 1-2: sample one completion per prompt, then no-grad passes (as many rows at a time as an update's
+    forward pass) for the sampling policy's log-probs and values, the reference's log-probs (the policy's own without
+    a reference: no penalty) and the task's rewards. Returns the batch (the table above)."""
+    cfg = run.cfg
+    rt = run.rt
+    task = run.task
+    actor = run.actor
+    H = cfg.horizon
+    T = cfg.temperature
+    n_micro = cfg.batch_size // cfg.num_minibatches // cfg.grad_accum  # rows per forward pass
+    prompts, info = task.sample(cfg.batch_size)
+    if isinstance(info, torch.Tensor):  # next_token's (N, H) true tokens
+        info = info.to(rt.device)
+    with rt.autocast():  # the actor has no dropout: it samples in train mode as in eval mode
+        completion, mask = sample_completions(actor, prompts, H, T, cfg.top_k or None, task.eos_id, rt)  # (N, H) x2
+        truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
+        if task.eos_id is not None:
+            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+        seq, attn = join(prompts, completion)
+        old_logp = []  # one (n, H) tensor per micro-batch in each list
+        old_values = []
+        ref_logp = []
+        scores = []
+        for i in range(0, len(prompts), n_micro):
+            rows = slice(i, i + n_micro)
+            s = seq[rows]
+            a = None if attn is None else attn[rows]
+            logp, _, values = logprobs_and_values(actor, run.critic, s, a, cfg)  # (n, H) each
+            logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
+            ref_logp_part = logp  # no reference: k1 = 0
+            if isinstance(run.ref, BigramReference):
+                ref_logp_part = run.ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
+            elif run.ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
+                ref_logp_part = completion_logprobs(run.ref, s, a, H, temperature=T)[0]
+            info_part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
+            scores_part = task.rewards(prompts[rows], completion[rows], mask[rows], info_part, logits)  # (n,), (n, H)
+            old_logp.append(logp)
+            old_values.append(values.float())
+            ref_logp.append(ref_logp_part.float())
+            scores.append(scores_part.float())
+    return {
+        "prompts": prompts,
+        "seq": seq,
+        "attn": attn,
+        "completion": completion,
+        "mask": mask,
+        "truncated": truncated,
+        "info": info,
+        "old_logp": torch.cat(old_logp),
+        "old_values": torch.cat(old_values),
+        "ref_logp": torch.cat(ref_logp),
+        "scores": torch.cat(scores),
+    }
+
+
+def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
+    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon.
+    Under FSDP every forward pass is collective, so ranks cannot stop early at different steps: there the whole
+    horizon is sampled and the mask is cut after the first end token instead."""
+    collective = rt.distributed and rt.parallel == "fsdp"
+    tokens, mask = generate(model, prompts, horizon, temperature, top_k, None if collective else eos_id, generator)
+    if collective and eos_id is not None:
+        is_end = (tokens == eos_id).float()
+        mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
+    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
+    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
+    """Log-probs (N, H) of the last H = --horizon tokens of seq (N, P+H) under the sampling distribution
+    (--temperature, --top_k), with entropy=True the entropy of that distribution there (else None), and the values
+    (N, H) read at the same positions: the value of completion token t is V(s_t), read at the position that predicts
+    it. critic None: the actor is a PolicyWithValueHead and one forward gives all three."""
+    H = cfg.horizon
+    x = seq[:, :-1]  # the input: every token but the last
+    y = seq[:, -H:]  # the targets: the completion tokens
+    a = None if attn is None else attn[:, :-1]
+    dist = dict(output="logprobs", entropy=entropy, temperature=cfg.temperature, top_k=cfg.top_k or None)
+    out = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
+    if critic is None:
+        return out  # log-probs, entropy, values
+    logp, ent = out
+    return logp, ent, critic(x, attention_mask=a)[:, -H:]
+
+
+def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
+    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the
+    top_k. The logits stay inside the model's linear_logprobs."""
+    mask = None if attn is None else attn[:, :-1]
+    dist = dict(entropy=entropy, temperature=temperature, top_k=top_k)
+    # [:2]: a PolicyWithValueHead (--value_model shared) also returns its values
+    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)[:2]
+
+
+def completion_logits(model, seq, attn, H):
+    """The logits (N, H, V) at the last H positions of seq (for a reward that needs them)."""
+    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
+
+
+def ppo_update(run, batch):
+    """ALGO LOGIC 5: --ppo_epochs passes over the rollout batch, each in --num_minibatches minibatches of rows (one
+    optimizer step each, over --grad_accum micro-batches), until an epoch's mean approx KL exceeds --target_kl_stop.
+    Returns the train/ metrics: the mean of each loss term over the updates (all ranks), the mean gradient norm of
+    each model and the epochs run."""
+    cfg = run.cfg
+    rt = run.rt
+    N = cfg.batch_size
+    n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
+    n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
+    models = [m for m in run.wrapped if m is not None]  # the actor, then a separate value model
+    sums = defaultdict(float)  # metric name -> sum over the updates of the step, all ranks
+    grad_norms = []  # one (len(models),) tensor per update
+    for _ in range(cfg.ppo_epochs):
+        epoch_sums = defaultdict(float)  # metric name -> sum over this epoch's micro-batches, this rank
+        perm = torch.randperm(N).to(rt.device)
+        for start in range(0, N, n_minibatch):
+            idx = perm[start : start + n_minibatch]
+            n_tokens = all_reduce(batch["mask"][idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
+            for j in range(0, n_minibatch, n_micro):
+                for m in models:  # gradients are averaged over ranks only on the minibatch's last micro-batch
+                    grad_sync(m, j + n_micro >= n_minibatch)
+                loss, terms = ppo_loss(run, batch, idx[j : j + n_micro], n_tokens)
+                run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+                for name, value in terms.items():
+                    epoch_sums[name] += value
+            for opt in run.optimizers:
+                run.scaler.unscale_(opt)
+            grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in models]))
+            for opt in run.optimizers:
+                run.scaler.step(opt)
+                opt.zero_grad(set_to_none=True)
+            run.scaler.update()
+        for name, value in epoch_sums.items():
+            all_reduce(value, rt)  # in place: shares of global means, whose sum over ranks is the mean
+            sums[name] += value
+        epoch_kl = epoch_sums["train/approx_kl"].item() / cfg.num_minibatches  # all ranks, mean over its minibatches
+        if cfg.target_kl_stop and epoch_kl > cfg.target_kl_stop:
+            break
+    n_updates = len(grad_norms)  # --num_minibatches per epoch run (fewer epochs after an early stop)
+    metrics = {name: (total / n_updates).item() for name, total in sums.items()}
+    grad_norms = torch.stack(grad_norms)  # (updates, models): the policy's column, then a separate value model's
+    metrics["train/grad_norm"] = grad_norms[:, 0].mean().item()
+    if len(models) == 2:
+        metrics["train/value_grad_norm"] = grad_norms[:, 1].mean().item()
+    metrics["train/epochs"] = n_updates // cfg.num_minibatches
+    return metrics
+
+
+def ppo_loss(run, batch, rows, n_tokens):
+    """ALGO LOGIC 5: L = L_clip + c_V L_V - entropy_coef H on the batch's rows (a micro-batch), each term a share of
+    the minibatch's token mean (n_tokens: its real tokens on every rank), through the wrapped models. Returns the loss
+    and its terms by metric name (detached: ppo_update sums them)."""
+    cfg = run.cfg
+    actor, critic = run.wrapped
+    mask = batch["mask"][rows]
+    attn = None if batch["attn"] is None else batch["attn"][rows]
+    with run.rt.autocast():  # (n, H) each, under the sampling distribution, as old_logp
+        logp, entropies, values = logprobs_and_values(actor, critic, batch["seq"][rows], attn, cfg, entropy=True)
+    old_logp = batch["old_logp"][rows]
+    adv = batch["adv"][rows]
+    old_values = batch["old_values"][rows]
+    returns = batch["returns"][rows]
+    pg_loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens)
+    v_loss = value_loss(values.float(), old_values, returns, mask, cfg.clip_eps_value, n_tokens)
+    if cfg.entropy_coef <= 0:
+        entropies = entropies.detach()  # no bonus: the entropy is only logged
+    entropy = masked_mean(entropies, mask, n_tokens)
+    # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
+    # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
+    # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
+    vf_coef = 1.0
+    if critic is None:
+        vf_coef = cfg.vf_coef
+    loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
+    terms = {
+        "train/policy_loss": pg_loss.detach(),
+        "train/value_loss": v_loss.detach(),
+        "train/entropy": entropy.detach(),
+        "train/approx_kl": stats["approx_kl"],
+        "train/clipfrac": stats["clip_frac"],
+        "train/loss": loss.detach(),
+    }
+    if cfg.dual_clip:
+        terms["train/dual_clipfrac"] = stats["dual_clip_frac"]
+    return loss, terms
+
+
+def global_moments(x, mask, rt):
+    """Mean and unbiased variance of x over the real positions of every rank's batch (never empty: every completion
+    has a first token)."""
+    sums = torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double()
+    count, total, total_sq = all_reduce(sums, rt)  # one collective for the three sums
+    mean = total / count
+    var = torch.zeros_like(mean)
+    if count > 1:
+        var = (total_sq - count * mean**2) / (count - 1)
+    return mean.item(), max(var.item(), 0.0)
+
+
+class PolicyWithValueHead(nn.Module):
+    """--value_model shared: the policy GPT and a value head on its final hidden states; one forward pass returns the
+    logits (B, T, V) and the values (B, T). It takes the GPT's place wherever a forward pass runs (sampling,
+    evaluation), so under FSDP every call goes through the root module that holds the sharded embeddings."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.config = policy.config
+        self.value_head = nn.Linear(policy.config.n_embd, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, output="logits", **dist):
+        """(logits (B, T, V), values (B, T)); with targets and output="logprobs", (log p(targets), entropy or None,
+        values), each (B, T), from linear_logprobs (as GPT.forward: the logits stay inside), dist its entropy,
+        temperature and top_k: the log-probs and entropy of the sampling distribution."""
+        h, _ = self.policy(idx, attention_mask=attention_mask, cache=cache, output="hidden", keep_last=keep_last)
+        values = self.value_head(h).squeeze(-1).float()
+        if targets is None or output != "logprobs":
+            return self.policy.lm_head(h), values
+        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **dist)
+        logp = logp.view(targets.shape)
+        if ent is not None:
+            ent = ent.view(targets.shape)
+        return logp, ent, values
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions; the references
+# of the KL penalty; the reward model.
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
 SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
 ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
-
-
-class BigramReference:
-    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
-    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
-
-    def __init__(self, ids, vocab_size):
-        self.vocab_size = vocab_size
-        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
-        self.pair_counts = counts.float()
-        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
-
-    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
-        key = prev * self.vocab_size + nxt
-        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
-        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
-
-
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
-    if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
-
-
-def arithmetic_reward(text, answer, format_reward=0.0):
-    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
-    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
-    horizon, anything else before the end, not a number)."""
-    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
 
 
 class NextTokenTask:
@@ -406,6 +701,13 @@ class NextTokenTask:
         return {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}, text
 
 
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
     """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
     +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
@@ -414,11 +716,21 @@ def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logpr
     return rewards + partial_logprob * logp_true.detach().float() if partial_logprob else rewards
 
 
-def sample_windows(ids, n, context_len, horizon):
-    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
-    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
-    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
-    return windows[:, :context_len], windows[:, context_len:]
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
+        key = prev * self.vocab_size + nxt
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
 
 
 class ArithmeticTask:
@@ -471,46 +783,26 @@ class ArithmeticTask:
         return metrics, shown
 
 
-HH_TURN = "\n\nAssistant:"
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
+    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    op = rng.choice(ops)
+    if op == "+":
+        result = a + b
+    elif op == "-":
+        result = a - b
+    else:
+        result = a * b
+    return f"{a}{op}{b}=", f"{result}\n"
 
 
-def split_hh(text):
-    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
-    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    cut = text.rfind(HH_TURN)
-    if cut < 0:
-        return None
-    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
-    return (prompt, response) if response.strip() else None
-
-
-class RewardModel(nn.Module):
-    """A GPT body and a scalar head on its final hidden states."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.body = GPT(config)
-        self.head = nn.Linear(config.n_embd, 1)
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
-        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
-        return self.head(h).squeeze(-1).float()
-
-
-@torch.no_grad()
-def reward_model_scores(rm, prompts, completion, mask):
-    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
-    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
-
-
-def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
-    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
-    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-    size = rm.body.config.block_size
-    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
-    return rm.to(rt.device)
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
+    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
+    horizon, anything else before the end, not a number)."""
+    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
 
 
 def plot_overoptimization(metrics_path, png_path, kl_per_token):
@@ -537,16 +829,6 @@ def plot_overoptimization(metrics_path, png_path, kl_per_token):
     gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
     fig.legend(loc="upper left")
     fig.savefig(png_path, dpi=100)
-
-
-def load_reward_model(path):
-    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
-    ckpt = load_checkpoint(path)
-    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
-    model = RewardModel(GPTConfig(**ckpt["model_config"]))
-    model.body.load_state_dict(ckpt["model"])
-    model.head.load_state_dict(ckpt["reward_head"])
-    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
 
 
 class RewardModelTask:
@@ -602,283 +884,155 @@ class RewardModelTask:
         return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The value model
+HH_TURN = "\n\nAssistant:"
 
 
-class PolicyWithValueHead(nn.Module):
-    """--value_model shared: the policy GPT and a value head on its final hidden states; one forward pass returns the
-    logits (B, T, V) and the values (B, T). It takes the GPT's place wherever a forward pass runs (sampling,
-    evaluation), so under FSDP every call goes through the root module that holds the sharded embeddings."""
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
+    return (prompt, response) if response.strip() else None
 
-    def __init__(self, policy):
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
         super().__init__()
-        self.policy, self.config = policy, policy.config
-        self.value_head = nn.Linear(policy.config.n_embd, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
 
-    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, output="logits", **dist):
-        """(logits (B, T, V), values (B, T)); with targets and output="logprobs", (log p(targets), entropy or None,
-        values), each (B, T), from linear_logprobs (as GPT.forward: the logits stay inside), dist its entropy,
-        temperature and top_k: the log-probs and entropy of the sampling distribution."""
-        h, _ = self.policy(idx, attention_mask=attention_mask, cache=cache, output="hidden", keep_last=keep_last)
-        values = self.value_head(h).squeeze(-1).float()
-        if targets is None or output != "logprobs":
-            return self.policy.lm_head(h), values
-        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **dist)
-        return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
+        return self.head(h).squeeze(-1).float()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Rollouts
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
 
 
-def join(prompts, completion):
-    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
-    padded, which keeps plain causal attention)."""
-    idx, attn = left_pad(prompts, completion.device)
-    seq = torch.cat([idx, completion], 1)  # (N, P+H)
-    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
-    return seq, None if attn.all() else attn
-
-
-def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
-    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the
-    top_k. The logits stay inside the model's linear_logprobs."""
-    mask, dist = None if attn is None else attn[:, :-1], dict(entropy=entropy, temperature=temperature, top_k=top_k)
-    # [:2]: a PolicyWithValueHead (--value_model shared) also returns its values
-    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)[:2]
-
-
-def completion_logits(model, seq, attn, H):
-    """The logits (N, H, V) at the last H positions of seq (for a reward that needs them)."""
-    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
-
-
-def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
-    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon.
-    Under FSDP every forward pass is collective, so ranks cannot stop early at different steps: there the whole
-    horizon is sampled and the mask is cut after the first end token instead."""
-    collective = rt.distributed and rt.parallel == "fsdp"
-    tokens, mask = generate(model, prompts, horizon, temperature, top_k, None if collective else eos_id, generator)
-    if collective and eos_id is not None:
-        is_end = (tokens == eos_id).float()
-        mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
-    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
-    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
-
-
-def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
-    """Log-probs (N, H) of the last H = --horizon tokens of seq (N, P+H) under the sampling distribution
-    (--temperature, --top_k), with entropy=True the entropy of that distribution there (else None), and the values
-    (N, H) read at the same positions: the value of completion token t is V(s_t), read at the position that predicts
-    it. critic None: the actor is a PolicyWithValueHead and one forward gives all three."""
-    H = cfg.horizon
-    x, a, y = seq[:, :-1], None if attn is None else attn[:, :-1], seq[:, -H:]
-    dist = dict(output="logprobs", entropy=entropy, temperature=cfg.temperature, top_k=cfg.top_k or None)
-    out = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
-    return out if critic is None else (*out, critic(x, attention_mask=a)[:, -H:])
+def frozen_reward_model(cfg, tok, rt, longest):
+    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
+    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+    size = rm.body.config.block_size
+    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+    return rm.to(rt.device)
 
 
 @torch.no_grad()
-def rollout(run):
-    """ALGO LOGIC 1-2: sample one completion per prompt, then no-grad passes (as many rows at a time as an update's
-    forward pass) for the sampling policy's log-probs and values, the reference's log-probs (the policy's own without
-    a reference: no penalty) and the task's rewards. Returns the batch, per-row tensors."""
-    cfg, rt, task, actor, ref = run.cfg, run.rt, run.task, run.actor, run.ref
-    H, T, n_micro = cfg.horizon, cfg.temperature, cfg.batch_size // cfg.num_minibatches // cfg.grad_accum
-    prompts, info = task.sample(cfg.batch_size)
-    info = info.to(rt.device) if isinstance(info, torch.Tensor) else info  # next_token's (N, H) true tokens
-    with rt.autocast():  # the actor has no dropout: it samples in train mode as in eval mode
-        completion, mask = sample_completions(actor, prompts, H, T, cfg.top_k or None, task.eos_id, rt)  # (N, H) x2
-        truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
-        if task.eos_id is not None:
-            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
-        seq, attn = join(prompts, completion)
-        parts = []  # per micro-batch: old log-probs, old values, reference log-probs, task rewards
-        for i in range(0, len(prompts), n_micro):
-            rows = slice(i, i + n_micro)
-            s, a = seq[rows], None if attn is None else attn[rows]
-            logp, _, values = logprobs_and_values(actor, run.critic, s, a, cfg)  # (n, H) each
-            logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
-            ref_logp = logp  # no reference: k1 = 0
-            if isinstance(ref, BigramReference):
-                ref_logp = ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
-            elif ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
-                ref_logp = completion_logprobs(ref, s, a, H, temperature=T)[0]
-            part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
-            scores = task.rewards(prompts[rows], completion[rows], mask[rows], part, logits)  # (n,) or (n, H)
-            parts.append((logp, values.float(), ref_logp.float(), scores.float()))
-    batch = dict(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
-    return batch | dict(zip(("old_logp", "old_values", "ref_logp", "scores"), map(torch.cat, zip(*parts))))
+def reward_model_scores(rm, prompts, completion, mask):
+    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
+    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
 
 
-def ppo_loss(run, batch, rows, n_tokens):
-    """ALGO LOGIC 5: L = L_clip + c_V L_V - entropy_coef H on the batch's rows (a micro-batch), each term a share of
-    the minibatch's token mean (n_tokens: its real tokens on every rank), through the wrapped models. Returns the loss
-    and the values of its terms (TRAIN_TERMS)."""
-    cfg, (actor, critic) = run.cfg, run.wrapped
-    mask, attn = batch["mask"][rows], None if batch["attn"] is None else batch["attn"][rows]
-    with run.rt.autocast():  # (n, H) each, under the sampling distribution, as old_logp
-        logp, entropies, values = logprobs_and_values(actor, critic, batch["seq"][rows], attn, cfg, entropy=True)
-    old_logp, adv, old_values, returns = (batch[k][rows] for k in ("old_logp", "adv", "old_values", "returns"))
-    pg_loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens)
-    v_loss = value_loss(values.float(), old_values, returns, mask, cfg.clip_eps_value, n_tokens)
-    entropy = masked_mean(entropies if cfg.entropy_coef > 0 else entropies.detach(), mask, n_tokens)  # or only logged
-    # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
-    # model shares none and has its own AdamW, which ignores the gradient's scale: there a weight would only move
-    # where its gradient clipping starts, so it minimises L_V itself, at --value_lr.
-    loss = pg_loss + (cfg.vf_coef if critic is None else 1.0) * v_loss - cfg.entropy_coef * entropy
-    terms = [pg_loss, v_loss, entropy, stats["approx_kl"], stats["clip_frac"], loss, stats["dual_clip_frac"]]
-    return loss, torch.stack([t.detach() for t in terms])
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
 
 
-TRAIN_TERMS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "loss", "dual_clipfrac")
-
-
-def ppo_update(run, batch):
-    """ALGO LOGIC 5: --ppo_epochs passes over the rollout batch, each in --num_minibatches minibatches of rows (one
-    optimizer step each, over --grad_accum micro-batches), until an epoch's mean approx KL exceeds --target_kl_stop.
-    Returns the mean of each loss term (TRAIN_TERMS) over the updates, all ranks, the epochs run and the mean
-    gradient norm of each model."""
-    cfg, rt, scaler, N = run.cfg, run.rt, run.scaler, run.cfg.batch_size
-    n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
-    n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
-    models = [m for m in run.wrapped if m is not None]
-    sums, grad_norms = torch.zeros(len(TRAIN_TERMS), device=rt.device), []
-    for _ in range(cfg.ppo_epochs):
-        epoch_sums = torch.zeros_like(sums)
-        perm = torch.randperm(N).to(rt.device)
-        for start in range(0, N, n_minibatch):
-            idx = perm[start : start + n_minibatch]
-            n_tokens = all_reduce(batch["mask"][idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
-            for j in range(0, n_minibatch, n_micro):
-                for m in models:
-                    grad_sync(m, j + n_micro >= n_minibatch)
-                loss, terms = ppo_loss(run, batch, idx[j : j + n_micro], n_tokens)
-                scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-                epoch_sums += terms
-            for opt in run.optimizers:
-                scaler.unscale_(opt)
-            grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in models]))
-            for opt in run.optimizers:
-                scaler.step(opt)
-                opt.zero_grad(set_to_none=True)
-            scaler.update()
-        sums += all_reduce(epoch_sums, rt)  # in place: shares of global means, whose sum over ranks is the mean
-        if cfg.target_kl_stop and epoch_sums[3].item() / cfg.num_minibatches > cfg.target_kl_stop:
-            break
-    # one gradient norm per update: --num_minibatches per epoch run (fewer epochs after an early stop)
-    return sums / len(grad_norms), len(grad_norms) // cfg.num_minibatches, torch.stack(grad_norms).mean(0)
-
-
-def global_moments(x, mask, rt):
-    """Mean and unbiased variance of x over the real positions of every rank's batch (never empty: every completion
-    has a first token)."""
-    s = all_reduce(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double(), rt)
-    mean = s[1] / s[0]
-    var = (s[2] - s[0] * mean**2) / (s[0] - 1) if s[0] > 1 else torch.zeros_like(mean)
-    return mean.item(), max(var.item(), 0.0)
-
-
-def ppo_step(run, step):
-    """One PPO iteration, ALGO LOGIC 1-6: rollout -> rewards -> advantages -> epochs of updates -> the KL coefficient.
-    The raw actor samples, the wrapped models (DDP / FSDP) train. Returns the step's metrics (every rank's rollouts);
-    run.tokens counts the completion tokens of all ranks."""
-    cfg, rt, kl_ctl = run.cfg, run.rt, run.kl_ctl
-    t0 = time.time()
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
-    N, n_seqs = cfg.batch_size, cfg.batch_size * rt.world_size
-    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    for opt, scale in zip(run.optimizers, (1.0, (cfg.value_lr or cfg.lr) / cfg.lr)):  # a value model's scaled alike
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-
-    # 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
-    batch = rollout(run)
-    t_rollout = time.time() - t0
-    mask, old_values, scores, completion = batch["mask"], batch["old_values"], batch["scores"], batch["completion"]
-
-    # 3. per-token rewards: the task's reward where it is earned (a sequence's score less --missing_eos_penalty when
-    # it has no end token), minus kl_coef * k1 at every token
-    kl = (batch["old_logp"] - batch["ref_logp"]) * mask  # (N, H) k1
-    penalty = cfg.missing_eos_penalty * batch["truncated"].float() if scores.dim() == 1 else 0.0  # (N,)
-    kl_coef = kl_ctl.value if run.ref is not None else 0.0
-    rewards = ppo_rewards(scores - penalty, kl, mask, kl_coef)  # (N, H)
-
-    # 4. advantages by GAE from the rollout's values; the returns are the value targets
-    adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
-    batch |= {"adv": whiten(adv, mask) if cfg.whiten_advantages else adv, "returns": returns}
-
-    # 5. PPO epochs: minibatches of rows, one optimizer step each, until --target_kl_stop
-    means, epochs, grad_norms = ppo_update(run, batch)
-
-    # 6. the KL coefficient for the next step, from this step's KL per sequence (all ranks)
-    mean_seq_kl = (all_reduce(kl.sum(), rt) / n_seqs).item()
-    if cfg.adaptive_kl:
-        kl_ctl.update(mean_seq_kl, n_seqs)
-
-    # metrics over every rank's rollouts; the task's rewards before the missing-EOS penalty
-    reward_mean, reward_var = global_moments(scores, mask if scores.dim() == 2 else torch.ones_like(scores), rt)
-    returns_mean, returns_var = global_moments(returns, mask, rt)
-    _, residual_var = global_moments(returns - old_values, mask, rt)
-    correct = run.task.correct(completion, mask, batch["info"], scores)  # (N,) or None
-    # arithmetic with --reward_model learns from a proxy reward: measure the gold one too
-    gold = run.task.gold(completion, mask, batch["info"]) if cfg.task == "arithmetic" and cfg.reward_model else None
-    counts = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)  # tokens, truncated
-    run.tokens += int(counts[0].item())
-    metrics = {f"train/{name}": value for name, value in zip(TRAIN_TERMS, means.tolist())}
-    metrics["train/dual_clipfrac"] = metrics["train/dual_clipfrac"] if cfg.dual_clip else None  # None: not logged
-    metrics["train/explained_variance"] = 1 - residual_var / returns_var if returns_var > 0 else None
-    metrics |= dict(zip(("train/grad_norm", "train/value_grad_norm"), grad_norms.tolist()))  # the value model's, if any
-    metrics.update({"train/lr": lr, "train/epochs": epochs, "rl/kl": mean_seq_kl if run.ref is not None else None})
-    metrics.update({"rl/reward_mean": reward_mean, "rl/reward_std": math.sqrt(reward_var), "rl/kl_coef": kl_coef})
-    for name, x in (("rl/accuracy", correct), ("rl/gold_reward", gold)):
-        metrics[name] = None if x is None else global_moments(x, torch.ones_like(x), rt)[0]
-    metrics.update({"rl/returns_mean": returns_mean, "rl/value_mean": global_moments(old_values, mask, rt)[0]})
-    metrics["rl/completion_len"] = (counts[0] / n_seqs).item()
-    metrics["rl/truncated_frac"] = (counts[1] / n_seqs).item() if run.task.eos_id is not None else None
-    metrics["perf/rollout_tokens_per_s"] = N * cfg.horizon * rt.world_size / max(t_rollout, 1e-9)
-    metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * (time.time() - t0)})
-    return {**metrics, "perf/peak_mem_mb": peak_memory_mb(rt), "rl/tokens": run.tokens}
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
 # main: the policy, the value model, the reference, then the loop of evaluations, PPO steps and checkpoints
 
 
-def peak_memory_mb(rt):
-    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
-    if rt.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(rt.device) / 2**20
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
-
-
 def validate(cfg):
     """Impossible settings end the run before anything is read: one line naming the flag, exit code 2.
     (--temperature 0 is impossible here: PPO's ratio needs the sampling policy's probabilities.)"""
-    positive = "horizon batch_size max_steps ppo_epochs num_minibatches grad_accum eval_every eval_size log_every"
-    positive += " save_every n_layer n_head n_embd block_size kl_horizon context_len max_prompt_len digits temperature"
-    for name in positive.split() + ["lr", "clip_eps", "target_kl"]:
+    positive = [
+        "horizon",
+        "batch_size",
+        "max_steps",
+        "ppo_epochs",
+        "num_minibatches",
+        "grad_accum",
+        "eval_every",
+        "eval_size",
+        "log_every",
+        "save_every",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "kl_horizon",
+        "context_len",
+        "max_prompt_len",
+        "digits",
+        "temperature",
+        "lr",
+        "clip_eps",
+        "target_kl",
+    ]
+    for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    non_negative = "value_lr min_lr clip_eps_value vf_coef entropy_coef beta_kl target_kl_stop missing_eos_penalty"
-    for name in non_negative.split() + ["grad_clip", "weight_decay", "warmup_steps", "top_k"]:
+    non_negative = [
+        "value_lr",
+        "min_lr",
+        "clip_eps_value",
+        "vf_coef",
+        "entropy_coef",
+        "beta_kl",
+        "target_kl_stop",
+        "missing_eos_penalty",
+        "grad_clip",
+        "weight_decay",
+        "warmup_steps",
+        "top_k",
+    ]
+    for name in non_negative:
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("gamma", "lam"):
+    for name in ["gamma", "lam"]:
         check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
     rows = cfg.num_minibatches * cfg.grad_accum
     check(cfg.batch_size % rows == 0, f"--batch_size must be a multiple of --num_minibatches * --grad_accum ({rows})")
     check(cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual_clip must be > 1, or 0 for off (got {cfg.dual_clip})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
-    choices = dict(task="next_token arithmetic reward_model", tokenizer="gpt2 char", value_model="separate shared")
-    choices.update(reward_mode="plus1 pm1", value_init="policy reward_model", reference="auto bigram random init none")
+    choices = {
+        "task": ["next_token", "arithmetic", "reward_model"],
+        "tokenizer": ["gpt2", "char"],
+        "value_model": ["separate", "shared"],
+        "reward_mode": ["plus1", "pm1"],
+        "value_init": ["policy", "reward_model"],
+        "reference": ["auto", "bigram", "random", "init", "none"],
+    }
     for name, allowed in choices.items():
-        check(getattr(cfg, name) in allowed.split(), f"--{name} {getattr(cfg, name)!r}: use one of {allowed}")
+        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {' | '.join(allowed)}")
     check(cfg.task != "next_token" or not cfg.missing_eos_penalty, "--missing_eos_penalty: next_token has no end token")
     check(cfg.task == "next_token" or cfg.reference != "bigram", "--reference bigram needs a text stream (next_token)")
     if cfg.value_init == "reward_model":  # a shared value head sits on the policy's trunk: no body of its own
@@ -893,55 +1047,81 @@ def setup(cfg):
     loss scaler, restored on --resume. Returns the run's state as a namespace."""
     rt = setup_runtime(cfg)
     run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "ppo", rt), stop=GracefulExit())
-    run.ckpt_path, run.start_step, run.tokens, run.first_eval = os.path.join(run.out_dir, "ckpt.pt"), 0, 0, None
-    text = path = ckpt = None
+    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
+    run.start_step = 0
+    run.tokens = 0
+    run.first_eval = None
+    text = None
+    path = None
     if cfg.task == "next_token":
-        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
+        path = cfg.data
+        if cfg.data == "shakespeare":
+            path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
+    ckpt = None  # a resumed run's checkpoint (an --init_from checkpoint is only weights)
     if cfg.resume or cfg.init_from != "scratch":
-        model, spec, ckpt = load_model(run.ckpt_path if cfg.resume else cfg.init_from)
-        ckpt, tok = ckpt if cfg.resume else None, get_tokenizer(spec)  # an --init_from checkpoint is only weights
+        model, spec, loaded = load_model(run.ckpt_path if cfg.resume else cfg.init_from)
+        tok = get_tokenizer(spec)
+        if cfg.resume:
+            ckpt = loaded
     else:
-        tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
+        if cfg.tokenizer == "gpt2":
+            tok = BPETokenizer()
+        else:
+            tok = CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
         model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
     if text is not None and isinstance(tok, CharTokenizer):
         unknown = sorted(set(text) - set(tok.chars))
         check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
-        run.task, prompt_len = NextTokenTask(cfg, tok, text, path), cfg.context_len
+        run.task = NextTokenTask(cfg, tok, text, path)
+        prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        run.task, prompt_len = ArithmeticTask(cfg, tok, rt), 2 * cfg.digits + 2
+        run.task = ArithmeticTask(cfg, tok, rt)
+        prompt_len = 2 * cfg.digits + 2  # the longest "a+b="
     else:
-        run.task, prompt_len = RewardModelTask(cfg, tok, rt), cfg.max_prompt_len
+        run.task = RewardModelTask(cfg, tok, rt)
+        prompt_len = cfg.max_prompt_len
     model.to(rt.device)
     broadcast_weights(model, rt)  # rank 0's starting weights, which the value model and the reference copy
 
     # the value model: --value_model shared puts a zero-initialised value head on the policy (the actor; no critic);
     # separate keeps the policy as the actor and builds a GPT body with a scalar head, from the policy (the head at
     # zero, so the first values are 0 and the first advantages plain returns) or from --reward_model
-    actor, critic = model, None
+    actor = model
+    critic = None
     if cfg.value_model == "shared":
         actor = PolicyWithValueHead(model)
     elif ckpt is not None:
         critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
-    elif cfg.value_init == "reward_model":  # its tokenizer and block_size checked
-        critic = frozen_reward_model(cfg, tok, rt, prompt_len + cfg.horizon).train().requires_grad_(True)
+    elif cfg.value_init == "reward_model":
+        critic = frozen_reward_model(cfg, tok, rt, prompt_len + cfg.horizon)  # its tokenizer and block_size checked
+        critic.train()  # loaded frozen, as a reward; unfrozen here: its body and head start the value model
+        critic.requires_grad_(True)
     else:
         critic = RewardModel(model.config)
         critic.body.load_state_dict(model.state_dict())
         nn.init.zeros_(critic.head.weight)
         nn.init.zeros_(critic.head.bias)
     if ckpt is not None:
-        (actor.value_head if critic is None else critic).load_state_dict(ckpt["value_model"])
+        value_model = actor.value_head if critic is None else critic
+        value_model.load_state_dict(ckpt["value_model"])
     trained = [m.to(rt.device) for m in (actor, critic) if m is not None]
     longest = prompt_len + cfg.horizon  # (a resumed run may ask for a longer --horizon than the value model holds)
-    size = min(m.config.block_size for m in (model, model if critic is None else critic.body))
+    size = model.config.block_size
+    if critic is not None:
+        size = min(size, critic.body.config.block_size)
     check(longest <= size, f"prompts + --horizon ({longest}) exceed block_size {size} (policy or value model)")
 
     # the frozen reference (--reference, auto resolved): never wrapped, never trained, the same on every rank and
-    # after a resume (a copy of rank 0's starting weights, or a fixed seed)
-    text_from_scratch, run.ref = cfg.task == "next_token" and cfg.init_from == "scratch", None
-    run.reference = cfg.reference if cfg.reference != "auto" else ("bigram" if text_from_scratch else "init")
+    # after a resume (a copy of rank 0's starting weights, or a fixed seed). A policy from scratch on text is noise:
+    # there the text's bigram model is the reference.
+    run.reference = cfg.reference
+    if cfg.reference == "auto" and cfg.task == "next_token" and cfg.init_from == "scratch":
+        run.reference = "bigram"
+    elif cfg.reference == "auto":
+        run.reference = "init"
+    run.ref = None
     if run.reference == "bigram":
         run.ref = BigramReference(run.task.train_ids.to(rt.device), model.config.vocab_size)
     elif run.reference in ("random", "init"):
@@ -953,21 +1133,33 @@ def setup(cfg):
         run.ref.to(rt.device).eval().requires_grad_(False)
 
     # the trained models are wrapped (DDP / FSDP); the raw ones sample, evaluate and are saved
-    run.tok, run.actor, run.critic = tok, actor, critic
-    run.wrapped = (wrap_model(actor, rt, cfg.compile), None if critic is None else wrap_model(critic, rt, cfg.compile))
+    run.tok = tok
+    run.actor = actor
+    run.critic = critic
+    wrapped_actor = wrap_model(actor, rt, cfg.compile)
+    wrapped_critic = None
+    if critic is not None:
+        wrapped_critic = wrap_model(critic, rt, cfg.compile)
+    run.wrapped = (wrapped_actor, wrapped_critic)
     lrs = [cfg.lr, cfg.value_lr or cfg.lr]  # peak learning rates of the actor and the critic
     run.optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, lrs)]
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
-    run.kl_ctl = AdaptiveKLController(cfg.beta_kl if ckpt is None else ckpt["kl_coef"], cfg.target_kl, cfg.kl_horizon)
+    init_kl_coef = cfg.beta_kl
+    if ckpt is not None:
+        init_kl_coef = ckpt["kl_coef"]  # where --adaptive_kl had moved it
+    run.kl_ctl = AdaptiveKLController(init_kl_coef, cfg.target_kl, cfg.kl_horizon)
     if ckpt is not None:
         for m, opt, key in zip(trained, run.optimizers, ("optimizer", "value_optimizer")):
             load_optimizer_state(m, opt, ckpt[key], rt)
         restore_rng(ckpt, rt)
         # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
-        run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+        run.start_step = ckpt["step"]
+        run.tokens = ckpt["tokens"]
+        run.first_eval = ckpt["first_eval"]
     if rt.master:
-        n_value = sum(p.numel() for p in (critic.parameters() if critic is not None else actor.value_head.parameters()))
+        value_params = actor.value_head.parameters() if critic is None else critic.parameters()
+        n_value = sum(p.numel() for p in value_params)
         sizes = f"{model.num_params() / 1e6:.2f}M policy, {n_value / 1e6:.2f}M value ({cfg.value_model}) params"
         print(f"{sizes}, vocab {tok.vocab_size}, {cfg.task}, reference {run.reference}, {rt.world_size} x {rt.device}")
     return run
@@ -977,35 +1169,48 @@ def save(run, step):
     """ckpt.pt: the policy under its own keys (any script can --init_from it) and its optimizer, the value model
     (the shared head; or a GPT body and head, its config and optimizer), the reference of --reference init, every
     rank's RNG, and the loop's state. Every rank calls it: under FSDP, gathering the state is collective."""
-    cfg, rt, critic = run.cfg, run.rt, run.critic
+    rt = run.rt
     actor_sd, optim_sd = training_state(run.actor, run.optimizers[0], rt)
     ckpt = {"tokens": run.tokens, "first_eval": run.first_eval, "kl_coef": run.kl_ctl.value}
     ckpt["reference"] = run.ref.state_dict() if run.reference == "init" else None  # a resume reloads it
-    if critic is None:  # the shared value head is saved apart from the policy's keys
+    if run.critic is None:  # the shared value head is saved apart from the policy's keys
         model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
         value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
     else:
-        model_sd, (value_sd, value_optim_sd) = actor_sd, training_state(critic, run.optimizers[1], rt)
-        ckpt |= {"value_model_config": dataclasses.asdict(critic.body.config), "value_optimizer": value_optim_sd}
+        model_sd = actor_sd
+        value_sd, value_optim_sd = training_state(run.critic, run.optimizers[1], rt)
+        ckpt["value_model_config"] = dataclasses.asdict(run.critic.body.config)
+        ckpt["value_optimizer"] = value_optim_sd
     rngs = all_rng_states(rt)
     if rt.master:
-        ckpt |= {"model": model_sd, "model_config": dataclasses.asdict(run.actor.config), "tokenizer": run.tok.spec}
-        ckpt |= {"step": step, "optimizer": optim_sd, "rng": rngs[0], "rng_ranks": rngs, "value_model": value_sd}
-        save_checkpoint(run.ckpt_path, {**ckpt, "config": dataclasses.asdict(cfg), "scaler": run.scaler.state_dict()})
+        ckpt["model"] = model_sd
+        ckpt["model_config"] = dataclasses.asdict(run.actor.config)
+        ckpt["tokenizer"] = run.tok.spec
+        ckpt["step"] = step
+        ckpt["optimizer"] = optim_sd
+        ckpt["rng"] = rngs[0]
+        ckpt["rng_ranks"] = rngs
+        ckpt["value_model"] = value_sd
+        ckpt["config"] = dataclasses.asdict(run.cfg)
+        ckpt["scaler"] = run.scaler.state_dict()
+        save_checkpoint(run.ckpt_path, ckpt)
 
 
 def main():
     cfg = parse_config(Config)
     validate(cfg)
     run = setup(cfg)
-    rt, actor = run.rt, run.actor
+    rt = run.rt
     save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
-    t_start, last_eval = time.time(), {}
+    eval_ref = run.ref if isinstance(run.ref, GPT) else None  # the KL of the evaluation needs a model reference
+    t_start = time.time()
+    last_eval = {}
     for step in range(run.start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval, text = run.task.evaluate(actor, run.ref if isinstance(run.ref, GPT) else None, rt, run.tok, step)
-            run.first_eval = run.first_eval or last_eval
+            last_eval, text = run.task.evaluate(run.actor, eval_ref, rt, run.tok, step)
+            if not run.first_eval:
+                run.first_eval = last_eval
             logger.log(step, {**last_eval, "rl/tokens": run.tokens})
             if rt.master:
                 with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
@@ -1025,9 +1230,15 @@ def main():
     save(run, cfg.max_steps)
     logger.close()
     if rt.master:
-        strip = lambda metrics: {k.removeprefix("eval/"): v for k, v in metrics.items()}
-        results = dict(task=cfg.task, value_model=cfg.value_model, steps=cfg.max_steps, tokens=run.tokens)
-        results.update(wall_time_s=time.time() - t_start, before=strip(run.first_eval), after=strip(last_eval))
+        results = {
+            "task": cfg.task,
+            "value_model": cfg.value_model,
+            "steps": cfg.max_steps,
+            "tokens": run.tokens,
+            "wall_time_s": time.time() - t_start,
+            "before": {k.removeprefix("eval/"): v for k, v in run.first_eval.items()},
+            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+        }
         with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
@@ -1035,6 +1246,14 @@ def main():
         if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
             plot_overoptimization(logger.path, os.path.join(run.out_dir, "overoptimization.png"), kl_per_token=False)
     cleanup(rt)
+
+
+def peak_memory_mb(rt):
+    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
 
 
 # ----------------------------------------------------------------------------------------------------------

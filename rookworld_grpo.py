@@ -405,7 +405,9 @@ class AdaptiveKLController:
     `horizon` completions."""
 
     def __init__(self, init_kl_coef, target, horizon):
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
 
     def update(self, current_kl, n_steps):
         error = min(max(current_kl / self.target - 1, -0.2), 0.2)
