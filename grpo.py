@@ -438,7 +438,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         old_logp = []
         ref_logp = []
         rewards = []
-        n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batches: no larger pass than it makes
+        n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batch size: no pass here is larger
         for i in range(0, len(rows), n_micro):
             cut = slice(i, i + n_micro)
             s = seq[cut]
@@ -650,7 +650,13 @@ def peak_memory_mb(rt):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
+# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions. A task has
+#   eos_id            the end token of a completion (None: completions run the whole horizon)
+#   needs_logits      whether its reward reads the sampling policy's logits
+#   sample(n)         -> (n prompts, info: what the reward needs beside the completion, or None)
+#   rewards(prompts, completion, mask, info, logits)   -> (N,) per sequence or (N, H) per token
+#   correct(completion, mask, info, rewards)           -> (N,) for rl/accuracy, or None
+#   evaluate(model, ref, rt, tok, step)                -> (eval/ metrics, sample text for samples.txt)
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
@@ -1208,6 +1214,7 @@ def write_results(run, last_eval, wall_time_s):
 
 
 def main():
+    """The run: evaluate every --eval_every steps, train, log and checkpoint; evaluate and save at the end."""
     cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     run = setup(cfg)
