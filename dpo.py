@@ -641,8 +641,12 @@ def split_hh(text):
     cut = text.rfind(HH_TURN)
     if cut < 0:
         return None
-    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
-    return (prompt, response) if response.strip() else None
+    end = cut + len(HH_TURN)
+    prompt = text[:end]
+    response = text[end:]
+    if not response.strip():
+        return None
+    return prompt, response
 
 
 def hh_pairs(records):
@@ -731,7 +735,11 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
     horizon, anything else before the end, not a number)."""
     m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.strip():
+        return 1.0
+    return format_reward
 
 
 def arithmetic_pairs(run, out_dir):

@@ -132,94 +132,80 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # run: where it starts from and where it writes
     out_dir: str = ""  # run folder; default out/grpo-<YYYYmmdd-HHMMSS>
+    init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+
+    # task and its data
     task: str = "next_token"  # next_token | arithmetic | reward_model
     data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
-    init_from: str = "scratch"  # scratch | gpt2 | hub id | Hugging Face folder | ckpt.pt of any script
-    tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE; see the docstring)
-    resume: bool = False  # continue the run in out_dir from its ckpt.pt
     reward_model: str = ""  # ckpt.pt of reward_model.py: the reward_model task's scorer, or arithmetic's learned reward
-    n_layer: int = 4  # transformer blocks (scratch only)
-    n_head: int = 4  # attention heads (scratch only)
-    n_embd: int = 128  # embedding width (scratch only)
-    block_size: int = 128  # context length of the model (scratch only)
     context_len: int = 32  # next_token: tokens of real text before each rollout
-    horizon: int = 16  # most tokens per completion
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
     format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
+
+    # a new model (--init_from scratch)
+    tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE; see the docstring)
+    n_layer: int = 4  # transformer blocks (scratch only)
+    n_head: int = 4  # attention heads (scratch only)
+    n_embd: int = 128  # embedding width (scratch only)
+    block_size: int = 128  # context length of the model (scratch only)
+
+    # rollouts: B prompts, G completions each, at most --horizon tokens, from the sampling distribution
     batch_size: int = 16  # prompts (groups) per step per rank
     group_size: int = 8  # completions per prompt (G)
+    horizon: int = 16  # most tokens per completion
     temperature: float = 1.0  # sampling temperature of rollouts
     top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts
+    max_sampling_rounds: int = 4  # dynamic_sampling: most rollout rounds per step
+
+    # advantages and the policy loss
     adv: str = "auto"  # auto | group | rloo | process (auto: process for next_token, group otherwise)
     scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
     clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
+    num_iterations: int = 1  # policy updates per batch of rollouts (the ratio uses the sampling policy's log-probs)
+    mask_truncated: bool = False  # DAPO: completions without an end token within --horizon leave the loss
+    entropy_coef: float = 0.0  # entropy bonus coefficient
+
+    # KL to a frozen reference (a loss term, not a reward penalty)
+    reference: str = "auto"  # auto | bigram | random | init | none (auto: bigram for scratch next_token, else init)
     beta_kl: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
     kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
     kl_warmup_tokens: int = 0  # beta rises linearly from 0 to beta_kl over this many generated tokens (0: no warm-up)
-    reference: str = "auto"  # auto | bigram | random | init | none (auto: bigram for scratch next_token, else init)
-    entropy_coef: float = 0.0  # entropy bonus coefficient
-    num_iterations: int = 1  # policy updates per batch of rollouts (the ratio uses the sampling policy's log-probs)
-    mask_truncated: bool = False  # DAPO: completions without an end token within --horizon leave the loss
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts
-    max_sampling_rounds: int = 4  # dynamic_sampling: most rollout rounds per step
-    grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
+
+    # optimisation
     max_steps: int = 200  # optimizer steps (batches of rollouts)
+    grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
     warmup_steps: int = 10  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+
+    # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
     eval_size: int = 128  # held-out windows, problems or prompts per evaluation
     log_every: int = 10  # steps between log lines
     save_every: int = 100  # steps between checkpoints (one is always written at the end)
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rlhf-gpt"  # wandb project
+
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the policy's training forward
     parallel: str = "ddp"  # ddp | fsdp (under torchrun)
     seed: int = 1337  # random seed (each rank adds its rank)
     deterministic: bool = False  # torch.use_deterministic_algorithms
-    wandb: bool = False  # log to Weights & Biases
-    wandb_project: str = "rlhf-gpt"  # wandb project
-
-
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
-    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
-
-
-def download(url, path):
-    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            torch.hub.download_url_to_file(url, path)
-        except Exception as e:
-            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -240,6 +226,14 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     elif scale != "none":
         raise ValueError(f"unknown scale {scale!r}")
     return adv.flatten()  # (N,)
+
+
+def rloo_advantages(rewards, group_size):
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each (N,) reward minus the mean of the other G-1 rewards of
+    its group, which equals G/(G-1) * (r - group mean)."""
+    r = rewards.view(-1, group_size)  # (N/G, G)
+    others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - others).flatten()  # (N,)
 
 
 def process_advantages(token_rewards, mask, group_size, eps=1e-4):
@@ -295,10 +289,14 @@ def policy_loss(
     batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
-    num_seqs = N if num_seqs is None else num_seqs
-    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
+    if num_seqs is None:  # this batch is the whole step
+        num_seqs = N
+    if num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1)
+    if clip_eps_high is None:  # a symmetric clip
+        clip_eps_high = clip_eps
+    if adv.dim() == 1:  # one advantage per sequence: the same for each of its tokens
+        adv = adv[:, None].expand(N, T)  # (N, T)
     log_ratio = logp - old_logp.detach()  # (N, T)
     if loss_type == "gspo":
         seq_len = mask.sum(1).clamp(min=1)  # (N,)
@@ -329,306 +327,141 @@ def policy_loss(
     else:
         loss = (per_token * mask).sum() / num_tokens
     n = mask.sum().clamp(min=1)
-    stats = {"clip_frac": ((clipped * mask).sum() / n).detach(), "ratio_mean": ((ratio * mask).sum() / n).detach()}
-    return loss, stats
-
-
-def rloo_advantages(rewards, group_size):
-    """REINFORCE leave-one-out (Ahmadian et al. 2024): each (N,) reward minus the mean of the other G-1 rewards of
-    its group, which equals G/(G-1) * (r - group mean)."""
-    r = rewards.view(-1, group_size)  # (N/G, G)
-    others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return (r - others).flatten()  # (N,)
+    clip_frac = (clipped * mask).sum() / n
+    ratio_mean = (ratio * mask).sum() / n
+    return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions.
-
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
-SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
-ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+# ALGO LOGIC: the training step as the algorithm reads (rollout -> reward -> advantage -> loss -> update), then the
+# functions it calls, in that order.
 
 
-class BigramReference:
-    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
-    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+def training_step(run, step):
+    """One optimizer step, as the algorithm reads: rollouts -> rewards -> advantages -> loss -> update. Returns its
+    metrics (the docstring's list)."""
+    cfg = run.cfg
+    rt = run.rt
+    G = cfg.group_size
+    t0 = time.time()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
 
-    def __init__(self, ids, vocab_size):
-        self.vocab_size = vocab_size
-        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
-        self.pair_counts = counts.float()
-        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+    # 1-3. rollouts: G completions per prompt, their log-probs (sampling policy, reference) and rewards
+    batch, first, rounds = sample_batch(run)
+    t_rollout = time.time() - t0
 
-    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
-        key = prev * self.vocab_size + nxt
-        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
-        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
+    # 4. advantages, (N,) per sequence or (N, H) per token
+    adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt)
 
+    # 5. loss and policy update; the KL coefficient warms up over the first --kl_warmup_tokens generated tokens
+    beta = 0.0  # no reference, no KL term
+    if run.ref is not None:
+        warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
+        beta = cfg.beta_kl * warm
+    losses, grad_norm = update_policy(run, batch, adv, beta)
+    run.tokens += int(all_reduce(batch["mask"].sum(), rt).item())
 
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
-    if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
-
-
-def arithmetic_reward(text, answer, format_reward=0.0):
-    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
-    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
-    horizon, anything else before the end, not a number)."""
-    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
-
-
-class NextTokenTask:
-    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
-    the true continuation at the same offset."""
-
-    eos_id = None  # rollouts always run the whole horizon
-
-    def __init__(self, cfg, tok, text, path):
-        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
-        self.cfg, ids = cfg, torch.tensor(tok.encode(text))
-        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
-        C, H = cfg.context_len, cfg.horizon
-        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
-            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
-        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
-            torch.manual_seed(0)
-            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
-
-    def sample(self, n):
-        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
-        return ctx.tolist(), truth  # prompts, and the true continuations (n, H)
-
-    def rewards(self, prompts, completion, mask, truth, logits):
-        """(N, H) dense rewards; truth (N, H) on the completion's device, logits (N, H, V) of the sampling policy."""
-        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
-        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
-
-    def correct(self, completion, mask, truth, rewards):
-        return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        C, H = self.cfg.context_len, self.cfg.horizon
-        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
-        with rt.autocast():
-            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
-            greedy, _ = generate(model, x[:, :C], H, temperature=0)
-        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        acc, match = (logits.argmax(-1) == x[:, 1:]).float().mean(), (greedy == x[:, C:]).float().mean()
-        return {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}, text
+    metrics = rollout_metrics(run.task, first, batch, G, rt)
+    metrics.update(losses)  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean
+    if run.ref is None:
+        metrics["rl/kl"] = None  # no reference, no KL
+    metrics["rl/beta"] = beta
+    metrics["rl/sampling_rounds"] = rounds
+    metrics["rl/tokens"] = run.tokens
+    metrics["train/lr"] = lr
+    metrics["train/grad_norm"] = grad_norm.item()
+    metrics["perf/rollout_ms"] = 1000 * t_rollout
+    sampled = rounds * batch["mask"].numel() * rt.world_size  # token positions sampled, every round and rank
+    metrics["perf/rollout_tokens_per_s"] = sampled / max(t_rollout, 1e-9)
+    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
+    metrics["perf/step_ms"] = 1000 * (time.time() - t0)
+    return metrics
 
 
-def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
-    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
-    match = (completion == truth).float()  # (N, H)
-    rewards = match if mode == "plus1" else 2 * match - 1
-    return rewards + partial_logprob * logp_true.detach().float() if partial_logprob else rewards
+def sample_batch(run):
+    """ALGO LOGIC 1-3: a batch of --batch_size groups (collect). --dynamic_sampling (DAPO) samples more rounds until
+    every rank has that many groups whose rewards differ, or --max_sampling_rounds were sampled; the batch is then
+    the groups with signal in the order sampled, topped up with zero-advantage groups, so every rank keeps the same
+    batch shape. Returns (batch, the first round, the number of rounds)."""
+    cfg = run.cfg
+    G = cfg.group_size
+    rounds = [collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size)]
+    while cfg.dynamic_sampling:
+        zero = torch.cat([zero_std_groups(r["rewards"], G) for r in rounds])  # (groups so far,)
+        # every rank samples as many rounds (FSDP's forward passes are collective)
+        short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max").item()
+        if not short or len(rounds) == cfg.max_sampling_rounds:
+            groups = torch.argsort(zero.int(), stable=True)[: cfg.batch_size]  # with signal first, each in order
+            rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # (B*G,)
+            return take_rows(rounds, rows), rounds[0], len(rounds)
+        rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
+    return rounds[0], rounds[0], 1
 
 
-def sample_windows(ids, n, context_len, horizon):
-    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
-    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
-    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
-    return windows[:, :context_len], windows[:, context_len:]
-
-
-class ArithmeticTask:
-    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
-    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
-    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched."""
-
-    needs_logits = False  # rewards() ignores the sampling policy's logits
-
-    def __init__(self, cfg, tok, rt):
-        self.cfg, self.tok = cfg, tok
-        newline = tok.encode("\n")
-        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
-        self.eos_id = newline[0]
-        rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
-        self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
-        self.rm = frozen_reward_model(cfg, tok, rt, 2 * cfg.digits + 2 + cfg.horizon) if cfg.reward_model else None
-
-    def sample(self, n):
-        problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
-        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
-
-    def texts(self, completion, mask):
-        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
-
-    def gold(self, completion, mask, answers):
-        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
-        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
-        return torch.tensor(r, device=completion.device)  # (N,)
-
-    def rewards(self, prompts, completion, mask, answers, logits):
-        if self.rm is None:
-            return self.gold(completion, mask, answers)
-        return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
-
-    def correct(self, completion, mask, answers, rewards):  # the rewards are the gold ones unless a model gives them
-        return ((rewards if self.rm is None else self.gold(completion, mask, answers)) == 1.0).float()
-
-    def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
-        prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
-        with rt.autocast():
-            completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
-        texts = self.texts(completion, mask)
-        scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
-        well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
-        shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
-        metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
-        if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
-        return metrics, shown
-
-
-HH_TURN = "\n\nAssistant:"
-
-
-def split_hh(text):
-    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
-    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    cut = text.rfind(HH_TURN)
-    if cut < 0:
-        return None
-    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
-    return (prompt, response) if response.strip() else None
-
-
-class RewardModel(nn.Module):
-    """A GPT body and a scalar head on its final hidden states."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.body = GPT(config)
-        self.head = nn.Linear(config.n_embd, 1)
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
-        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
-        return self.head(h).squeeze(-1).float()
-
-
-@torch.no_grad()
-def reward_model_scores(rm, prompts, completion, mask):
-    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
-    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
-
-
-def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
-    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
-    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-    size = rm.body.config.block_size
-    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
-    return rm.to(rt.device)
-
-
-def plot_overoptimization(metrics_path, png_path, kl_per_token):
-    """overoptimization.png, Gao et al. 2022's axes: the proxy (the learned reward) and the gold reward of each step's
-    rollouts against sqrt(KL to the initial policy), KL per completion in nats (a per-token rl/kl times the mean
-    completion length). Dots are steps, lines the means of tenths of them in KL order. Over-optimisation: the proxy
-    keeps rising while the gold reward falls."""
-    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
-
-    rows = [r for r in read_metrics(metrics_path) if "rl/gold_reward" in r and "rl/kl" in r]
-    kl = [max(r["rl/kl"] * (r["rl/completion_len"] if kl_per_token else 1), 0.0) for r in rows]  # k1 can dip < 0
-    rows = [(math.sqrt(k), r) for k, r in sorted(zip(kl, rows), key=lambda pair: pair[0])]
-    fig = Figure(figsize=(6, 4), layout="tight")
-    gold_ax = fig.subplots()
-    proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
-    n = max(1, len(rows) // 10)
-    bins = lambda v: [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]  # means of tenths
-    for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
-        x, y = [d for d, _ in rows], [r[key] for _, r in rows]
-        color = "tab:green" if ax is gold_ax else "tab:blue"
-        ax.plot(x, y, ".", color=color, alpha=0.3)
-        ax.plot(bins(x), bins(y), "-", color=color, label=name)
-        ax.set_ylabel(name + (" (exact answer)" if ax is gold_ax else " (reward model score)"))
-    gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
-    fig.legend(loc="upper left")
-    fig.savefig(png_path, dpi=100)
-
-
-def load_reward_model(path):
-    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
-    ckpt = load_checkpoint(path)
-    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
-    model = RewardModel(GPTConfig(**ckpt["model_config"]))
-    model.body.load_state_dict(ckpt["model"])
-    model.head.load_state_dict(ckpt["reward_head"])
-    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
-
-
-class RewardModelTask:
-    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
-
-    needs_logits = False
-
-    def __init__(self, cfg, tok, rt):
-        self.cfg, self.tok, self.eos_id = cfg, tok, tok.eot_id
-        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
-        if cfg.data_path:
-            records = read_jsonl(cfg.data_path, ["chosen"])
-            chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
-            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
-            parts = [chosen[n_val:], chosen[:n_val]]
-        else:
-            try:
-                import datasets
-
-                hub = datasets.load_dataset("Anthropic/hh-rlhf")
-                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
-            except Exception as e:
-                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        encode = lambda texts: [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None]
-        self.train_prompts, val_prompts = encode(parts[0]), encode(parts[1])
-        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
-        self.eval_set = val_prompts[: cfg.eval_size]
-
-    def sample(self, n):
-        return [random.choice(self.train_prompts) for _ in range(n)], None
-
-    def rewards(self, prompts, completion, mask, info, logits):
-        return reward_model_scores(self.rm, prompts, completion, mask)
-
-    def correct(self, completion, mask, truth, rewards):
-        return None
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        cfg, prompts, gen = self.cfg, self.eval_set, torch.Generator(rt.device).manual_seed(0)  # the same noise
-        H, T, top_k = cfg.horizon, cfg.temperature, cfg.top_k or None  # the sampling distribution; the reference: T
-        with rt.autocast():
-            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
-            scores = reward_model_scores(self.rm, prompts, completion, mask)
-            seq, attn = join(prompts, completion)
-            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
-            ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
-        kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
-        show = lambda p, t, m, s: f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
-        shown = "\n\n".join(show(*row) for row in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4])
-        metrics = {"eval/rm_score": scores.mean().item(), "eval/kl": kl.mean().item()}
-        return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Rollouts
+# The batch that collect returns, one row per completion: N = n_prompts * G rows, a group's G rows contiguous
+# (rows g*G .. g*G+G-1), H = --horizon.
+#   key         shape and type           what it holds; what None means
+#   prompts     N lists of token ids     the row's prompt, shared by its group's G rows
+#   completion  (N, H) long              sampled tokens, padded to H (with the end token, or 0)
+#   mask        (N, H) float             1.0 on real completion tokens, up to and including the end token
+#   truncated   (N,) bool                True: no end token within H. None: the task has no end token (next_token)
+#   info        (N, H) long | N strings  next_token: the true continuations; arithmetic: the answers. None: the
+#                                        reward needs nothing more (reward_model)
+#   old_logp    (N, H) float             log-probs under the sampling distribution. None: one update per batch and a
+#                                        reward that reads no logits, so the training pass's own (detached) stand in
+#   ref_logp    (N, H) float             the reference's log-probs (same temperature, every token). None: no reference
+#   rewards     (N,) | (N, H) float      per sequence, or per token (next_token)
+def collect(task, raw, ref, cfg, rt, n_prompts):
+    """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
+    sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
+    vocabulary), then the rewards. Returns the batch above.
+    The policy samples in train mode: it has no dropout, so train and eval modes compute the same."""
+    G = cfg.group_size
+    H = cfg.horizon
+    top_k = cfg.top_k or None  # 0: the whole vocabulary
+    prompts, info = task.sample(n_prompts)
+    rows = [p for p in prompts for _ in range(G)]  # each prompt G times in a row: a group
+    with torch.no_grad(), rt.autocast():
+        completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt)  # (N, H), (N, H)
+        truncated = None  # a task without an end token (next_token)
+        if task.eos_id is not None:
+            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+        if isinstance(info, torch.Tensor):
+            info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
+        elif info is not None:
+            info = [x for x in info for _ in range(G)]
+        seq, attn = join(rows, completion)
+        old_logp = []
+        ref_logp = []
+        rewards = []
+        n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batch size: no pass here is larger
+        for i in range(0, len(rows), n_micro):
+            cut = slice(i, i + n_micro)
+            s = seq[cut]
+            a = None if attn is None else attn[cut]
+            logits = None
+            if task.needs_logits:  # (n, H, V): the reward reads them, and they give old_logp for free
+                logits = completion_logits(raw, s, a, H)
+                old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
+            # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
+            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
+            elif cfg.num_iterations > 1:
+                old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
+            if isinstance(ref, BigramReference):
+                ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
+            elif ref is not None:
+                ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
+            part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
+            rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
+    batch = dict(prompts=rows, completion=completion, mask=mask, truncated=truncated, info=info)
+    batch["old_logp"] = torch.cat(old_logp) if old_logp else None
+    batch["ref_logp"] = torch.cat(ref_logp) if ref_logp else None
+    batch["rewards"] = torch.cat(rewards).float()
+    return batch
 
 
 def join(prompts, completion):
@@ -667,47 +500,6 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
 
 
-def collect(task, raw, ref, cfg, rt, n_prompts):
-    """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
-    sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
-    vocabulary), then the rewards. Returns a dict of per-row tensors (and lists: prompts, arithmetic's answers).
-    The policy samples in train mode: it has no dropout, so train and eval modes compute the same."""
-    G, H, top_k = cfg.group_size, cfg.horizon, cfg.top_k or None
-    prompts, info = task.sample(n_prompts)
-    rows = [p for p in prompts for _ in range(G)]
-    with torch.no_grad(), rt.autocast():
-        completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt)  # (N, H), (N, H)
-        # (N,) no end token within the horizon; None for a task without an end token (next_token)
-        truncated = ~((completion == task.eos_id) & (mask > 0)).any(1) if task.eos_id is not None else None
-        if isinstance(info, torch.Tensor):
-            info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
-        elif info is not None:
-            info = [x for x in info for _ in range(G)]
-        seq, attn = join(rows, completion)
-        old_logp, ref_logp, rewards = [], [], []
-        n_micro = len(rows) // cfg.grad_accum
-        for i in range(0, len(rows), n_micro):
-            cut = slice(i, i + n_micro)
-            s, a = seq[cut], None if attn is None else attn[cut]
-            logits = completion_logits(raw, s, a, H) if task.needs_logits else None  # (n, H, V): the reward reads them
-            if logits is not None:
-                old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
-            # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
-            elif cfg.num_iterations > 1:
-                old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
-            if isinstance(ref, BigramReference):
-                ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
-            elif ref is not None:
-                ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
-            part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
-            rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
-    batch = dict(prompts=rows, completion=completion, mask=mask, truncated=truncated, info=info)
-    # (N, H); old_logp None: the training pass's own, detached; ref_logp None: no reference
-    cat = lambda parts: torch.cat(parts) if parts else None
-    return dict(batch, old_logp=cat(old_logp), ref_logp=cat(ref_logp), rewards=torch.cat(rewards).float())
-
-
 def zero_std_groups(rewards, group_size):
     """(N/G,) True for groups whose rewards (per sequence, or per token) are all equal: every advantage is 0."""
     r = rewards.view(-1, group_size, rewards[0].numel())  # (N/G, G, 1 or H)
@@ -726,23 +518,20 @@ def take_rows(batches, rows):
     return out
 
 
-def sample_batch(run):
-    """ALGO LOGIC 1-3: a batch of --batch_size groups (collect). --dynamic_sampling (DAPO) samples more rounds until
-    every rank has that many groups whose rewards differ, or --max_sampling_rounds were sampled; the batch is then
-    the groups with signal in the order sampled, topped up with zero-advantage groups, so every rank keeps the same
-    batch shape. Returns (batch, the first round, the number of rounds)."""
-    cfg, G = run.cfg, run.cfg.group_size
-    rounds = [collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size)]
-    while cfg.dynamic_sampling:
-        zero = torch.cat([zero_std_groups(r["rewards"], G) for r in rounds])  # (groups so far,)
-        # every rank samples as many rounds (FSDP's forward passes are collective)
-        short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max").item()
-        if not short or len(rounds) == cfg.max_sampling_rounds:
-            groups = torch.argsort(zero.int(), stable=True)[: cfg.batch_size]  # with signal first, each in order
-            rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # (B*G,)
-            return take_rows(rounds, rows), rounds[0], len(rounds)
-        rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
-    return rounds[0], rounds[0], 1
+def compute_advantages(rewards, mask, kind, group_size, scale, rt):
+    """ALGO LOGIC 4: this rank's advantages, (N, H) for process, else (N,) from each completion's reward (per-token
+    rewards averaged over its real tokens). Groups never span ranks, but --scale_rewards batch divides by the std of
+    every rank's rewards: group_advantages runs on all ranks' rewards and each rank keeps its own rows."""
+    if kind == "process":
+        return process_advantages(rewards, mask, group_size)  # (N, H)
+    seq_rewards = rewards  # (N,)
+    if rewards.dim() == 2:  # per token: the mean over each completion's real tokens
+        seq_rewards = (rewards * mask).sum(1) / mask.sum(1)
+    if kind == "rloo":
+        return rloo_advantages(seq_rewards, group_size)  # (N,)
+    every_rank = gather_rows(seq_rewards, rt)  # (world_size * N,)
+    adv = group_advantages(every_rank, group_size, scale)  # (world_size * N,)
+    return adv.view(rt.world_size, -1)[rt.rank]  # (N,) this rank's rows
 
 
 def gather_rows(x, rt):
@@ -753,17 +542,77 @@ def gather_rows(x, rt):
     return all_reduce(out, rt).flatten(0, 1)
 
 
-def compute_advantages(rewards, mask, kind, group_size, scale, rt):
-    """ALGO LOGIC 4: this rank's advantages, (N, H) for process, else (N,) from each completion's reward (per-token
-    rewards averaged over its real tokens). Groups never span ranks, but --scale_rewards batch divides by the std of
-    every rank's rewards: group_advantages runs on all ranks' rewards and each rank keeps its own rows."""
-    if kind == "process":
-        return process_advantages(rewards, mask, group_size)  # (N, H)
-    seq_rewards = rewards if rewards.dim() == 1 else (rewards * mask).sum(1) / mask.sum(1)  # (N,)
-    if kind == "rloo":
-        return rloo_advantages(seq_rewards, group_size)  # (N,)
-    # every rank's rewards (world_size * N,) in, this rank's advantages (N,) out
-    return group_advantages(gather_rows(seq_rewards, rt), group_size, scale).view(rt.world_size, -1)[rt.rank]
+def update_policy(run, batch, adv, beta):
+    """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over --grad_accum
+    micro-batches of whole groups. The loss is policy_loss + beta * KL term - entropy_coef * entropy; every normaliser
+    counts the whole step (all micro-batches and ranks), so the micro-batch losses add up to the step's loss. Returns
+    the last iteration's loss metrics by name, over every rank (rl/kl: the k1 estimate, whatever --kl_estimator), and
+    its gradient norm."""
+    cfg = run.cfg
+    rt = run.rt
+    H = cfg.horizon
+    top_k = cfg.top_k or None
+    seq, attn = join(batch["prompts"], batch["completion"])
+    mask = batch["mask"]
+    if cfg.mask_truncated:  # DAPO's overlong filtering: completions without an end token leave the loss
+        mask = mask * ~batch["truncated"][:, None]
+    N = len(batch["prompts"])
+    n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
+    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)  # the whole step's sequences
+    n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
+
+    def token_mean(x, m):  # a micro-batch's share of a token mean over the whole step
+        return (x * m).sum() / n_tokens
+
+    for _ in range(cfg.num_iterations):
+        sums = {}  # this rank's share of each metric, summed over the micro-batches
+        for i in range(0, N, n_micro):
+            rows = slice(i, i + n_micro)
+            m = mask[rows]
+            grad_sync(run.policy, i + n_micro >= N)
+            a = None if attn is None else attn[rows]
+            with rt.autocast():  # under the sampling distribution, as old_logp
+                logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
+            old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
+            pg_loss, stats = policy_loss(
+                logp,
+                old_logp,
+                adv[rows],
+                m,
+                cfg.loss_type,
+                clip_eps=cfg.clip_eps,
+                clip_eps_high=cfg.clip_eps_high,
+                max_len=H,
+                num_seqs=n_seqs,
+                num_tokens=n_tokens,
+            )
+            # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
+            ref_logp = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
+            kl = token_mean(kl_penalty(logp, ref_logp, cfg.kl_estimator), m)
+            entropy = token_mean(entropies if cfg.entropy_coef > 0 else entropies.detach(), m)  # a bonus, or logged
+            loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
+            run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+            with torch.no_grad():
+                # the stats' part of the step: its tokens, or for gspo (per-sequence stats) its sequences
+                part = n_micro / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
+                shares = {
+                    "train/loss": loss,
+                    "rl/pg_loss": pg_loss,
+                    "rl/kl": token_mean(kl_penalty(logp, ref_logp, "k1"), m),  # whatever --kl_estimator
+                    "rl/entropy": entropy,
+                    "rl/clip_frac": stats["clip_frac"] * part,
+                    "rl/ratio_mean": stats["ratio_mean"] * part,
+                }
+                for name, value in shares.items():
+                    sums[name] = sums.get(name, 0.0) + value.float()
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+    # each rank's shares are normalised by the whole step's counts: their sum over ranks is the step's value
+    totals = all_reduce(torch.stack(list(sums.values())), rt)  # one collective for them all
+    return dict(zip(sums, totals.tolist())), grad_norm
 
 
 def rollout_metrics(task, first, batch, group_size, rt):
@@ -772,93 +621,24 @@ def rollout_metrics(task, first, batch, group_size, rt):
     correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
     learned = isinstance(task, ArithmeticTask) and task.rm is not None  # a proxy reward: measure the gold one too
     gold = task.gold(first["completion"], first["mask"], first["info"]) if learned else None
-    mean = lambda x: None if x is None else gather_rows(x.float(), rt).mean().item()  # over every rank's rows
+
+    def mean(x):  # over every rank's rows; a measure the task does not have (None) stays None
+        if x is None:
+            return None
+        return gather_rows(x.float(), rt).mean().item()
+
     rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
     if rewards.dim() == 2:  # per token: the real ones
         rewards = rewards[gather_rows(first["mask"], rt) > 0]
-    metrics = {"rl/reward_mean": rewards.mean().item(), "rl/reward_std": rewards.std().item()}
-    metrics.update({"rl/accuracy": mean(correct), "rl/gold_reward": mean(gold)})
-    metrics["rl/zero_std_frac"] = mean(zero_std_groups(first["rewards"], group_size))
-    # truncated is None for a task without an end token (next_token): no rl/truncated_frac
-    metrics.update({"rl/completion_len": mean(batch["mask"].sum(1)), "rl/truncated_frac": mean(batch["truncated"])})
-    return metrics
-
-
-# the loss's parts, summed over micro-batches and ranks (each normalised by the whole step's counts)
-STATS = ("train/loss", "rl/pg_loss", "rl/kl", "rl/entropy", "rl/clip_frac", "rl/ratio_mean")
-
-
-def update_policy(run, batch, adv, beta):
-    """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over --grad_accum
-    micro-batches of whole groups. The loss is policy_loss + beta * KL term - entropy_coef * entropy; every normaliser
-    counts the whole step (all micro-batches and ranks), so the micro-batch losses add up to the step's loss. Returns
-    the last iteration's STATS (rl/kl: the k1 estimate, whatever --kl_estimator) and its gradient norm."""
-    cfg, rt, H, top_k = run.cfg, run.rt, run.cfg.horizon, run.cfg.top_k or None
-    seq, attn = join(batch["prompts"], batch["completion"])
-    mask = batch["mask"] * ~batch["truncated"][:, None] if cfg.mask_truncated else batch["mask"]  # DAPO's filter
-    N = len(batch["prompts"])
-    n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
-    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
-    n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
-    token_mean = lambda x, m: (x * m).sum() / n_tokens  # a micro-batch's share of a token mean over the whole step
-    settings = dict(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, max_len=H, num_seqs=n_seqs)
-    for _ in range(cfg.num_iterations):
-        sums = torch.zeros(len(STATS), device=rt.device)  # this rank's share of each of STATS
-        for i in range(0, N, n_micro):
-            rows, m = slice(i, i + n_micro), mask[i : i + n_micro]
-            grad_sync(run.policy, i + n_micro >= N)
-            a = None if attn is None else attn[rows]
-            with rt.autocast():  # under the sampling distribution, as old_logp
-                logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
-            old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
-            pg_loss, stats = policy_loss(logp, old_logp, adv[rows], m, cfg.loss_type, num_tokens=n_tokens, **settings)
-            # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
-            ref = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
-            kl = token_mean(kl_penalty(logp, ref, cfg.kl_estimator), m)
-            entropy = token_mean(entropies if cfg.entropy_coef > 0 else entropies.detach(), m)  # a bonus, or logged
-            loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
-            run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-            with torch.no_grad():
-                # the stats' part of the step: its tokens, or for gspo (per-sequence stats) its sequences
-                part = n_micro / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
-                k1 = token_mean(kl_penalty(logp, ref, "k1"), m)  # rl/kl, whatever --kl_estimator
-                sums += torch.stack([loss, pg_loss, k1, entropy, stats["clip_frac"] * part, stats["ratio_mean"] * part])
-        run.scaler.unscale_(run.optimizer)
-        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.optimizer.zero_grad(set_to_none=True)
-    return all_reduce(sums, rt), grad_norm  # each share is normalised by global counts: their sum is the global value
-
-
-def training_step(run, step):
-    """One optimizer step, as the algorithm reads: rollouts -> rewards -> advantages -> loss -> update. Returns its
-    metrics (the docstring's list)."""
-    cfg, rt, G = run.cfg, run.rt, run.cfg.group_size
-    t0 = time.time()
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
-    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    batch, first, rounds = sample_batch(run)  # 1-3. rollouts, log-probs, rewards
-    t_rollout = time.time() - t0
-    # 4. advantages, (N,) or (N, H)
-    adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt)
-    warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
-    beta = cfg.beta_kl * warm if run.ref is not None else 0.0
-    sums, grad_norm = update_policy(run, batch, adv, beta)  # 5. policy update
-    run.tokens += int(all_reduce(batch["mask"].sum(), rt).item())
-    metrics = {**rollout_metrics(run.task, first, batch, G, rt), **dict(zip(STATS, sums.tolist()))}
-    metrics.update({"rl/beta": beta, "rl/sampling_rounds": rounds, "rl/tokens": run.tokens, "train/lr": lr})
-    metrics.update({"train/grad_norm": grad_norm.item(), "perf/rollout_ms": 1000 * t_rollout})
-    metrics["perf/rollout_tokens_per_s"] = rounds * batch["mask"].numel() * rt.world_size / max(t_rollout, 1e-9)
-    metrics.update({"perf/peak_mem_mb": peak_memory_mb(rt), "perf/step_ms": 1000 * (time.time() - t0)})
-    metrics["rl/kl"] = metrics["rl/kl"] if run.ref is not None else None  # no reference, no KL
-    return metrics
-
-
-# ----------------------------------------------------------------------------------------------------------
+    return {
+        "rl/reward_mean": rewards.mean().item(),
+        "rl/reward_std": rewards.std().item(),
+        "rl/accuracy": mean(correct),
+        "rl/gold_reward": mean(gold),
+        "rl/zero_std_frac": mean(zero_std_groups(first["rewards"], group_size)),
+        "rl/completion_len": mean(batch["mask"].sum(1)),
+        "rl/truncated_frac": mean(batch["truncated"]),  # None for a task without an end token (next_token)
+    }
 
 
 def peak_memory_mb(rt):
@@ -867,6 +647,379 @@ def peak_memory_mb(rt):
         return torch.cuda.max_memory_allocated(rt.device) / 2**20
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions. A task has
+#   eos_id            the end token of a completion (None: completions run the whole horizon)
+#   needs_logits      whether its reward reads the sampling policy's logits
+#   sample(n)         -> (n prompts, info: what the reward needs beside the completion, or None)
+#   rewards(prompts, completion, mask, info, logits)   -> (N,) per sequence or (N, H) per token
+#   correct(completion, mask, info, rewards)           -> (N,) for rl/accuracy, or None
+#   evaluate(model, ref, rt, tok, step)                -> (eval/ metrics, sample text for samples.txt)
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
+
+
+class NextTokenTask:
+    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
+    the true continuation at the same offset."""
+
+    eos_id = None  # rollouts always run the whole horizon
+
+    def __init__(self, cfg, tok, text, path):
+        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
+        self.cfg = cfg
+        ids = torch.tensor(tok.encode(text))
+        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
+        C = cfg.context_len
+        H = cfg.horizon
+        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
+            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
+        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+            torch.manual_seed(0)
+            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
+
+    def sample(self, n):
+        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
+        return ctx.tolist(), truth  # prompts, and the true continuations (n, H)
+
+    def rewards(self, prompts, completion, mask, truth, logits):
+        """(N, H) dense rewards; truth (N, H) on the completion's device, logits (N, H, V) of the sampling policy."""
+        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
+        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
+
+    def correct(self, completion, mask, truth, rewards):
+        return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        C = self.cfg.context_len
+        H = self.cfg.horizon
+        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
+        with rt.autocast():
+            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
+            greedy, _ = generate(model, x[:, :C], H, temperature=0)
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
+        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
+        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
+        metrics = {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}
+        return metrics, text
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
+    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    match = (completion == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach().float()
+    return rewards
+
+
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
+        key = prev * self.vocab_size + nxt
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
+
+
+ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+
+
+class ArithmeticTask:
+    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
+    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched."""
+
+    needs_logits = False  # rewards() ignores the sampling policy's logits
+
+    def __init__(self, cfg, tok, rt):
+        self.cfg = cfg
+        self.tok = tok
+        newline = tok.encode("\n")
+        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
+        self.eos_id = newline[0]
+        rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
+        self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+        self.rm = None
+        if cfg.reward_model:  # a learned reward; the gold one is only measured
+            longest = 2 * cfg.digits + 2 + cfg.horizon  # "a*b=" with the longest operands, then the completion
+            self.rm = frozen_reward_model(cfg, tok, rt, longest)
+
+    def sample(self, n):
+        problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
+        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def texts(self, completion, mask):
+        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
+
+    def gold(self, completion, mask, answers):
+        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
+        return torch.tensor(r, device=completion.device)  # (N,)
+
+    def rewards(self, prompts, completion, mask, answers, logits):
+        if self.rm is None:
+            return self.gold(completion, mask, answers)
+        return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+
+    def correct(self, completion, mask, answers, rewards):
+        gold = rewards  # the rewards are the gold ones unless a model gives them
+        if self.rm is not None:
+            gold = self.gold(completion, mask, answers)
+        return (gold == 1.0).float()  # (N,) exact answers
+
+    def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
+        with rt.autocast():
+            completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+        texts = self.texts(completion, mask)
+        scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
+        well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
+        shown = [f"{p}{t!r} (answer {a.strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
+        metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
+        if self.rm is not None:  # the proxy's view of the same greedy answers
+            metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+        return metrics, "\n".join(shown)
+
+
+def arithmetic_problem(rng, digits, ops):
+    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
+    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    op = rng.choice(ops)
+    if op == "+":
+        result = a + b
+    elif op == "-":
+        result = a - b
+    else:
+        result = a * b
+    return f"{a}{op}{b}=", f"{result}\n"
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
+    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
+    horizon, anything else before the end, not a number)."""
+    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.strip():
+        return 1.0
+    return format_reward
+
+
+HH_TURN = "\n\nAssistant:"
+
+
+class RewardModelTask:
+    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
+
+    needs_logits = False
+
+    def __init__(self, cfg, tok, rt):
+        self.cfg = cfg
+        self.tok = tok
+        self.eos_id = tok.eot_id
+        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
+        self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
+        if cfg.data_path:
+            records = read_jsonl(cfg.data_path, ["chosen"])
+            chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
+            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
+            parts = [chosen[n_val:], chosen[:n_val]]
+        else:
+            try:
+                import datasets
+
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        self.train_prompts = self.encode_prompts(parts[0])
+        val_prompts = self.encode_prompts(parts[1])
+        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
+        self.eval_set = val_prompts[: cfg.eval_size]
+
+    def encode_prompts(self, texts):
+        """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
+        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
+        return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
+
+    def sample(self, n):
+        return [random.choice(self.train_prompts) for _ in range(n)], None
+
+    def rewards(self, prompts, completion, mask, info, logits):
+        return reward_model_scores(self.rm, prompts, completion, mask)
+
+    def correct(self, completion, mask, truth, rewards):
+        return None
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        prompts = self.eval_set
+        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
+        # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
+        H = self.cfg.horizon
+        T = self.cfg.temperature
+        top_k = self.cfg.top_k or None
+        with rt.autocast():
+            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
+            scores = reward_model_scores(self.rm, prompts, completion, mask)
+            seq, attn = join(prompts, completion)
+            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
+            ref_logp = logp  # no reference: a KL of zero
+            if ref is not None:
+                ref_logp, _ = completion_logprobs(ref, seq, attn, H, temperature=T)
+        kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
+        shown = []
+        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
+            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
+        metrics = {
+            "eval/rm_score": scores.mean().item(),
+            "eval/kl": kl.mean().item(),
+            "eval/completion_len": mask.sum(1).mean().item(),
+        }
+        return metrics, "\n\n".join(shown)
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    end = cut + len(HH_TURN)
+    prompt = text[:end]
+    response = text[end:]
+    if not response.strip():
+        return None
+    return prompt, response
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+@torch.no_grad()
+def reward_model_scores(rm, prompts, completion, mask):
+    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
+    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+
+
+def frozen_reward_model(cfg, tok, rt, longest):
+    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
+    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
+    size = rm.body.config.block_size
+    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+    return rm.to(rt.device)
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
+
+
+def plot_overoptimization(metrics_path, png_path, kl_per_token):
+    """overoptimization.png, Gao et al. 2022's axes: the proxy (the learned reward) and the gold reward of each step's
+    rollouts against sqrt(KL to the initial policy), KL per completion in nats (a per-token rl/kl times the mean
+    completion length). Dots are steps, lines the means of tenths of them in KL order. Over-optimisation: the proxy
+    keeps rising while the gold reward falls."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
+
+    rows = [r for r in read_metrics(metrics_path) if "rl/gold_reward" in r and "rl/kl" in r]
+    kl = [max(r["rl/kl"] * (r["rl/completion_len"] if kl_per_token else 1), 0.0) for r in rows]  # k1 can dip < 0
+    rows = [(math.sqrt(k), r) for k, r in sorted(zip(kl, rows), key=lambda pair: pair[0])]
+    fig = Figure(figsize=(6, 4), layout="tight")
+    gold_ax = fig.subplots()
+    proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
+    n = max(1, len(rows) // 10)
+
+    def bins(v):  # the means of consecutive tenths
+        return [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]
+
+    for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
+        x = [d for d, _ in rows]
+        y = [r[key] for _, r in rows]
+        color = "tab:green" if ax is gold_ax else "tab:blue"
+        ax.plot(x, y, ".", color=color, alpha=0.3)
+        ax.plot(bins(x), bins(y), "-", color=color, label=name)
+        ax.set_ylabel(name + (" (exact answer)" if ax is gold_ax else " (reward model score)"))
+    gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
+    fig.legend(loc="upper left")
+    fig.savefig(png_path, dpi=100)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Setup, evaluation, checkpoints and main()
 
 
 def resolve_clip(cfg):
@@ -892,24 +1045,36 @@ def resolve_clip(cfg):
 
 def validate(cfg):
     """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
-    positive = "horizon batch_size max_steps num_iterations grad_accum eval_every eval_size log_every save_every"
-    positive += " n_layer n_head n_embd block_size max_sampling_rounds context_len max_prompt_len digits lr clip_eps"
-    zero_ok = "min_lr beta_kl kl_warmup_tokens entropy_coef clip_eps_high grad_clip weight_decay warmup_steps top_k"
-    for name in f"{positive} {zero_ok}".split():
-        value, can_be_zero = getattr(cfg, name), name in zero_ok.split()
-        bound = ">= 0" if can_be_zero else "positive"
-        check(value > 0 or (can_be_zero and value == 0), f"--{name} must be {bound} (got {value})")
+    positive = ["horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "eval_size"]
+    positive += ["log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "max_sampling_rounds"]
+    positive += ["context_len", "max_prompt_len", "digits", "lr", "clip_eps"]
+    for name in positive:
+        value = getattr(cfg, name)
+        check(value > 0, f"--{name} must be positive (got {value})")
+    zero_ok = ["min_lr", "beta_kl", "kl_warmup_tokens", "entropy_coef", "clip_eps_high", "grad_clip", "weight_decay"]
+    zero_ok += ["warmup_steps", "top_k"]
+    for name in zero_ok:
+        value = getattr(cfg, name)
+        check(value >= 0, f"--{name} must be >= 0 (got {value})")
     check(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO compares the completions of a group (at least 2)")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(cfg.kl_estimator != "k1", "--kl_estimator k1: zero expected gradient as a loss term (it belongs in a reward)")
-    choices = dict(task="next_token arithmetic reward_model", tokenizer="gpt2 char", reward_mode="plus1 pm1")
-    choices.update(adv="auto group rloo process", scale_rewards="group batch none", kl_estimator="k2 k3")
-    choices.update(loss_type="grpo dapo dr_grpo gspo cispo reinforce", reference="auto bigram random init none")
+    choices = {
+        "task": ["next_token", "arithmetic", "reward_model"],
+        "tokenizer": ["gpt2", "char"],
+        "reward_mode": ["plus1", "pm1"],
+        "adv": ["auto", "group", "rloo", "process"],
+        "scale_rewards": ["group", "batch", "none"],
+        "kl_estimator": ["k2", "k3"],
+        "loss_type": ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"],
+        "reference": ["auto", "bigram", "random", "init", "none"],
+    }
     for name, allowed in choices.items():
-        check(getattr(cfg, name) in allowed.split(), f"--{name} {getattr(cfg, name)!r}: use one of {allowed}")
+        value = getattr(cfg, name)
+        check(value in allowed, f"--{name} {value!r}: use one of {' '.join(allowed)}")
     check(cfg.adv != "process" or cfg.task == "next_token", "--adv process needs per-token rewards (--task next_token)")
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
@@ -924,10 +1089,20 @@ def setup(cfg):
     run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit(), start_step=0, tokens=0, first_eval=None)
     run.ckpt_path = os.path.join(out_dir, "ckpt.pt")
     source = run.ckpt_path if cfg.resume else cfg.init_from
-    model, spec, ckpt = load_model(source) if source != "scratch" else (None, None, None)
-    text = path = None
+    model = None
+    spec = None  # no tokenizer yet: a new model
+    ckpt = None
+    if source != "scratch":
+        model, spec, ckpt = load_model(source)
+    text = None  # next_token's text, and the file it came from
+    path = None
     if cfg.task == "next_token":
-        path = cfg.data if cfg.data != "shakespeare" else cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
+        if cfg.data != "shakespeare":
+            path = cfg.data
+        elif cfg.data_path:  # a local copy of tiny Shakespeare
+            path = cfg.data_path
+        else:
+            path = download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
     if spec is None:  # a new model
         chars = sorted(set(text)) if text is not None else ARITHMETIC_CHARS
@@ -939,17 +1114,25 @@ def setup(cfg):
         unknown = sorted(set(text) - set(run.tok.chars))
         check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
-        run.task, prompt_len = NextTokenTask(cfg, run.tok, text, path), cfg.context_len
+        run.task = NextTokenTask(cfg, run.tok, text, path)
+        prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        run.task, prompt_len = ArithmeticTask(cfg, run.tok, rt), 2 * cfg.digits + 2
+        run.task = ArithmeticTask(cfg, run.tok, rt)
+        prompt_len = 2 * cfg.digits + 2  # "a*b=" with the longest operands
     else:
-        run.task, prompt_len = RewardModelTask(cfg, run.tok, rt), cfg.max_prompt_len
-    longest, block_size = prompt_len + cfg.horizon, model.config.block_size
+        run.task = RewardModelTask(cfg, run.tok, rt)
+        prompt_len = cfg.max_prompt_len
+    longest = prompt_len + cfg.horizon
+    block_size = model.config.block_size
     check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
     run.raw = model.to(rt.device)
-    run.adv_kind = cfg.adv if cfg.adv != "auto" else ("process" if cfg.task == "next_token" else "group")
-    text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
-    run.reference = cfg.reference if cfg.reference != "auto" else ("bigram" if text_from_scratch else "init")
+    run.adv_kind = cfg.adv
+    if cfg.adv == "auto":  # per-token rewards (next_token): process supervision
+        run.adv_kind = "process" if cfg.task == "next_token" else "group"
+    run.reference = cfg.reference
+    if cfg.reference == "auto":  # a model trained from scratch on text has no sensible initial policy
+        text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
+        run.reference = "bigram" if text_from_scratch else "init"
 
     # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
     broadcast_weights(model, rt)
@@ -972,7 +1155,9 @@ def setup(cfg):
         # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
         restore_rng(ckpt, rt)
-        run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
+        run.start_step = ckpt["step"]
+        run.tokens = ckpt["tokens"]
+        run.first_eval = ckpt["first_eval"]
     if rt.master:
         sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}, {rt.world_size} x {rt.device}"
         print(f"{sizes}, {cfg.task}, loss {cfg.loss_type}, adv {run.adv_kind}, ref {run.reference}, out_dir {out_dir}")
@@ -982,9 +1167,10 @@ def setup(cfg):
 def evaluate_policy(run, step, logger):
     """The task's evaluation of the policy, logged, and its samples appended to samples.txt. The policy stays in
     train mode: it has no dropout, so both modes compute the same."""
-    # the reference model, if any (not the bigram table)
-    metrics, text = run.task.evaluate(run.raw, run.ref if isinstance(run.ref, GPT) else None, run.rt, run.tok, step)
-    run.first_eval = run.first_eval or metrics
+    ref = run.ref if isinstance(run.ref, GPT) else None  # the reference model, if any (not the bigram table)
+    metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
+    if run.first_eval is None:  # the evaluation before training, for final_results.json
+        run.first_eval = metrics
     logger.log(step, {**metrics, "rl/tokens": run.tokens})
     if run.rt.master:
         with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
@@ -997,19 +1183,36 @@ def save(run, step):
     model_sd, optim_sd = training_state(run.raw, run.optimizer, run.rt)
     rngs = all_rng_states(run.rt)
     if run.rt.master:
-        ckpt = {"model": model_sd, "model_config": dataclasses.asdict(run.raw.config), "tokenizer": run.tok.spec}
-        ckpt.update(step=step, optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(run.cfg))
-        ckpt.update(scaler=run.scaler.state_dict(), tokens=run.tokens, first_eval=run.first_eval)
-        ckpt["reference"] = run.ref.state_dict() if run.reference == "init" else None  # a resume reloads it
+        ckpt = {
+            "model": model_sd,
+            "model_config": dataclasses.asdict(run.raw.config),
+            "tokenizer": run.tok.spec,
+            "step": step,
+            "optimizer": optim_sd,
+            "rng": rngs[0],
+            "rng_ranks": rngs,
+            "config": dataclasses.asdict(run.cfg),
+            "scaler": run.scaler.state_dict(),
+            "tokens": run.tokens,
+            "first_eval": run.first_eval,
+            "reference": run.ref.state_dict() if run.reference == "init" else None,  # a resume reloads it
+        }
         save_checkpoint(run.ckpt_path, ckpt)
 
 
 def write_results(run, last_eval, wall_time_s):
     """final_results.json (the evaluation before and after training) and one summary line."""
     cfg = run.cfg
-    results = dict(task=cfg.task, loss_type=cfg.loss_type, adv=run.adv_kind, steps=cfg.max_steps, tokens=run.tokens)
-    strip = lambda metrics: {k.removeprefix("eval/"): v for k, v in metrics.items()}  # eval/accuracy: accuracy
-    results.update(wall_time_s=wall_time_s, before=strip(run.first_eval), after=strip(last_eval))
+    results = {
+        "task": cfg.task,
+        "loss_type": cfg.loss_type,
+        "adv": run.adv_kind,
+        "steps": cfg.max_steps,
+        "tokens": run.tokens,
+        "wall_time_s": wall_time_s,
+        "before": {k.removeprefix("eval/"): v for k, v in run.first_eval.items()},  # eval/accuracy: accuracy
+        "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+    }
     with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
         json.dump(results, f, indent=2)
     summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
@@ -1020,6 +1223,7 @@ def write_results(run, last_eval, wall_time_s):
 
 
 def main():
+    """The run: evaluate every --eval_every steps, train, log and checkpoint; evaluate and save at the end."""
     cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     run = setup(cfg)

@@ -667,9 +667,11 @@ class NextTokenTask:
 
     def __init__(self, cfg, tok, text, path):
         self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
-        self.cfg, ids = cfg, torch.tensor(tok.encode(text))
+        self.cfg = cfg
+        ids = torch.tensor(tok.encode(text))
         self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
-        C, H = cfg.context_len, cfg.horizon
+        C = cfg.context_len
+        H = cfg.horizon
         for name, split in (("train", self.train_ids), ("val", self.val_ids)):
             check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
         with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
@@ -690,15 +692,18 @@ class NextTokenTask:
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
-        C, H = self.cfg.context_len, self.cfg.horizon
+        C = self.cfg.context_len
+        H = self.cfg.horizon
         x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
         with rt.autocast():
             logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
             greedy, _ = generate(model, x[:, :C], H, temperature=0)
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        acc, match = (logits.argmax(-1) == x[:, 1:]).float().mean(), (greedy == x[:, C:]).float().mean()
-        return {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}, text
+        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
+        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
+        metrics = {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}
+        return metrics, text
 
 
 def sample_windows(ids, n, context_len, horizon):
@@ -713,7 +718,9 @@ def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logpr
     +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
-    return rewards + partial_logprob * logp_true.detach().float() if partial_logprob else rewards
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach().float()
+    return rewards
 
 
 class BigramReference:
@@ -741,13 +748,17 @@ class ArithmeticTask:
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
     def __init__(self, cfg, tok, rt):
-        self.cfg, self.tok = cfg, tok
+        self.cfg = cfg
+        self.tok = tok
         newline = tok.encode("\n")
         check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
         self.eos_id = newline[0]
         rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
         self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
-        self.rm = frozen_reward_model(cfg, tok, rt, 2 * cfg.digits + 2 + cfg.horizon) if cfg.reward_model else None
+        self.rm = None
+        if cfg.reward_model:  # a learned reward; the gold one is only measured
+            longest = 2 * cfg.digits + 2 + cfg.horizon  # "a*b=" with the longest operands, then the completion
+            self.rm = frozen_reward_model(cfg, tok, rt, longest)
 
     def sample(self, n):
         problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
@@ -766,8 +777,11 @@ class ArithmeticTask:
             return self.gold(completion, mask, answers)
         return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
 
-    def correct(self, completion, mask, answers, rewards):  # the rewards are the gold ones unless a model gives them
-        return ((rewards if self.rm is None else self.gold(completion, mask, answers)) == 1.0).float()
+    def correct(self, completion, mask, answers, rewards):
+        gold = rewards  # the rewards are the gold ones unless a model gives them
+        if self.rm is not None:
+            gold = self.gold(completion, mask, answers)
+        return (gold == 1.0).float()  # (N,) exact answers
 
     def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
         prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
@@ -776,11 +790,11 @@ class ArithmeticTask:
         texts = self.texts(completion, mask)
         scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
         well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
-        shown = "\n".join(f"{p}{t!r} (answer {a.strip()})" for (p, a), t in list(zip(self.eval_problems, texts))[:8])
+        shown = [f"{p}{t!r} (answer {a.strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
         metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
-        return metrics, shown
+        return metrics, "\n".join(shown)
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -802,7 +816,11 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
     horizon, anything else before the end, not a number)."""
     m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    return 0.0 if m is None else (1.0 if m.group(1) == answer.strip() else format_reward)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.strip():
+        return 1.0
+    return format_reward
 
 
 def plot_overoptimization(metrics_path, png_path, kl_per_token):
@@ -819,9 +837,13 @@ def plot_overoptimization(metrics_path, png_path, kl_per_token):
     gold_ax = fig.subplots()
     proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
     n = max(1, len(rows) // 10)
-    bins = lambda v: [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]  # means of tenths
+
+    def bins(v):  # the means of consecutive tenths
+        return [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]
+
     for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
-        x, y = [d for d, _ in rows], [r[key] for _, r in rows]
+        x = [d for d, _ in rows]
+        y = [r[key] for _, r in rows]
         color = "tab:green" if ax is gold_ax else "tab:blue"
         ax.plot(x, y, ".", color=color, alpha=0.3)
         ax.plot(bins(x), bins(y), "-", color=color, label=name)
@@ -837,7 +859,9 @@ class RewardModelTask:
     needs_logits = False
 
     def __init__(self, cfg, tok, rt):
-        self.cfg, self.tok, self.eos_id = cfg, tok, tok.eot_id
+        self.cfg = cfg
+        self.tok = tok
+        self.eos_id = tok.eot_id
         check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
         self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
         if cfg.data_path:
@@ -853,10 +877,15 @@ class RewardModelTask:
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
                 die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        encode = lambda texts: [tok.encode(s[0])[-cfg.max_prompt_len :] for s in map(split_hh, texts) if s is not None]
-        self.train_prompts, val_prompts = encode(parts[0]), encode(parts[1])
+        self.train_prompts = self.encode_prompts(parts[0])
+        val_prompts = self.encode_prompts(parts[1])
         check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
         self.eval_set = val_prompts[: cfg.eval_size]
+
+    def encode_prompts(self, texts):
+        """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
+        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
+        return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
 
     def sample(self, n):
         return [random.choice(self.train_prompts) for _ in range(n)], None
@@ -869,19 +898,30 @@ class RewardModelTask:
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
-        cfg, prompts, gen = self.cfg, self.eval_set, torch.Generator(rt.device).manual_seed(0)  # the same noise
-        H, T, top_k = cfg.horizon, cfg.temperature, cfg.top_k or None  # the sampling distribution; the reference: T
+        prompts = self.eval_set
+        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
+        # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
+        H = self.cfg.horizon
+        T = self.cfg.temperature
+        top_k = self.cfg.top_k or None
         with rt.autocast():
             completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
             logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
-            ref_logp = completion_logprobs(ref, seq, attn, H, temperature=T)[0] if ref is not None else logp
+            ref_logp = logp  # no reference: a KL of zero
+            if ref is not None:
+                ref_logp, _ = completion_logprobs(ref, seq, attn, H, temperature=T)
         kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
-        show = lambda p, t, m, s: f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
-        shown = "\n\n".join(show(*row) for row in list(zip(prompts, completion.cpu(), mask.cpu(), scores.tolist()))[:4])
-        metrics = {"eval/rm_score": scores.mean().item(), "eval/kl": kl.mean().item()}
-        return {**metrics, "eval/completion_len": mask.sum(1).mean().item()}, shown
+        shown = []
+        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
+            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
+        metrics = {
+            "eval/rm_score": scores.mean().item(),
+            "eval/kl": kl.mean().item(),
+            "eval/completion_len": mask.sum(1).mean().item(),
+        }
+        return metrics, "\n\n".join(shown)
 
 
 HH_TURN = "\n\nAssistant:"
@@ -893,8 +933,12 @@ def split_hh(text):
     cut = text.rfind(HH_TURN)
     if cut < 0:
         return None
-    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
-    return (prompt, response) if response.strip() else None
+    end = cut + len(HH_TURN)
+    prompt = text[:end]
+    response = text[end:]
+    if not response.strip():
+        return None
+    return prompt, response
 
 
 class RewardModel(nn.Module):

@@ -410,8 +410,12 @@ def split_hh(text):
     cut = text.rfind(HH_TURN)
     if cut < 0:
         return None
-    prompt, response = text[: cut + len(HH_TURN)], text[cut + len(HH_TURN) :]
-    return (prompt, response) if response.strip() else None
+    end = cut + len(HH_TURN)
+    prompt = text[:end]
+    response = text[end:]
+    if not response.strip():
+        return None
+    return prompt, response
 
 
 def hh_pairs(records):

@@ -243,10 +243,14 @@ def policy_loss(
     batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
-    num_seqs = N if num_seqs is None else num_seqs
-    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    adv = adv[:, None].expand(N, T) if adv.dim() == 1 else adv  # (N, T)
+    if num_seqs is None:  # this batch is the whole step
+        num_seqs = N
+    if num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1)
+    if clip_eps_high is None:  # a symmetric clip
+        clip_eps_high = clip_eps
+    if adv.dim() == 1:  # one advantage per sequence: the same for each of its tokens
+        adv = adv[:, None].expand(N, T)  # (N, T)
     log_ratio = logp - old_logp.detach()  # (N, T)
     if loss_type == "gspo":
         seq_len = mask.sum(1).clamp(min=1)  # (N,)
@@ -277,8 +281,9 @@ def policy_loss(
     else:
         loss = (per_token * mask).sum() / num_tokens
     n = mask.sum().clamp(min=1)
-    stats = {"clip_frac": ((clipped * mask).sum() / n).detach(), "ratio_mean": ((ratio * mask).sum() / n).detach()}
-    return loss, stats
+    clip_frac = (clipped * mask).sum() / n
+    ratio_mean = (ratio * mask).sum() / n
+    return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 
 def vocab_kl(logp, ref_logp, kind="forward"):
