@@ -632,14 +632,13 @@ def policy_pass(model, ref, micro, cfg, rt):
     if attn is not None:
         attn = attn[:, :-1]
     ref_h = None
+    ref_head = None
     with rt.autocast():
         logits, values = model(inputs, attention_mask=attn, keep_last=T)  # (n, T, V), (n, T) or None
         if ref is not None:
             with torch.no_grad():  # the reference's final hidden states (n, T, C)
                 ref_h = ref(inputs, attention_mask=attn, keep_last=T, output="hidden")[0]
-    ref_head = None
-    if ref is not None:
-        ref_head = ref.lm_head.weight  # the reference logits are made chunk by chunk
+            ref_head = ref.lm_head.weight  # the reference logits are made from ref_h chunk by chunk
     logp, kl_sum, entropy = logprobs_and_kl(
         logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, cfg.top_k, ref_head
     )
@@ -1369,10 +1368,6 @@ def write_checkpoint(run, step):
     rngs = all_rng_states(run.rt)
     if not run.rt.master:
         return
-    value_head = None
-    if run.cfg.value_head:  # the actor's keys are gpt.* and v_head.*
-        value_head = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
-        model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
     ckpt = {
         "step": step,
         "tokens": run.tokens,
@@ -1381,7 +1376,6 @@ def write_checkpoint(run, step):
         "kl_coef": run.kl_ctl.value,
         "scaler": run.scaler.state_dict(),
         "ref_checksum": run.ref_checksum,
-        "model": model_sd,
         "model_config": dataclasses.asdict(run.model.config),
         "tokenizer": run.tok.spec,
         "optimizer": optim_sd,
@@ -1389,8 +1383,10 @@ def write_checkpoint(run, step):
         "rng_ranks": rngs,
         "config": dataclasses.asdict(run.cfg),
     }
-    if value_head is not None:
-        ckpt["value_head"] = value_head
+    if run.cfg.value_head:  # the actor's keys are gpt.* and v_head.*: the policy is saved as a plain GPT
+        ckpt["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
+        model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
+    ckpt["model"] = model_sd
     save_checkpoint(run.ckpt_path, ckpt)
 
 
