@@ -136,6 +136,7 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
+    # run and data
     out_dir: str = ""  # run folder; default out/rookworld_grpo-<YYYYmmdd-HHMMSS>
     data_path: str = ""  # file of RookWorld P: and A: lines (default: 1000 lines made in memory, as --make_data)
     eval_path: str = ""  # held-out P:/A: lines to evaluate on (default: --eval_size of each task held out of the data)
@@ -143,6 +144,7 @@ class Config:
     out: str = ""  # make_data: the file to write (never overwritten)
     init_from: str = "jrahn/RookWorld-LM-124M"  # hub id | Hugging Face GPT-2 folder | ckpt.pt of any script (GPT-2 BPE)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    # targets: Stockfish, and the --make_data games
     stockfish: str = ""  # path of a Stockfish binary: P: targets (and --make_data annotations) from its analysis
     sf_depth: int = 8  # Stockfish depth per position (0: no depth limit)
     sf_nodes: int = 0  # Stockfish node limit per position (0: none); a fixed limit gives deterministic targets
@@ -150,16 +152,20 @@ class Config:
     best_move: str = "stockfish"  # stockfish | rookworld (the original data's B: on black-to-move rows the 5th move)
     random_move_frac: float = 0.25  # make_data: share of moves played at random instead of the engine's best
     illegal_frac: float = 0.05  # make_data: share of A: lines whose move is illegal or malformed
+    # task and reward
     task_mix: float = 0.5  # share of P: prompts in a batch (the rest are A:)
     reward_mode: str = "ladder"  # ladder (0.2/0.4/0.6/0.8/1.0) | continuous (the raw score)
+    # rollouts
     batch_size: int = 8  # prompts per step per rank
     group_size: int = 8  # completions per prompt (the group)
     horizon: int = 96  # most tokens per completion (P: and A: completions take up to ~80)
     temperature: float = 1.0  # sampling temperature of rollouts
     top_k: int = 0  # sample rollouts among the k most likely tokens (0: all)
+    # advantages
     adv: str = "group"  # group (GRPO group advantages) | ema (running mean reward per task as baseline)
     ema_decay: float = 0.9  # adv ema: weight of the old mean
     scale_rewards: str = "group"  # group advantages: group | batch (std of every rank's rewards) | none (Dr. GRPO)
+    # loss
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
     clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
@@ -169,11 +175,13 @@ class Config:
     target_kl: float = 1.0  # adaptive_kl: target KL per completion (nats, summed over its tokens)
     kl_horizon: int = 10000  # adaptive_kl: horizon in completions
     entropy_coef: float = 0.0  # entropy bonus coefficient
+    # value head (PPO-style advantages)
     value_head: bool = False  # a value head on the policy and GAE advantages instead of --adv
     vf_coef: float = 0.1  # value_head: weight of the value loss
     clip_eps_value: float = 0.2  # value_head: clip range of the value loss
     gamma: float = 1.0  # value_head: discount of GAE
     lam: float = 0.95  # value_head: lambda of GAE
+    # optimisation
     num_iterations: int = 1  # policy updates per batch of rollouts
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     max_steps: int = 50  # optimizer steps (batches of rollouts)
@@ -182,10 +190,12 @@ class Config:
     warmup_steps: int = 5  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
     eval_size: int = 64  # held-out prompts per task per evaluation
     log_every: int = 5  # steps between log lines
     save_every: int = 50  # steps between checkpoints (one is always written at the end)
+    # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
     compile: bool = False  # torch.compile the policy's training forward
@@ -197,10 +207,9 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). group_advantages and policy_loss (and
-# left_pad, join, peak_memory_mb below) are copies of grpo.py's; masked_mean, gae, whiten, value_loss and
-# AdaptiveKLController of ppo.py's; weights_checksum (below) of dpo.py's (tests/test_shared_blocks.py checks that the
-# copies are identical).
+# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). group_advantages and policy_loss (and join
+# and peak_memory_mb below) are copies of grpo.py's; masked_mean, gae, whiten, value_loss and AdaptiveKLController of
+# ppo.py's; weights_checksum (below) of dpo.py's (tests/test_shared_blocks.py checks that the copies are identical).
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
@@ -297,10 +306,14 @@ def vocab_kl(logp, ref_logp, kind="forward"):
         raise ValueError(f"unknown KL type {kind!r}")
     kl = 0.0
     if kind != "reverse":
-        kl = kl + (logp.exp() * (logp - ref_logp).masked_fill(logp.isinf(), 0)).sum(-1)  # 0 * -inf would be NaN
+        p = logp.exp()
+        log_ratio = (logp - ref_logp).masked_fill(logp.isinf(), 0)  # 0 * -inf would be NaN
+        kl = kl + (p * log_ratio).sum(-1)
     if kind != "forward":
         kl = kl + (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-    return kl / 2 if kind == "symmetric" else kl
+    if kind == "symmetric":
+        return kl / 2
+    return kl
 
 
 def logprobs_and_kl(
@@ -317,30 +330,47 @@ def logprobs_and_kl(
     no (positions, V) float32 tensor is made beyond one chunk's: autograd keeps the logits and the reference logits
     (per chunk, each freed once backward is done with it) and makes the logits' gradient. 256 rows: a float32 chunk
     of GPT-2's vocabulary is 51 MB, and a chunk makes a few such temporaries."""
-    flat, y = logits.flatten(0, -2), targets.flatten()
-    ref = None if ref_logits is None else ref_logits.detach().flatten(0, -2)
+    flat = logits.flatten(0, -2)  # (M, V)
+    y = targets.flatten()  # (M,)
+    ref = None
+    if ref_logits is not None:
+        ref = ref_logits.detach().flatten(0, -2)  # (M, V), or (M, C) with ref_head
 
     def chunk(x, r, y, w):  # (n, V), (n, V) or None, (n,), (n,) -> (n,), scalar, (n,)
         logp = torch.log_softmax(sampling_logits(x, temperature, top_k, keep=y), -1)  # (n, V)
         finite = logp.masked_fill(logp.isinf(), 0) if top_k else logp  # top_k's p = 0 tokens add 0, not NaN
-        entropy = -(logp.exp() * finite).sum(-1)
+        entropy = -(logp.exp() * finite).sum(-1)  # (n,)
+        target_logp = logp.gather(1, y[:, None])[:, 0]  # (n,)
         if r is None:
-            return logp.gather(1, y[:, None])[:, 0], torch.zeros((), device=x.device), entropy
+            return target_logp, torch.zeros((), device=x.device), entropy
         ref_logp = torch.log_softmax(sampling_logits(r, temperature), -1)  # (n, V)
-        return logp.gather(1, y[:, None])[:, 0], (vocab_kl(logp, ref_logp, kind) * w).sum(), entropy
+        return target_logp, (vocab_kl(logp, ref_logp, kind) * w).sum(), entropy
 
     grad = torch.is_grad_enabled() and flat.requires_grad
-    parts = []
+    logps = []
+    kls = []
+    entropies = []
     # split, not flat[i : i + rows]: the backward of a slice is a zero tensor the size of all the logits, per chunk
     for i, x in zip(range(0, len(flat), rows), flat.split(rows)):
-        r = w = None
+        r = None
+        w = None
         if ref is not None:
-            r, w = ref[i : i + rows], weights.detach().flatten()[i : i + rows]
-            r = r if ref_head is None else r @ ref_head.detach().T  # (n, V)
+            r = ref[i : i + rows]
+            w = weights.detach().flatten()[i : i + rows]
+            if ref_head is not None:
+                r = r @ ref_head.detach().T  # (n, V)
         args = (x, r, y[i : i + rows], w)
-        parts.append(torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
-    logp, kl, entropy = zip(*parts)
-    return torch.cat(logp).view(targets.shape), torch.stack(kl).sum(), torch.cat(entropy).view(targets.shape)
+        if grad:  # recomputed in backward, so only one chunk's (n, V) tensors are alive at a time
+            logp, kl, entropy = torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False)
+        else:
+            logp, kl, entropy = chunk(*args)
+        logps.append(logp)
+        kls.append(kl)
+        entropies.append(entropy)
+    logp = torch.cat(logps).view(targets.shape)
+    kl = torch.stack(kls).sum()
+    entropy = torch.cat(entropies).view(targets.shape)
+    return logp, kl, entropy
 
 
 def ema_advantages(rewards, tasks, baselines):
@@ -420,11 +450,298 @@ class AdaptiveKLController:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the training step as the algorithm reads (rollouts -> rewards -> advantages -> loss -> update), then
+# the functions it calls, in that order.
+
+
+def rl_step(run, step):
+    """One GRPO step, as the algorithm reads: rollouts -> rewards -> advantages -> loss -> update. Returns (metrics,
+    whether a stop was requested)."""
+    cfg = run.cfg
+    rt = run.rt
+    t0 = time.time()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+
+    # 1-3. prompts (--task_mix of them P:), G completions each, their rewards, the sampling policy's log-probs
+    n_p = round(cfg.task_mix * cfg.batch_size)  # P: prompts per step; the rest are A:
+    prompts = [random.choice(run.train_p) for _ in range(n_p)]
+    prompts += [random.choice(run.train_a) for _ in range(cfg.batch_size - n_p)]
+    if run.stockfish:
+        set_stockfish_targets(prompts, run.stockfish, cfg.best_move)
+    batch = sample_groups(prompts, run.model, run.actor, cfg, rt, run.tok, run.stop_ids)
+    t_rollout = time.time() - t0
+    mask = batch["mask"]
+    rewards = batch["rewards"]
+    N = len(rewards)
+    # (world * N,): every rank's rewards, rank by rank (each rank's own at its offset, 0 elsewhere; the sum gathers)
+    all_rewards = all_reduce(F.pad(rewards, (rt.rank * N, (rt.world_size - 1 - rt.rank) * N)), rt)
+    is_task = torch.stack([batch["tasks"] == 0, batch["tasks"] == 1]).float()  # (2, N): P:, A:
+    task_rewards = all_reduce(is_task @ rewards, rt)  # (2,): the reward sum of each task over every rank
+    task_counts = all_reduce(is_task.sum(1), rt)  # (2,): its completions
+
+    # 4. advantages: GAE on a value head, a running mean reward per task (--adv ema), or group-relative
+    if cfg.value_head:
+        # (N, T): the reward at each completion's last real token (every completion has one: its mask starts at 1)
+        last = mask.sum(1).long()[:, None] - 1  # (N, 1)
+        token_rewards = torch.zeros_like(mask).scatter(1, last, rewards[:, None])
+        adv, returns = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T), (N, T)
+        batch["adv"] = whiten(adv, mask)
+        batch["returns"] = returns
+    elif cfg.adv == "ema":
+        means = task_rewards / task_counts.clamp(min=1)  # (2,)
+        present = task_counts > 0  # a task without rollouts in this step keeps its baseline
+        run.baselines = ema_update(run.baselines, means, present, cfg.ema_decay)
+        batch["adv"] = ema_advantages(rewards, batch["tasks"], run.baselines)  # (N,)
+    else:
+        # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
+        # ranks and every rank has N rows, so this rank's advantages are its rows)
+        adv = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards)  # (world * N,)
+        batch["adv"] = adv[rt.rank * N : (rt.rank + 1) * N]
+    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)  # the whole step's completions
+    tokens = all_reduce(mask.sum(), rt)  # the whole step's completion tokens
+    n_tokens = tokens.clamp(min=1)
+
+    # 5. loss and policy update
+    totals, grad_norm = optimize_policy(run, batch, n_seqs, n_tokens)
+    run.tokens += int(tokens.item())
+    stop_requested = run.stop.requested(step + 1, rt)
+    stop_if_not_finite(totals["train/loss"].item(), step, run.ckpt_path, rt)
+
+    # metrics: the loss terms of the last iteration (optimize_policy names them), then every rank's rollouts
+    metrics = {name: total.item() for name, total in totals.items()}
+    if run.ref is None:
+        metrics["rl/kl"] = None  # no reference, no KL
+    else:
+        metrics["rl/kl"] = (totals["rl/kl"] / n_tokens).item()  # per token
+    if not cfg.value_head:
+        metrics["rl/value_loss"] = None
+    # per task (P:, A:); a task without rollouts in this step gives 0 / 0 = NaN, dropped below
+    task_reward = task_rewards / task_counts  # (2,)
+    task_valid = all_reduce(is_task @ (rewards != INVALID_REWARD).float(), rt) / task_counts  # (2,) parse (score_*)
+    ema = cfg.adv == "ema" and not cfg.value_head
+    metrics["rl/reward_p"] = task_reward[0].item()
+    metrics["rl/valid_p"] = task_valid[0].item()
+    if ema:
+        metrics["rl/baseline_p"] = run.baselines[0].item()
+    metrics["rl/reward_a"] = task_reward[1].item()
+    metrics["rl/valid_a"] = task_valid[1].item()
+    if ema:
+        metrics["rl/baseline_a"] = run.baselines[1].item()
+    metrics["rl/reward_mean"] = all_rewards.mean().item()
+    metrics["rl/reward_std"] = all_rewards.std().item() if all_rewards.numel() > 1 else 0.0
+    # groups whose rewards are all equal: every step from one reward to the next is 0
+    same = all_rewards.view(-1, cfg.group_size).diff(dim=1).eq(0).all(1)  # (world * batch_size,)
+    metrics["rl/zero_std_frac"] = same.float().mean().item()
+    metrics["rl/completion_len"] = (n_tokens / n_seqs).item()
+    metrics["rl/beta"] = run.kl_ctl.value  # the beta this step used
+    metrics["rl/truncated_frac"] = (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item()
+    metrics["rl/tokens"] = run.tokens
+    metrics["train/lr"] = lr
+    metrics["train/grad_norm"] = grad_norm.item()
+    metrics["perf/rollout_tokens_per_s"] = mask.sum().item() * rt.world_size / max(t_rollout, 1e-9)
+    metrics["perf/rollout_ms"] = 1000 * t_rollout
+    metrics["perf/step_ms"] = 1000 * (time.time() - t0)
+    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
+    if cfg.adaptive_kl:  # after the update and its metrics, which used this step's beta
+        run.kl_ctl.update(totals["rl/kl"].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
+    return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
+
+
+# The batch that sample_groups returns, one row per completion: N = --batch_size * G rows (this rank's), a group's
+# G rows contiguous (rows g*G .. g*G+G-1), P the longest prompt, H the longest completion (<= --horizon).
+#   key         shape and type       what it holds; what None means
+#   rows        N dicts              the row's prompt record (task, prompt, target, fen, ids, ...), shared by its group
+#   texts       N strings            the decoded completions up to their end: what the scorer read
+#   seq         (N, P+H) long        left-padded prompt ids, then the completion (tokens after its end included)
+#   attn        (N, P+H) bool        False on the left padding. None: no prompt is padded (plain causal attention)
+#   mask        (N, H) float         1.0 on real completion tokens, up to and including the end token
+#   rewards     (N,) float           score_record of each completion
+#   truncated   (N,) bool            True: no end token within --horizon
+#   tasks       (N,) long            0 for P:, 1 for A: (the index into per-task tensors and baselines)
+#   old_logp    (N, H) float         log-probs under the sampling distribution, fixed over --num_iterations
+#   old_values  (N, H) float         the value head's values at sampling time. None: no --value_head
+# rl_step adds adv: (N,) per completion, or (N, H) per token with --value_head, and then returns (N, H) too.
+def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
+    """ALGO LOGIC 1-3: K completions per prompt (groups contiguous), the rewards, then one no-grad pass for the
+    sampling policy's log-probs (and values). Returns the batch above."""
+    rows = [r for r in prompts for _ in range(cfg.group_size)]  # each prompt G times in a row: a group
+    ids = [r["ids"] for r in rows]
+    completion, mask, texts = complete_prompts(model, ids, cfg.temperature, cfg.top_k, cfg, rt, tok, stop_ids)
+    H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
+    completion = completion[:, :H]  # (N, H)
+    mask = mask[:, :H]  # (N, H)
+    seq, attn = join(ids, completion)
+    rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
+    ends = torch.isin(completion, torch.tensor(stop_ids, device=rt.device))  # (N, H)
+    batch = {"rows": rows, "texts": texts, "seq": seq, "attn": attn, "mask": mask}
+    batch["rewards"] = torch.tensor(rewards, device=rt.device)
+    batch["truncated"] = ~ends.any(1)
+    batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()
+    old_logp = []
+    old_values = []
+    with torch.no_grad():  # micro-batches of the training pass's size: no pass here is larger
+        for micro in micro_batches(batch, len(rows) // cfg.grad_accum):
+            values, logp, _, _ = policy_pass(actor, None, micro, cfg, rt)
+            old_logp.append(logp)
+            old_values.append(values)
+    batch["old_logp"] = torch.cat(old_logp)
+    batch["old_values"] = torch.cat(old_values) if cfg.value_head else None
+    return batch
+
+
+def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids):
+    """Completions (N, n <= --horizon) of token-id prompts by generate() of the model block, their mask (1.0 up to
+    and including the first end token: <|endoftext|> of RookWorld-LM or the newline of a model SFT'd by gpt.py on a
+    file of lines) and their texts. Under FSDP every forward pass is collective, so there every rank samples the
+    whole horizon (no early stop when its own rows have ended); the mask is made here from the first end token, as
+    generate() makes it when it is given the end tokens. The model samples in train mode: it has no dropout
+    (load_model's default), so train and eval modes compute the same."""
+    collective = rt.distributed and rt.parallel == "fsdp"
+    eos_id = None if collective else stop_ids
+    with rt.autocast():
+        completion, _ = generate(model, prompts, cfg.horizon, temperature, top_k, eos_id)
+    ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
+    mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
+    texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
+    return completion, mask, texts
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+def micro_batches(batch, size):
+    """The batch's per-row tensors, `size` rows at a time (whole groups); an entry that is None is left out."""
+    for i in range(0, len(batch["seq"]), size):
+        yield {k: v[i : i + size] for k, v in batch.items() if torch.is_tensor(v)}
+
+
+def policy_pass(model, ref, micro, cfg, rt):
+    """ALGO LOGIC: the value head's values (None for a plain GPT), the completion tokens' log-probs under the
+    sampling distribution (--temperature, --top_k), the exact KL to the reference over the vocabulary summed over the
+    real tokens (0 without a reference) and the entropy per token, for a micro-batch of rollouts. The completion is
+    the last T tokens of seq; its log-probs come from the states before each token."""
+    seq = micro["seq"]  # (n, P+T)
+    mask = micro["mask"]  # (n, T)
+    T = mask.size(1)
+    inputs = seq[:, :-1]
+    targets = seq[:, -T:]
+    attn = micro.get("attn")  # (n, P+T), or None (not in micro): no row is padded
+    if attn is not None:
+        attn = attn[:, :-1]
+    ref_h = None
+    ref_head = None
+    with rt.autocast():
+        logits, values = model(inputs, attention_mask=attn, keep_last=T)  # (n, T, V), (n, T) or None
+        if ref is not None:
+            with torch.no_grad():  # the reference's final hidden states (n, T, C)
+                ref_h = ref(inputs, attention_mask=attn, keep_last=T, output="hidden")[0]
+            ref_head = ref.lm_head.weight  # the reference logits are made from ref_h chunk by chunk
+    logp, kl_sum, entropy = logprobs_and_kl(
+        logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, cfg.top_k, ref_head
+    )
+    return values, logp, kl_sum, entropy
+
+
+class ValueHeadGPT(nn.Module):
+    """--value_head: the policy with a scalar head on its final hidden states. forward returns (logits, values)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+        self.v_head = nn.Linear(gpt.config.n_embd, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    @property
+    def transformer(self):  # what wrap_model shards
+        return self.gpt.transformer
+
+    def forward(self, idx, attention_mask=None, keep_last=0):
+        h, _ = self.gpt(idx, attention_mask=attention_mask, output="hidden", keep_last=keep_last)  # (B, T, C)
+        logits = self.gpt.lm_head(h)  # (B, T, V)
+        values = self.v_head(h).squeeze(-1).float()  # (B, T)
+        return logits, values
+
+
+def optimize_policy(run, batch, n_seqs, n_tokens):
+    """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over
+    --grad_accum micro-batches of whole groups. The loss is policy_loss + beta * KL - entropy_coef * entropy +
+    vf_coef * value loss, with beta run.kl_ctl's; every normaliser counts the whole step (all micro-batches and
+    ranks), so the micro-batch losses add up to the step's loss. Returns the last iteration's sums over every rank,
+    by metric name (train/loss, rl/kl: here the KL summed over the step's tokens, rl/entropy, rl/clip_frac,
+    rl/ratio_mean, rl/pg_loss, rl/value_loss), and its gradient norm."""
+    cfg = run.cfg
+    rt = run.rt
+    n_micro = len(batch["seq"]) // cfg.grad_accum  # rows per micro-batch: whole groups
+    for _ in range(cfg.num_iterations):
+        sums = {}  # this rank's share of each stat, summed over the micro-batches
+        for i, micro in enumerate(micro_batches(batch, n_micro)):
+            grad_sync(run.policy, i == cfg.grad_accum - 1)
+            m = micro["mask"]
+            values, logp, kl_sum, entropy = policy_pass(run.policy, run.ref, micro, cfg, rt)
+            pg_loss, stats = policy_loss(
+                logp,
+                micro["old_logp"],
+                micro["adv"],
+                m,
+                cfg.loss_type,
+                clip_eps=cfg.clip_eps,
+                clip_eps_high=cfg.clip_eps_high,
+                max_len=cfg.horizon,
+                num_seqs=n_seqs,
+                num_tokens=n_tokens,
+            )
+            if cfg.entropy_coef == 0:  # no bonus: the entropy is only logged, without a gradient
+                entropy = entropy.detach()
+            entropy = masked_mean(entropy, m, n_tokens)
+            v_loss = torch.zeros((), device=rt.device)
+            if values is not None:
+                v_loss = value_loss(values, micro["old_values"], micro["returns"], m, cfg.clip_eps_value, n_tokens)
+            # the KL at every position (padding weighted 0), the entropy bonus, the value loss
+            loss = pg_loss + run.kl_ctl.value * kl_sum / n_tokens - cfg.entropy_coef * entropy + cfg.vf_coef * v_loss
+            run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
+            # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
+            share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
+            shares = {
+                "train/loss": loss,
+                "rl/kl": kl_sum,  # summed over the step's tokens: rl_step divides
+                "rl/entropy": entropy,
+                "rl/clip_frac": stats["clip_frac"] * share,
+                "rl/ratio_mean": stats["ratio_mean"] * share,
+                "rl/pg_loss": pg_loss,
+                "rl/value_loss": v_loss,
+            }
+            for name, value in shares.items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float()
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+    # each rank's shares are normalised by the whole step's counts: their sum over ranks is the step's value
+    totals = all_reduce(torch.stack(list(sums.values())), rt)  # one collective for them all
+    return dict(zip(sums, totals)), grad_norm
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The chess tasks: the environment (A:) and the analysis (P:), as python-chess sees them, and the reward scorer
 
 UCI_MOVE = re.compile(r"[a-h][1-8][a-h][1-8][qrbn]?")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-LEGAL_REWARD, MATE_REWARD, DRAW_REWARD, ILLEGAL_REWARD = 0.001, 1.0, 0.5, -1.0
+LEGAL_REWARD = 0.001  # a legal move that does not end the game
+MATE_REWARD = 1.0  # a move that mates (a move can only win for its mover)
+DRAW_REWARD = 0.5  # a move that ends the game drawn
+ILLEGAL_REWARD = -1.0  # an illegal or malformed move
 INVALID_REWARD = -0.3  # a completion that does not parse
 HISTORY_MOVES = 10  # moves shown in an A: line, the current one last
 A_PATTERN = re.compile(rf"([^+]*[^+\s][^+]*)\+({NUMBER.pattern})\+([01])\+([01])")  # fen+reward+terminated+truncated
@@ -460,8 +777,13 @@ def env_step(fen, move, history=()):
     if action is None or action not in board.legal_moves:
         return board.fen(), ILLEGAL_REWARD, board.is_game_over(), True
     board.push(action)
-    outcome = board.outcome()  # a move can only win for its mover
-    reward = LEGAL_REWARD if outcome is None else MATE_REWARD if outcome.winner is not None else DRAW_REWARD
+    outcome = board.outcome()
+    if outcome is None:
+        reward = LEGAL_REWARD
+    elif outcome.winner is not None:
+        reward = MATE_REWARD
+    else:
+        reward = DRAW_REWARD
     return board.fen(), reward, outcome is not None, False
 
 
@@ -492,8 +814,12 @@ def parse_p(text):
     m = P_PATTERN.fullmatch(text)
     if m is None:
         return None
-    moves, evals, best = m["moves"].split(), m["evals"].split(), m["best"]
-    if not moves or not all(UCI_MOVE.fullmatch(x) for x in [*moves, best]) or not all(map(NUMBER.fullmatch, evals)):
+    moves = m["moves"].split()
+    evals = m["evals"].split()
+    best = m["best"]
+    if not moves or not all(UCI_MOVE.fullmatch(x) for x in [*moves, best]):
+        return None
+    if not all(NUMBER.fullmatch(e) for e in evals):
         return None
     return {"moves": moves, "evals": [float(e) for e in evals], "best": best}
 
@@ -524,16 +850,26 @@ def shape_reward(raw, shape="ladder"):
     the raw score itself (continuous)."""
     if shape == "continuous":
         return raw
-    return 0.2 if raw < 0.4 else 0.4 if raw < 0.6 else 0.6 if raw < 0.8 else 0.8 if raw < 0.95 else 1.0
+    if raw < 0.4:
+        return 0.2
+    if raw < 0.6:
+        return 0.4
+    if raw < 0.8:
+        return 0.6
+    if raw < 0.95:
+        return 0.8
+    return 1.0
 
 
 def score_p(completion, target, shape="ladder"):
     """Reward of a P: completion against the reference completion (the rest of the training line):
     raw = (4 best + 2 format + 1.5 candidates + 1 evals) / 8.5, -0.3 when it does not parse (module docstring)."""
-    got, want = parse_p(completion), parse_p(target)
+    got = parse_p(completion)
+    want = parse_p(target)
     if got is None:
         return INVALID_REWARD
-    moves, n = got["moves"], len(got["moves"])
+    moves = got["moves"]
+    n = len(moves)
     best = float(got["best"] == want["best"])
     checks = [len(got["evals"]) == n, n == len(want["moves"]), got["best"] in moves, len(set(moves)) == n]
     fmt = sum(checks) / len(checks)
@@ -545,6 +881,7 @@ def score_p(completion, target, shape="ladder"):
 
 
 def readable_fen(fen):
+    """Whether python-chess reads fen as a position."""
     try:
         chess.Board(fen)
         return True
@@ -555,12 +892,16 @@ def readable_fen(fen):
 def score_a(completion, target, shape="ladder"):
     """Reward of an A: completion against the reference completion: raw = (4 format + 3 fen + 2 flags + 1 reward) / 10,
     -0.3 when it does not parse (module docstring)."""
-    got, want = parse_a(completion), parse_a(target)
+    got = parse_a(completion)
+    want = parse_a(target)
     if got is None:
         return INVALID_REWARD
-    new_fen, ref_fen = got["fen"], want["fen"]
+    new_fen = got["fen"]
+    ref_fen = want["fen"]
     fmt = 1.0 if readable_fen(new_fen) else 0.5
-    fen = 1.0 if new_fen == ref_fen else 0.5 * (1 - edit_distance(new_fen, ref_fen) / max(len(new_fen), len(ref_fen)))
+    fen = 1.0
+    if new_fen != ref_fen:  # partial credit: half of one minus the normalised edit distance
+        fen = 0.5 * (1 - edit_distance(new_fen, ref_fen) / max(len(new_fen), len(ref_fen)))
     flags = float(got["terminated"] == want["terminated"] and got["truncated"] == want["truncated"])
     reward = float(abs(got["reward"] - want["reward"]) <= 0.01 + 1e-9)
     return shape_reward((4 * fmt + 3 * fen + 2 * flags + 1 * reward) / 10, shape)
@@ -568,7 +909,9 @@ def score_a(completion, target, shape="ladder"):
 
 def score_record(record, text, shape="ladder"):
     """The reward of a completion of a record's prompt, by its task's scorer."""
-    return (score_p if record["task"] == "P" else score_a)(text, record["target"], shape)
+    if record["task"] == "P":
+        return score_p(text, record["target"], shape)
+    return score_a(text, record["target"], shape)
 
 
 def best_of_analysis(fen, moves, rule):
@@ -583,21 +926,25 @@ def split_line(line, best_move="stockfish"):
     line = line.rstrip()
     if line.startswith("P: "):
         cut = line.find("M:")
-        fen, target = line[3:cut].strip(), line[cut + 2 :]
+        fen = line[3:cut].strip()
+        target = line[cut + 2 :]
         parsed = parse_p(target) if cut > 0 else None
         if parsed is None or not readable_fen(fen) or len(parsed["evals"]) != len(parsed["moves"]):
             return None
         # the best move: as written (--best_move rookworld), or (stockfish) B when it has the highest eval, else the
         # first move with the highest eval (fixes the original data's black-to-move rows)
-        moves, evals, best = parsed["moves"], parsed["evals"], parsed["best"]
-        if best_move == "stockfish" and dict(zip(moves, evals)).get(best) != max(evals):
+        moves = parsed["moves"]
+        evals = parsed["evals"]
+        if best_move == "stockfish" and dict(zip(moves, evals)).get(parsed["best"]) != max(evals):
             target = format_p_completion(moves, evals, moves[evals.index(max(evals))])
         return {"task": "P", "prompt": line[: cut + 2], "target": target, "fen": fen}
     if line.startswith("A: "):
-        parts = line[3:].split("+")
+        parts = line[3:].split("+")  # fen, move, history, new_fen, reward, terminated, truncated
         if len(parts) != 7 or not readable_fen(parts[0]) or parse_a("+".join(parts[3:])) is None:
             return None
-        fen, move, shown = parts[0], parts[1], parts[2].split()
+        fen = parts[0]
+        move = parts[1]
+        shown = parts[2].split()
         history = shown[:-1] if shown and shown[-1] == move else shown  # the moves before this one
         prompt = "A: " + "+".join(parts[:3]) + "+"
         return dict(task="A", prompt=prompt, target="+".join(parts[3:]), fen=fen, move=move, history=history)
@@ -622,7 +969,8 @@ class Stockfish:
     def __init__(self, path, depth=8, nodes=0, workers=2):
         check(os.path.isfile(path) and os.access(path, os.X_OK), f"--stockfish {path}: not an executable file")
         self.limit = chess.engine.Limit(depth=depth or None, nodes=nodes or None)
-        self.engines, self.cache = [], {}
+        self.engines = []
+        self.cache = {}
         atexit.register(self.close)
         for _ in range(workers):
             try:
@@ -635,9 +983,11 @@ class Stockfish:
     def _analyse(self, engine, fens):
         out = []
         for fen in fens:  # a new `game` object makes python-chess send ucinewgame, which clears the hash: deterministic
-            infos = [i for i in engine.analyse(chess.Board(fen), self.limit, multipv=5, game=object()) if i.get("pv")]
+            infos = engine.analyse(chess.Board(fen), self.limit, multipv=5, game=object())
+            infos = [i for i in infos if i.get("pv")]
+            moves = [i["pv"][0].uci() for i in infos]
             evals = [i["score"].relative.score(mate_score=100000) / 100 for i in infos]  # mate in n: 1000 - n/100
-            out.append(([i["pv"][0].uci() for i in infos], evals))
+            out.append((moves, evals))
         return out
 
     def analyse(self, fens):
@@ -664,8 +1014,11 @@ def material_analysis(fen):
     for move in board.legal_moves:
         board.push(move)
         signs = {board.turn: -1, not board.turn: 1}  # the mover's pieces count, the opponent's (now to move) subtract
-        material = sum(PIECE_VALUES[p.piece_type] * signs[p.color] for p in board.piece_map().values())
-        value = 999.99 if board.is_checkmate() else 0.0 if board.is_game_over() else float(material)
+        value = float(sum(PIECE_VALUES[p.piece_type] * signs[p.color] for p in board.piece_map().values()))
+        if board.is_checkmate():
+            value = 999.99
+        elif board.is_game_over():
+            value = 0.0
         board.pop()
         scored.append((value, move.uci()))
     scored.sort(key=lambda s: -s[0])
@@ -687,23 +1040,33 @@ def make_lines(n, rng, stockfish=None, best_move="stockfish", random_move_frac=0
     0-8 random plies; then each move is Stockfish's best (the P: analysis), or with probability random_move_frac a
     random legal move. Every position gives a P: line (moves and evals shuffled in pairs, as in the original data)
     and an A: line for the move played from it, or with probability illegal_frac for an illegal or malformed one."""
-    lines, boards, openings = {}, [None] * games, [0] * games
+    lines = {}  # a dict: the lines in the order made, each once
+    boards = [None] * games  # the games in play
+    openings = [0] * games  # each game's random plies at its start
     while len(lines) < n:
         for g in range(games):
             if boards[g] is None or boards[g].is_game_over() or len(boards[g].move_stack) >= 200:
-                boards[g], openings[g] = chess.Board(), rng.randint(0, 8)
+                boards[g] = chess.Board()
+                openings[g] = rng.randint(0, 8)
         fens = [b.fen() for b in boards]
-        analyses = stockfish.analyse(fens) if stockfish else [material_analysis(f) for f in fens]
+        if stockfish:
+            analyses = stockfish.analyse(fens)
+        else:
+            analyses = [material_analysis(f) for f in fens]
         for board, fen, (moves, evals), opening in zip(boards, fens, analyses, openings):
             history = [m.uci() for m in board.move_stack]
             pairs = list(zip(moves, evals))
             rng.shuffle(pairs)
+            shuffled_moves, shuffled_evals = zip(*pairs)
             best = best_of_analysis(fen, moves, best_move)
-            lines[format_p_prompt(fen) + format_p_completion(*zip(*pairs), best)] = None  # the shuffled moves, evals
+            lines[format_p_prompt(fen) + format_p_completion(shuffled_moves, shuffled_evals, best)] = None
             random_move = len(history) < opening or rng.random() < random_move_frac
             move = rng.choice([m.uci() for m in board.legal_moves]) if random_move else moves[0]
-            attempt = illegal_attempt(board, rng) if rng.random() < illegal_frac else move
-            lines[format_a_prompt(fen, attempt, history) + format_a_completion(*env_step(fen, attempt, history))] = None
+            attempt = move
+            if rng.random() < illegal_frac:
+                attempt = illegal_attempt(board, rng)
+            step = env_step(fen, attempt, history)  # (new_fen, reward, terminated, truncated)
+            lines[format_a_prompt(fen, attempt, history) + format_a_completion(*step)] = None
             board.push_uci(move)
     out = list(lines)[:n]
     rng.shuffle(out)
@@ -711,9 +1074,12 @@ def make_lines(n, rng, stockfish=None, best_move="stockfish", random_move_frac=0
 
 
 def run_make_data(cfg):
+    """--make_data N --out FILE: write N lines of both tasks and exit."""
     check(cfg.out, "--make_data needs --out FILE, the file to write")
     check(not os.path.exists(cfg.out), f"--out {cfg.out} already exists; it is never overwritten")
-    stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
+    stockfish = None
+    if cfg.stockfish:
+        stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers)
     t0 = time.time()
     rng = random.Random(cfg.seed)
     lines = make_lines(cfg.make_data, rng, stockfish, cfg.best_move, cfg.random_move_frac, cfg.illegal_frac)
@@ -749,12 +1115,14 @@ def read_records(path, best_move, master=True):
 
 
 def split_tasks(records):
+    """(the P: records, the A: records)."""
     return [r for r in records if r["task"] == "P"], [r for r in records if r["task"] == "A"]
 
 
 def hold_out(records, eval_size):
     """A fixed held-out set (whatever --seed): up to eval_size records of each task, at most a fifth of it."""
-    train, held = [], []
+    train = []
+    held = []
     for part in split_tasks(records):
         order = random.Random(0).sample(range(len(part)), len(part))
         n = min(eval_size, len(part) // 5)
@@ -773,138 +1141,72 @@ def set_stockfish_targets(records, stockfish, best_move):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Rollouts
-
-
-def join(prompts, completion):
-    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
-    padded, which keeps plain causal attention)."""
-    idx, attn = left_pad(prompts, completion.device)
-    seq = torch.cat([idx, completion], 1)  # (N, P+H)
-    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
-    return seq, None if attn.all() else attn
-
-
-class ValueHeadGPT(nn.Module):
-    """--value_head: the policy with a scalar head on its final hidden states. forward returns (logits, values)."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-        self.v_head = nn.Linear(gpt.config.n_embd, 1)
-        nn.init.zeros_(self.v_head.weight)
-        nn.init.zeros_(self.v_head.bias)
-
-    @property
-    def transformer(self):  # what wrap_model shards
-        return self.gpt.transformer
-
-    def forward(self, idx, attention_mask=None, keep_last=0):
-        h, _ = self.gpt(idx, attention_mask=attention_mask, output="hidden", keep_last=keep_last)  # (B, T, C)
-        return self.gpt.lm_head(h), self.v_head(h).squeeze(-1).float()  # (B, T, V), (B, T)
-
-
-def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids):
-    """Completions (N, n <= --horizon) of token-id prompts by generate() of the model block, their mask (1.0 up to
-    and including the first end token: <|endoftext|> of RookWorld-LM or the newline of a model SFT'd by gpt.py on a
-    file of lines) and their texts. Under FSDP every forward pass is collective, so there every rank samples the
-    whole horizon (no early stop when its own rows have ended); the mask is made here from the first end token, as
-    generate() makes it when it is given the end tokens. The model samples in train mode: it has no dropout
-    (load_model's default), so train and eval modes compute the same."""
-    collective = rt.distributed and rt.parallel == "fsdp"
-    with rt.autocast():
-        completion, _ = generate(model, prompts, cfg.horizon, temperature, top_k, None if collective else stop_ids)
-    ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
-    mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
-    texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
-    return completion, mask, texts
-
-
-def micro_batches(batch, size):
-    """The batch's per-row tensors, `size` rows at a time (whole groups); an entry that is None is left out."""
-    for i in range(0, len(batch["seq"]), size):
-        yield {k: v[i : i + size] for k, v in batch.items() if torch.is_tensor(v)}
-
-
-def policy_pass(model, ref, micro, cfg, rt):
-    """ALGO LOGIC: the value head's values (None for a plain GPT), the completion tokens' log-probs under the
-    sampling distribution (--temperature, --top_k), the exact KL to the reference over the vocabulary summed over the
-    real tokens (0 without a reference) and the entropy per token, for a micro-batch of rollouts. The completion is
-    the last T tokens of seq; its log-probs come from the states before each token."""
-    seq, attn, mask = micro["seq"], micro.get("attn"), micro["mask"]  # (n, P+T), (n, P+T) or None, (n, T)
-    inputs, targets, T = seq[:, :-1], seq[:, -mask.size(1) :], mask.size(1)
-    attn = None if attn is None else attn[:, :-1]
-    with rt.autocast():
-        logits, values = model(inputs, attention_mask=attn, keep_last=T)  # (n, T, V), (n, T) or None
-        with torch.no_grad():
-            ref_h = None if ref is None else ref(inputs, attention_mask=attn, keep_last=T, output="hidden")[0]
-    w_ref = None if ref is None else ref.lm_head.weight  # the reference logits are made chunk by chunk
-    return values, *logprobs_and_kl(logits, targets, ref_h, mask, cfg.kl_type, cfg.temperature, cfg.top_k, w_ref)
-
-
-def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
-    """ALGO LOGIC 1-3: K completions per prompt (groups contiguous), the rewards, then one no-grad pass for the
-    sampling policy's log-probs (and values). Returns a dict of per-row tensors (and the rows and texts)."""
-    rows = [r for r in prompts for _ in range(cfg.group_size)]
-    ids = [r["ids"] for r in rows]
-    completion, mask, texts = complete_prompts(model, ids, cfg.temperature, cfg.top_k, cfg, rt, tok, stop_ids)
-    H = int(mask.sum(1).max().item())  # the longest completion: the log-prob passes cost N * H * vocabulary
-    completion, mask = completion[:, :H], mask[:, :H]  # (N, H)
-    seq, attn = join(ids, completion)
-    batch = {"rows": rows, "texts": texts, "seq": seq, "attn": attn, "mask": mask}
-    rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
-    batch["rewards"] = torch.tensor(rewards, device=rt.device)  # (N,)
-    batch["truncated"] = ~torch.isin(completion, torch.tensor(stop_ids, device=rt.device)).any(1)  # (N,) no end
-    batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()  # (N,) 0 P, 1 A
-    with torch.no_grad():
-        old = [policy_pass(actor, None, micro, cfg, rt) for micro in micro_batches(batch, len(rows) // cfg.grad_accum)]
-    batch["old_logp"] = torch.cat([logp for _, logp, *_ in old])  # (N, H)
-    batch["old_values"] = torch.cat([values for values, *_ in old]) if cfg.value_head else None  # (N, H)
-    return batch
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Evaluation
 
 
 def p_metrics(record, text):
     """Greedy P: completion: parses, B is legal in the position, B equals the target's, share of the target's moves
     listed (the original RookWorld top-5 accuracy)."""
-    got, want = parse_p(text), parse_p(record["target"])
+    got = parse_p(text)
+    want = parse_p(record["target"])
     if got is None:
-        return dict.fromkeys(["p_format", "p_legal_best", "p_best_acc", "p_top5_acc"], 0.0)
-    legal = float(got["best"] in {m.uci() for m in chess.Board(record["fen"]).legal_moves})
-    best, top5 = float(got["best"] == want["best"]), len(set(got["moves"]) & set(want["moves"])) / len(want["moves"])
-    return dict(p_format=1.0, p_legal_best=legal, p_best_acc=best, p_top5_acc=top5)
+        return {"eval/p_format": 0.0, "eval/p_legal_best": 0.0, "eval/p_best_acc": 0.0, "eval/p_top5_acc": 0.0}
+    legal_moves = {m.uci() for m in chess.Board(record["fen"]).legal_moves}
+    return {
+        "eval/p_format": 1.0,
+        "eval/p_legal_best": float(got["best"] in legal_moves),
+        "eval/p_best_acc": float(got["best"] == want["best"]),
+        "eval/p_top5_acc": len(set(got["moves"]) & set(want["moves"])) / len(want["moves"]),
+    }
 
 
 def a_metrics(record, text):
     """Greedy A: completion: parses, the exact new FEN, both flags right, the whole completion exact."""
-    got, want = parse_a(text), parse_a(record["target"])
+    got = parse_a(text)
+    want = parse_a(record["target"])
     if got is None:
-        return dict.fromkeys(["a_format", "a_fen_acc", "a_flags_acc", "a_line_acc"], 0.0)
-    flags = float((got["terminated"], got["truncated"]) == (want["terminated"], want["truncated"]))
-    line = float(text.strip() == record["target"].strip())
-    return dict(a_format=1.0, a_fen_acc=float(got["fen"] == want["fen"]), a_flags_acc=flags, a_line_acc=line)
+        return {"eval/a_format": 0.0, "eval/a_fen_acc": 0.0, "eval/a_flags_acc": 0.0, "eval/a_line_acc": 0.0}
+    flags = (got["terminated"], got["truncated"]) == (want["terminated"], want["truncated"])
+    return {
+        "eval/a_format": 1.0,
+        "eval/a_fen_acc": float(got["fen"] == want["fen"]),
+        "eval/a_flags_acc": float(flags),
+        "eval/a_line_acc": float(text.strip() == record["target"].strip()),
+    }
 
 
 @torch.no_grad()
 def evaluate_held_out(run, step):
     """Greedy completions of the held-out prompts (every rank the same, FSDP's forwards are collective), scored per
     task and logged; the first 3 of each task go to samples.txt."""
-    texts, chunk = [], run.cfg.batch_size * run.cfg.group_size
+    cfg = run.cfg
+    texts = []
+    chunk = cfg.batch_size * cfg.group_size
     for i in range(0, len(run.held), chunk):
         prompts = [r["ids"] for r in run.held[i : i + chunk]]
-        texts += complete_prompts(run.model, prompts, 0.0, None, run.cfg, run.rt, run.tok, run.stop_ids)[2]  # greedy
-    found, shown = {"P": [], "A": []}, {"P": [], "A": []}
+        _, _, greedy = complete_prompts(run.model, prompts, 0.0, None, cfg, run.rt, run.tok, run.stop_ids)
+        texts += greedy
+    found = {"P": [], "A": []}  # each completion's metrics, by task
+    shown = {"P": [], "A": []}
     for record, text in zip(run.held, texts):
         task = record["task"]
-        row = (p_metrics if task == "P" else a_metrics)(record, text)
-        row[f"{task.lower()}_reward"] = reward = score_record(record, text, run.cfg.reward_mode)
+        reward = score_record(record, text, cfg.reward_mode)
+        if task == "P":
+            row = p_metrics(record, text)
+            row["eval/p_reward"] = reward
+        else:
+            row = a_metrics(record, text)
+            row["eval/a_reward"] = reward
         found[task].append(row)
         shown[task].append(f"{record['prompt']}|{text}\n    target:{record['target']}\n    reward {reward:.2f}")
-    metrics = {f"eval/{k}": sum(r[k] for r in rows) / len(rows) for rows in found.values() if rows for k in rows[0]}
-    run.first_eval, run.last_eval = run.first_eval or metrics, metrics
+    metrics = {}
+    for rows in found.values():
+        if rows:  # a task without held-out prompts logs nothing
+            for name in rows[0]:
+                metrics[name] = sum(r[name] for r in rows) / len(rows)
+    if not run.first_eval:
+        run.first_eval = metrics
+    run.last_eval = metrics
     run.logger.log(step, {**metrics, "rl/tokens": run.tokens})
     if run.rt.master:
         with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
@@ -912,19 +1214,7 @@ def evaluate_held_out(run, step):
 
 
 # ----------------------------------------------------------------------------------------------------------
-
-
-def peak_memory_mb(rt):
-    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
-    if rt.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(rt.device) / 2**20
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
-
-
-def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
-    return float(sum(v.double().sum() for v in model.state_dict().values()))
+# Setup, checkpoints, main
 
 
 def resolve_clip(cfg):
@@ -950,20 +1240,31 @@ def resolve_clip(cfg):
 
 def validate(cfg):
     """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
-    positive = "batch_size horizon max_steps num_iterations grad_accum eval_every log_every save_every sf_workers lr"
-    positive += " target_kl kl_horizon clip_eps clip_eps_value temperature"  # temperature 0 (greedy): identical groups
-    non_negative = "eval_size make_data sf_depth sf_nodes min_lr beta_kl entropy_coef vf_coef clip_eps_high grad_clip"
-    non_negative += " weight_decay warmup_steps top_k"
-    ranges = [(positive, "must be positive", lambda v: v > 0), (non_negative, "must be >= 0", lambda v: v >= 0)]
-    ranges += [("task_mix random_move_frac illegal_frac gamma lam", "must be in [0, 1]", lambda v: 0 <= v <= 1)]
-    ranges += [("ema_decay", "must be in (0, 1)", lambda v: 0 < v < 1)]
-    for names, rule, holds in ranges:
-        for name in names.split():
-            check(holds(getattr(cfg, name)), f"--{name} {rule} (got {getattr(cfg, name)})")
-    choices = "best_move=stockfish,rookworld reward_mode=ladder,continuous adv=group,ema scale_rewards=group,batch,none"
-    choices += " loss_type=grpo,dapo,dr_grpo,gspo,cispo,reinforce kl_type=forward,reverse,symmetric"
-    for name, allowed in (choice.split("=") for choice in choices.split()):
-        value, allowed = getattr(cfg, name), allowed.split(",")
+    positive = ["batch_size", "horizon", "max_steps", "num_iterations", "grad_accum", "eval_every", "log_every"]
+    positive += ["save_every", "sf_workers", "lr", "target_kl", "kl_horizon", "clip_eps", "clip_eps_value"]
+    positive += ["temperature"]  # temperature 0 (greedy) would make a group's completions identical
+    for name in positive:
+        value = getattr(cfg, name)
+        check(value > 0, f"--{name} must be positive (got {value})")
+    non_negative = ["eval_size", "make_data", "sf_depth", "sf_nodes", "min_lr", "beta_kl", "entropy_coef", "vf_coef"]
+    non_negative += ["clip_eps_high", "grad_clip", "weight_decay", "warmup_steps", "top_k"]
+    for name in non_negative:
+        value = getattr(cfg, name)
+        check(value >= 0, f"--{name} must be >= 0 (got {value})")
+    for name in ["task_mix", "random_move_frac", "illegal_frac", "gamma", "lam"]:
+        value = getattr(cfg, name)
+        check(0 <= value <= 1, f"--{name} must be in [0, 1] (got {value})")
+    check(0 < cfg.ema_decay < 1, f"--ema_decay must be in (0, 1) (got {cfg.ema_decay})")
+    choices = {
+        "best_move": ["stockfish", "rookworld"],
+        "reward_mode": ["ladder", "continuous"],
+        "adv": ["group", "ema"],
+        "scale_rewards": ["group", "batch", "none"],
+        "loss_type": ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"],
+        "kl_type": ["forward", "reverse", "symmetric"],
+    }
+    for name, allowed in choices.items():
+        value = getattr(cfg, name)
         check(value in allowed, f"--{name} {value!r}: use one of {', '.join(allowed)}")
     smallest = 1 if cfg.adv == "ema" or cfg.value_head else 2  # group advantages compare a group's completions
     check(cfg.group_size >= smallest, f"--group_size must be >= {smallest} with --adv {cfg.adv} (got {cfg.group_size})")
@@ -974,6 +1275,53 @@ def validate(cfg):
     check(not (cfg.value_head and cfg.parallel == "fsdp"), "--value_head runs in one process or under DDP, not FSDP")
 
 
+def setup_training(cfg):
+    """Runtime, run folder, data, models, optimizer and, with --resume, the run's state; every input is checked
+    before the run folder is written. Returns `run`, what the training loop reads and updates."""
+    rt = setup_runtime(cfg)
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "rookworld_grpo", rt), stop=GracefulExit())
+    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
+    run.stockfish = None
+    if cfg.stockfish:
+        run.stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers)
+    run.train_p, run.train_a, run.held = load_data(cfg, rt, run.stockfish)
+    run.model, run.actor, run.ref, run.ref_checksum, ckpt = load_models(cfg, rt, run.ckpt_path)
+    run.tok = BPETokenizer()
+    run.stop_ids = [run.tok.eot_id, *run.tok.encode("\n")]
+    block_size = run.model.config.block_size
+    for record in [*run.train_p, *run.train_a, *run.held]:
+        record["ids"] = run.tok.encode(record["prompt"])
+        longest = len(record["ids"]) + cfg.horizon
+        check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
+
+    run.policy = wrap_model(run.actor, rt, cfg.compile)
+    run.optimizer = make_optimizer(run.actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)  # fixed unless --adaptive_kl
+    run.baselines = torch.full((2,), float("nan"), device=rt.device)  # --adv ema: running mean reward of P:, A:
+    run.start_step = 0
+    run.tokens = 0  # completion tokens trained on, over every rank
+    run.first_eval = None  # the evaluation before training (final_results.json's "before")
+    run.last_eval = {}
+    if ckpt is not None:
+        load_optimizer_state(run.actor, run.optimizer, ckpt["optimizer"], rt)
+        if ckpt.get("scaler"):  # float16: the loss scale and its growth tracker (empty otherwise, absent in older runs)
+            run.scaler.load_state_dict(ckpt["scaler"])
+        restore_rng(ckpt, rt)
+        run.start_step = ckpt["step"]
+        run.tokens = ckpt["tokens"]
+        run.first_eval = ckpt["first_eval"]
+        run.baselines = torch.tensor(ckpt["baselines"], device=rt.device)
+        if cfg.adaptive_kl:
+            run.kl_ctl.value = ckpt["kl_coef"]
+    if rt.master:  # the flags (loss, advantages, targets) are in config.json
+        data = f"{len(run.train_p)} P: + {len(run.train_a)} A: training prompts, {len(run.held)} held out"
+        print(f"{run.model.num_params() / 1e6:.2f}M params, {data}, {rt.world_size} x {rt.device}, in {run.out_dir}")
+    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
+    run.logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
+    return run
+
+
 def load_data(cfg, rt, stockfish):
     """The P: and A: training records and a fixed held-out set (with --stockfish, its P: targets from Stockfish)."""
     if cfg.data_path:
@@ -982,7 +1330,8 @@ def load_data(cfg, rt, stockfish):
         lines = make_lines(1000, random.Random(0), stockfish, cfg.best_move, cfg.random_move_frac, cfg.illegal_frac)
         records = [split_line(line, cfg.best_move) for line in lines]
     if cfg.eval_path:
-        train, held = records, read_records(cfg.eval_path, cfg.best_move, rt.master)
+        train = records
+        held = read_records(cfg.eval_path, cfg.best_move, rt.master)
         held = [r for part in split_tasks(held) for r in part[: cfg.eval_size]]
     else:
         train, held = hold_out(records, cfg.eval_size)
@@ -1001,9 +1350,11 @@ def load_models(cfg, rt, ckpt_path):
     wrapped, never trained. Returns (model, actor, reference or None, its checksum or None, the resumed checkpoint
     or None)."""
     model, spec, ckpt = load_model(ckpt_path if cfg.resume else cfg.init_from)
-    ckpt = ckpt if cfg.resume else None  # an --init_from ckpt.pt gives weights, not a run's state
+    if not cfg.resume:
+        ckpt = None  # an --init_from ckpt.pt gives weights, not a run's state
     check(spec == "gpt2", f"--init_from {cfg.init_from}: its tokenizer is not the GPT-2 BPE the RookWorld tasks need")
-    ref, ref_checksum = None, None
+    ref = None
+    ref_checksum = None
     if cfg.beta_kl > 0 or cfg.adaptive_kl:
         ref = copy.deepcopy(model) if ckpt is None else load_model(cfg.init_from)[0]
         ref_checksum = weights_checksum(ref)
@@ -1016,45 +1367,6 @@ def load_models(cfg, rt, ckpt_path):
     return model, actor.to(rt.device), ref, ref_checksum, ckpt
 
 
-def setup_training(cfg):
-    """Runtime, run folder, data, models, optimizer and, with --resume, the run's state; every input is checked
-    before the run folder is written. Returns `run`, what the training loop reads and updates."""
-    rt = setup_runtime(cfg)
-    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "rookworld_grpo", rt), stop=GracefulExit())
-    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
-    run.stockfish = Stockfish(cfg.stockfish, cfg.sf_depth, cfg.sf_nodes, cfg.sf_workers) if cfg.stockfish else None
-    run.train_p, run.train_a, run.held = load_data(cfg, rt, run.stockfish)
-    run.model, run.actor, run.ref, run.ref_checksum, ckpt = load_models(cfg, rt, run.ckpt_path)
-    run.tok = BPETokenizer()
-    run.stop_ids = [run.tok.eot_id, *run.tok.encode("\n")]
-    for record in [*run.train_p, *run.train_a, *run.held]:
-        record["ids"] = run.tok.encode(record["prompt"])
-        longest, block_size = len(record["ids"]) + cfg.horizon, run.model.config.block_size
-        check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
-
-    run.policy = wrap_model(run.actor, rt, cfg.compile)
-    run.optimizer = make_optimizer(run.actor, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)  # fixed unless --adaptive_kl
-    run.baselines = torch.full((2,), float("nan"), device=rt.device)  # --adv ema: running mean reward of P:, A:
-    run.start_step, run.tokens, run.first_eval, run.last_eval = 0, 0, None, {}
-    if ckpt is not None:
-        load_optimizer_state(run.actor, run.optimizer, ckpt["optimizer"], rt)
-        if ckpt.get("scaler"):  # float16: the loss scale and its growth tracker (empty otherwise, absent in older runs)
-            run.scaler.load_state_dict(ckpt["scaler"])
-        restore_rng(ckpt, rt)
-        run.start_step, run.tokens, run.first_eval = ckpt["step"], ckpt["tokens"], ckpt["first_eval"]
-        run.baselines = torch.tensor(ckpt["baselines"], device=rt.device)
-        if cfg.adaptive_kl:
-            run.kl_ctl.value = ckpt["kl_coef"]
-    if rt.master:  # the flags (loss, advantages, targets) are in config.json
-        data = f"{len(run.train_p)} P: + {len(run.train_a)} A: training prompts, {len(run.held)} held out"
-        print(f"{run.model.num_params() / 1e6:.2f}M params, {data}, {rt.world_size} x {rt.device}, in {run.out_dir}")
-    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
-    run.logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
-    return run
-
-
 def write_checkpoint(run, step):
     """ckpt.pt: the policy as a plain GPT state dict (the value head apart), the optimizer, every rank's RNG, and
     what the loop carries (tokens, the first evaluation, the EMA baselines, beta, the loss scale, the reference's
@@ -1063,124 +1375,32 @@ def write_checkpoint(run, step):
     rngs = all_rng_states(run.rt)
     if not run.rt.master:
         return
-    ckpt = {"step": step, "tokens": run.tokens, "first_eval": run.first_eval, "baselines": run.baselines.tolist()}
-    ckpt.update(kl_coef=run.kl_ctl.value, scaler=run.scaler.state_dict(), ref_checksum=run.ref_checksum)
-    if run.cfg.value_head:  # the actor's keys are gpt.* and v_head.*
+    ckpt = {
+        "step": step,
+        "tokens": run.tokens,
+        "first_eval": run.first_eval,
+        "baselines": run.baselines.tolist(),
+        "kl_coef": run.kl_ctl.value,
+        "scaler": run.scaler.state_dict(),
+        "ref_checksum": run.ref_checksum,
+        "model_config": dataclasses.asdict(run.model.config),
+        "tokenizer": run.tok.spec,
+        "optimizer": optim_sd,
+        "rng": rngs[0],
+        "rng_ranks": rngs,
+        "config": dataclasses.asdict(run.cfg),
+    }
+    if run.cfg.value_head:  # the actor's keys are gpt.* and v_head.*: the policy is saved as a plain GPT
         ckpt["value_head"] = {k[7:]: v for k, v in model_sd.items() if k.startswith("v_head.")}
         model_sd = {k[4:]: v for k, v in model_sd.items() if k.startswith("gpt.")}
-    ckpt.update(model=model_sd, model_config=dataclasses.asdict(run.model.config), tokenizer=run.tok.spec)
-    ckpt.update(optimizer=optim_sd, rng=rngs[0], rng_ranks=rngs, config=dataclasses.asdict(run.cfg))
+    ckpt["model"] = model_sd
     save_checkpoint(run.ckpt_path, ckpt)
-
-
-def optimize_policy(run, batch, n_seqs, n_tokens):
-    """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over
-    --grad_accum micro-batches of whole groups. Returns the last iteration's sums over ranks (every share is
-    normalised by the global counts, so they sum to the step's value: loss, KL (summed over tokens), entropy,
-    clip_frac, ratio_mean, pg loss, value loss) and the gradient norm. The KL coefficient is run.kl_ctl's."""
-    cfg, rt = run.cfg, run.rt
-    for _ in range(cfg.num_iterations):
-        sums = torch.zeros(7, device=rt.device)
-        for i, micro in enumerate(micro_batches(batch, len(batch["seq"]) // cfg.grad_accum)):
-            grad_sync(run.policy, i == cfg.grad_accum - 1)
-            m = micro["mask"]
-            values, logp, kl_sum, entropy = policy_pass(run.policy, run.ref, micro, cfg, rt)
-            clip = (cfg.loss_type, cfg.clip_eps, cfg.clip_eps_high)
-            pg_loss, stats = policy_loss(logp, micro["old_logp"], micro["adv"], m, *clip, cfg.horizon, n_seqs, n_tokens)
-            entropy = masked_mean(entropy if cfg.entropy_coef > 0 else entropy.detach(), m, n_tokens)  # or only logged
-            v_loss = torch.zeros((), device=rt.device)
-            if values is not None:
-                v_loss = value_loss(values, micro["old_values"], micro["returns"], m, cfg.clip_eps_value, n_tokens)
-            # the KL at every position (padding weighted 0), the entropy bonus, the value loss
-            loss = pg_loss + run.kl_ctl.value * kl_sum / n_tokens - cfg.entropy_coef * entropy + cfg.vf_coef * v_loss
-            run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-            # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
-            share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
-            ratio_stats = [stats["clip_frac"] * share, stats["ratio_mean"] * share]
-            sums += torch.stack([loss, kl_sum, entropy, *ratio_stats, pg_loss, v_loss]).detach()
-        run.scaler.unscale_(run.optimizer)
-        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.optimizer.zero_grad(set_to_none=True)
-    return all_reduce(sums, rt), grad_norm
-
-
-def rl_step(run, step):
-    """One GRPO step: rollouts, rewards, advantages, update. Returns (metrics, whether a stop was requested)."""
-    cfg, rt = run.cfg, run.rt
-    t0 = time.time()
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
-    lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-
-    # ALGO LOGIC 1-3. prompts (--task_mix of them P:), rollouts, rewards, the sampling policy's log-probs
-    n_p = round(cfg.task_mix * cfg.batch_size)  # P: prompts per step; the rest are A:
-    prompts = [random.choice(run.train_p) for _ in range(n_p)]
-    prompts += [random.choice(run.train_a) for _ in range(cfg.batch_size - n_p)]
-    if run.stockfish:
-        set_stockfish_targets(prompts, run.stockfish, cfg.best_move)
-    batch = sample_groups(prompts, run.model, run.actor, cfg, rt, run.tok, run.stop_ids)
-    t_rollout = time.time() - t0
-    mask, rewards, tasks = batch["mask"], batch["rewards"], batch["tasks"]
-    N = len(rewards)
-    # (world * N,): every rank's rewards, rank by rank (each rank's own at its offset, 0 elsewhere; the sum gathers)
-    all_rewards = all_reduce(F.pad(rewards, (rt.rank * N, (rt.world_size - 1 - rt.rank) * N)), rt)
-
-    # 4. advantages: group-relative, a running mean per task, or GAE on a value head
-    is_task = torch.stack([tasks == 0, tasks == 1]).float()  # (2, N): P:, A:
-    task_sums = all_reduce(torch.stack([is_task @ rewards, is_task.sum(1)], 1), rt)  # (2, 2): reward sum, count
-    if cfg.value_head:
-        # (N, T): the reward at each completion's last real token (every completion has one: its mask starts at 1)
-        token_rewards = torch.zeros_like(mask).scatter(1, mask.sum(1).long()[:, None] - 1, rewards[:, None])
-        adv, batch["returns"] = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T)
-        batch["adv"] = whiten(adv, mask)
-    elif cfg.adv == "ema":
-        means = task_sums[:, 0] / task_sums[:, 1].clamp(min=1)
-        run.baselines = ema_update(run.baselines, means, task_sums[:, 1] > 0, cfg.ema_decay)  # absent tasks keep theirs
-        batch["adv"] = ema_advantages(rewards, tasks, run.baselines)  # (N,)
-    else:
-        # on every rank's rewards: --scale_rewards batch divides by the std of the whole step's (groups never span
-        # ranks and every rank has N rows, so this rank's advantages are its rows)
-        batch["adv"] = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards)[rt.rank * N : (rt.rank + 1) * N]
-    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)
-    n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens
-
-    # 5. policy update
-    sums, grad_norm = optimize_policy(run, batch, n_seqs, n_tokens)
-    run.tokens += int(all_reduce(mask.sum(), rt).item())
-    stop_requested = run.stop.requested(step + 1, rt)
-    stop_if_not_finite(sums[0].item(), step, run.ckpt_path, rt)
-    per_task = all_reduce(is_task @ (rewards != INVALID_REWARD).float(), rt)  # (2,) completions that parse (score_*)
-    stats = ["train/loss", "rl/kl", "rl/entropy", "rl/clip_frac", "rl/ratio_mean", "rl/pg_loss", "rl/value_loss"]
-    metrics = {name: value.item() for name, value in zip(stats, sums)}
-    metrics["rl/kl"] = (sums[1] / n_tokens).item() if run.ref is not None else None  # per token
-    metrics["rl/value_loss"] = metrics["rl/value_loss"] if cfg.value_head else None
-    for i, task in enumerate("pa"):  # a task without rollouts in this step logs nothing (0 / 0: NaN, dropped below)
-        metrics[f"rl/reward_{task}"] = (task_sums[i, 0] / task_sums[i, 1]).item()
-        metrics[f"rl/valid_{task}"] = (per_task[i] / task_sums[i, 1]).item()
-        if cfg.adv == "ema" and not cfg.value_head:
-            metrics[f"rl/baseline_{task}"] = run.baselines[i].item()
-    metrics["rl/reward_mean"] = all_rewards.mean().item()
-    metrics["rl/reward_std"] = all_rewards.std().item() if all_rewards.numel() > 1 else 0.0
-    # groups whose rewards are all equal: every step from one reward to the next is 0
-    metrics["rl/zero_std_frac"] = all_rewards.view(-1, cfg.group_size).diff(dim=1).eq(0).all(1).float().mean().item()
-    metrics.update({"rl/completion_len": (n_tokens / n_seqs).item(), "rl/beta": run.kl_ctl.value})  # beta in use
-    metrics["rl/truncated_frac"] = (all_reduce(batch["truncated"].float().sum(), rt) / n_seqs).item()
-    metrics.update({"rl/tokens": run.tokens, "train/lr": lr, "train/grad_norm": grad_norm.item()})
-    metrics["perf/rollout_tokens_per_s"] = mask.sum().item() * rt.world_size / max(t_rollout, 1e-9)
-    metrics.update({"perf/rollout_ms": 1000 * t_rollout, "perf/step_ms": 1000 * (time.time() - t0)})
-    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
-    if cfg.adaptive_kl:  # after the update and its metrics, which used this step's beta
-        run.kl_ctl.update(sums[1].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
-    return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
 
 
 def write_final_results(run, wall_time):
     """The last checkpoint, the curves, and final_results.json: the evaluation before and after training."""
-    cfg, rt = run.cfg, run.rt
+    cfg = run.cfg
+    rt = run.rt
     write_checkpoint(run, cfg.max_steps)
     run.logger.close()
     if run.stockfish:  # the engines' threads would keep the process alive
@@ -1219,6 +1439,19 @@ def main():
         if stop_requested:
             run.stop.exit(step + 1, run.out_dir, run.rt)
     write_final_results(run, time.time() - t_start)
+
+
+def peak_memory_mb(rt):
+    """Peak memory of the step: CUDA's allocator peak, else the process's peak resident set."""
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+def weights_checksum(model):
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
+    return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
 # ----------------------------------------------------------------------------------------------------------
