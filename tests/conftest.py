@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _shared_cache = ROOT.parent / "shared" / "tiktoken_cache"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and _shared_cache.is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(_shared_cache)
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers():
+    """A script's main() run in this process installs GracefulExit's SIGTERM and SIGINT handlers, which would stay
+    after the test: the pytest process would then ignore `timeout`'s SIGTERM and Ctrl-C. Put back what was there."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 def _bpe_available():

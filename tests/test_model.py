@@ -940,7 +940,8 @@ def test_linear_logprobs_skips_a_frozen_weight_the_entropy_on_request_and_runs_u
     with torch.no_grad():
         logp, ent = linear_logprobs(h, weight.requires_grad_(True), targets)
     assert not logp.requires_grad and not ent.requires_grad
-    torch.testing.assert_close(logp.double(), logprobs_and_entropy_oracle(h, weight, targets)[0].detach())
+    oracle = logprobs_and_entropy_oracle(h, weight, targets)[0].detach()  # float64
+    torch.testing.assert_close(logp.double(), oracle, atol=1e-5, rtol=1e-5)  # float32 work: float32 tolerance
 
 
 def test_forward_logprobs_equal_the_logits_path_with_the_same_parameter_gradients():
