@@ -1367,7 +1367,7 @@ def load_model(init_from, dropout=0.0):
     if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
         die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
     path_like = init_from.endswith(".pt") or init_from.startswith(("/", ".", "~"))
-    check(not path_like, f"--init_from {init_from}: no such file")
+    check(os.path.isdir(init_from) or not path_like, f"--init_from {init_from}: no such file")
     hub = "cannot load it from the Hugging Face hub; pass a ckpt.pt or a GPT-2 folder"
     if not os.path.isdir(init_from):  # a hub id
         import huggingface_hub

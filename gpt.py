@@ -33,6 +33,7 @@ Commands:
     python gpt.py --data arithmetic --digits 2                       # warm start for grpo.py --task arithmetic
     python gpt.py --attention mla                                    # the variants, each a few minutes on a CPU
     python gpt.py --objective denoise
+    python gpt.py --export_hf out/hf --init_from out/run/ckpt.pt     # for transformers, vLLM, the hub: see README
 
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
@@ -88,6 +89,7 @@ class Config:
     # model: a checkpoint, GPT-2 weights, or a new GPT of these sizes
     init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | hub id | ckpt.pt | HF folder
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    export_hf: str = ""  # write --init_from's model to this folder in the Hugging Face GPT-2 layout, then stop
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
@@ -495,6 +497,7 @@ def validate(cfg):
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(cfg.attention == "mla" or not cfg.kv_latent_dim, "--kv_latent_dim needs --attention mla")
     is_variant = (cfg.attention, cfg.objective, cfg.kv_latent_dim) != ("mha", "causal", 0)
+    check(not cfg.export_hf or cfg.init_from != "scratch", "--export_hf needs --init_from, the model to export")
     # a checkpoint or GPT-2's weights keep their own kind of model
     check(
         cfg.init_from == "scratch" or not is_variant,
@@ -558,9 +561,75 @@ def write_samples(model, tok, cfg, rt, out_dir):
     return texts, speed
 
 
+def export_hf(init_from, folder):
+    """--export_hf DIR: the model of --init_from (a ckpt.pt of any script, a GPT-2 folder or hub id) in the Hugging
+    Face GPT-2 layout: config.json and model.safetensors, which transformers.GPT2LMHeadModel.from_pretrained(DIR)
+    loads, and the tokenizer, which AutoTokenizer.from_pretrained(DIR) loads offline: GPT-2 BPE from the two files
+    tiktoken downloaded (encoder.json and vocab.bpe are GPT-2's vocab.json and merges.txt), a char vocabulary as
+    one WordLevel token per character. A reward model exports its GPT body: GPT2LMHeadModel has no place for the
+    head. MLA and the denoiser have no GPT-2 layout and are refused."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    check(not os.path.isdir(folder) or not os.listdir(folder), f"--export_hf {folder}: the folder is not empty")
+    ckpt = load_checkpoint(init_from) if os.path.isfile(init_from) else {"model_config": {}}
+    variant = {k: v for k, v in ckpt["model_config"].items() if k in ("attention", "objective")}
+    check(not variant, f"--export_hf: {init_from} is a {variant} model; GPT-2's layout has neither")
+    model, spec, ckpt = load_model(init_from)
+    c = model.config
+    eot = 50256 if spec == "gpt2" else None
+    hf_config = GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eot,
+        eos_token_id=eot,
+    )
+    hf = GPT2LMHeadModel(hf_config)
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    state = {}
+    for key, value in model.state_dict().items():
+        state[key] = value.t() if key.endswith(conv1d) else value  # GPT-2's Conv1D stores (in, out)
+    result = hf.load_state_dict(state, strict=False)
+    check(not result.unexpected_keys, f"--export_hf: weights GPT-2 has no place for: {result.unexpected_keys[:3]}")
+    with torch.no_grad():
+        for key in result.missing_keys:  # a model without biases (--no-bias): GPT-2's biases are zero
+            hf.get_parameter(key).zero_()
+    os.makedirs(folder, exist_ok=True)
+    hf.save_pretrained(folder)
+    if spec == "gpt2":
+        from tiktoken.load import read_file_cached
+
+        url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+        vocab = os.path.join(folder, "vocab.json")
+        merges = os.path.join(folder, "merges.txt")
+        with open(vocab, "wb") as f:
+            f.write(read_file_cached(url + "encoder.json"))
+        with open(merges, "wb") as f:
+            f.write(read_file_cached(url + "vocab.bpe"))
+        GPT2TokenizerFast(vocab=vocab, merges=merges).save_pretrained(folder)
+    else:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        char = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(spec["chars"])}, unk_token=None))
+        char.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one piece a character
+        char.decoder = decoders.Fuse()  # joined back with nothing between them
+        PreTrainedTokenizerFast(tokenizer_object=char).save_pretrained(folder)
+    print(f"wrote {folder}: GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained load it")
+    if ckpt is not None and "reward_head" in ckpt:
+        print("a reward model: only its GPT body was exported (the reward head stays in the checkpoint)")
+
+
 def main():
     cfg = parse_config(Config)
     validate(cfg)
+    if cfg.export_hf:
+        export_hf(cfg.init_from, cfg.export_hf)
+        return
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "gpt", rt)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -1307,7 +1376,7 @@ def load_model(init_from, dropout=0.0):
     if os.path.isdir(init_from) and not os.path.isfile(os.path.join(init_from, "config.json")):
         die(f"--init_from {init_from}: a folder needs config.json and model.safetensors (Hugging Face GPT-2 layout)")
     path_like = init_from.endswith(".pt") or init_from.startswith(("/", ".", "~"))
-    check(not path_like, f"--init_from {init_from}: no such file")
+    check(os.path.isdir(init_from) or not path_like, f"--init_from {init_from}: no such file")
     hub = "cannot load it from the Hugging Face hub; pass a ckpt.pt or a GPT-2 folder"
     if not os.path.isdir(init_from):  # a hub id
         import huggingface_hub
