@@ -696,7 +696,10 @@ def load_pairs(cfg, rt):
     else:
         try:
             import datasets
+            import huggingface_hub
 
+            if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
+                huggingface_hub.dataset_info(cfg.data, timeout=10)
             hub = datasets.load_dataset(cfg.data)
             train_records = hub["train"].to_list()  # records {"chosen": ..., "rejected": ...}
             val_records = hub["test"].to_list()

@@ -358,7 +358,10 @@ def load_splits(cfg, tok):
         else:
             try:
                 import datasets
+                import huggingface_hub
 
+                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
+                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
                 hub = datasets.load_dataset("Anthropic/hh-rlhf")
                 train_texts = hub["train"]["chosen"]
                 val_texts = hub["test"]["chosen"]

@@ -852,7 +852,10 @@ class RewardModelTask:
         else:
             try:
                 import datasets
+                import huggingface_hub
 
+                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
+                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
                 hub = datasets.load_dataset("Anthropic/hh-rlhf")
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
