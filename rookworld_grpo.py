@@ -224,7 +224,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
         adv = adv / (rewards.std() + eps)
     elif scale != "none":
         raise ValueError(f"unknown scale {scale!r}")
-    return adv.flatten()
+    return adv.flatten()  # (N,)
 
 
 def policy_loss(
