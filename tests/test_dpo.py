@@ -1229,3 +1229,17 @@ def test_bad_values_of_the_new_flags_exit_2_with_one_line(tmp_path, hh, capsys, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ref_sync_under_two_process_fsdp_matches_one_process(tmp_path, hh):
+    """sync_reference gathers FSDP2's sharded policy weights whole: 2 CPU ranks of 4 pairs with the reference synced
+    every step give the metrics of one process of 8."""
+    common = [*base_args(hh), "--max_steps", "3", "--eval_every", "1", "--eval_size", "8", "--lr", "3e-3"]
+    common += ["--ref_sync_steps", "1", "--ref_mixup", "0.5", "--num_samples", "0"]
+    out = tmp_path / "fsdp"
+    proc = torchrun(ROOT / "dpo.py", 2, *common, "--batch_size", "4", "--parallel", "fsdp", "--out_dir", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, single = train_in_process(tmp_path / "one", *common, "--batch_size", "8")
+    close(metrics(out), single, tol=1e-4)
