@@ -18,9 +18,30 @@ With s = sigmoid, eps = --label_smoothing, x = beta * h, the losses (`--loss_typ
     apo_down   s(beta a) + 1 - s(x)                                 APO-down, D'Oosterlinck et al. 2024
     discopop   (1 - m)(-log s(x)) + m exp(-x), m = s(x / tau)       DiscoPOP (LRML), Lu et al. 2024
     simpo      -log s(beta (avg_c - avg_r) - gamma), avg: mean token log-prob, no reference    SimPO, Meng et al. 2024
+    sigmoid_norm  sigmoid on x = beta h', h' = a/|y_c| - b/|y_r|       TRL 1.16's DPO on per-token log-ratios
+    aot        sigmoid on x = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r)) over the batch   AOT, Melnyk et al. 2024
+    aot_unpaired  sigmoid on x = beta (sort(a) - sort(b)) over the batch          unpaired AOT, Melnyk et al. 2024
     orpo       -avg_c - lambda log s(log odds_c - log odds_r), odds = p/(1-p), p = exp(avg)    ORPO, Hong et al. 2024
     kto        chosen w_d (1 - s(beta (a - z0))), rejected w_u (1 - s(beta (z0 - b)))        KTO, Ethayarajh et al. 2024
 `--sft_weight w` adds w times the chosen response's mean token NLL to any of them (RPO, Pang et al. 2024).
+AOT (distributional alignment by optimal transport) makes the sorted (quantile) values of the policy's margins
+dominate the reference's, or those of the chosen log-ratios dominate the rejected ones': a pair's loss depends on the
+other pairs of its batch.
+
+Three options change what the losses see, as TRL 1.16 has them:
+  - `--f_divergence` (f-DPO, Wang et al. 2023, "Beyond reverse KL", Table 1): with an f-divergence in place of DPO's
+    reverse KL the implicit reward is beta f'(u), u = pi/pi_ref, so a and b become f'(e^a) and f'(e^b) before the
+    losses built on h alone (sigmoid, robust, hinge, ipo, exo_pair, discopop, sigmoid_norm; others are refused):
+    reverse_kl log u (DPO), forward_kl 1 - 1/u, js log(2u/(1+u)), alpha (u^(alpha-1) - 1)/(alpha-1) with
+    alpha = --f_alpha in (0, 1) (the paper's 1 - alpha; 0 would be forward KL, 1 reverse KL). The rewards are beta f'.
+  - `--ld_alpha` (LD-DPO, Liu et al. 2024): a response's log-prob is that of its first l tokens, l the shorter
+    response's length in the pair, plus ld_alpha times that of the rest, for policy and reference alike, where the
+    token log-probs are summed (pair_logprobs), so every loss sees it. 1 is off (plain sums); at 0 the tokens past l
+    are dropped, and so from the token counts (ipo, sigmoid_norm, simpo, orpo, --sft_weight divide by them).
+  - `--ref_sync_steps tau --ref_mixup alpha` (TR-DPO, Gorbatovski et al. 2024): after every tau-th step the
+    reference becomes alpha policy + (1 - alpha) reference (sync_reference; alpha 1: a copy of the policy). ckpt.pt then
+    holds the synced reference, and --resume checks it by its checksum. The reference must be the starting policy's
+    copy (no --reference) and computed live (no --precompute_ref). 0 (either): off.
 IPO comes in two conventions: TRL averages each log-ratio over the response's tokens (|y| = its token count; its
 source says the IPO authors confirmed that this form reproduces the paper), rlhf-book and OpenRLHF sum them. We
 average, as TRL does; ipo's implicit rewards are then beta * a/|y_c| and beta * b/|y_r|, so their margin is beta h'.
@@ -32,11 +53,15 @@ Where we depart from the papers or from TRL, on purpose:
     reference point z0 is the mean log-ratio of mismatched rows (the prompt of pair i with the responses of pair i+1
     of the rank's batch), averaged over all ranks, clamped at 0 and detached;
   - reward accuracy counts ties as 1/2, so the reference itself scores 0.5;
-  - simpo and orpo train without the reference; it is still loaded for eval/logratio_* and --judge.
+  - simpo and orpo train without the reference; it is still loaded for eval/logratio_* and --judge;
+  - aot and aot_unpaired sort the pairs of one micro-batch of one rank (TRL: of one device's batch), so unlike the
+    other losses they change with --grad_accum and the number of ranks;
+  - label smoothing applies to sigmoid_norm, aot and aot_unpaired as to sigmoid (TRL smooths aot, not sigmoid_norm).
 Sequences are right-padded; chosen and rejected rows go through the policy in one forward pass; log-probs are summed
 over response tokens only. A pair longer than --max_len loses the start of its prompt, the same tokens for both
-responses (truncate_pair), so the two are always compared on one context. The loss is the sum over pairs divided by
-the number of pairs of the whole step (all micro-batches and ranks), so it does not depend on how the batch is split.
+responses (truncate_pair), so the two are always compared on one context; --max_len unset (0) is the models'
+block_size. The loss is the sum over pairs divided by the number of pairs of the whole step (all micro-batches and
+ranks), so it does not depend on how the batch is split.
 The model and the losses are hand-written on purpose: reading them is the point.
 
 Data: HH-RLHF dialogues {"chosen": ..., "rejected": ...} split into (prompt, chosen response, rejected response) at
@@ -44,19 +69,20 @@ the last "\\n\\nAssistant:", from the hub (`--data`, its train and test splits) 
 .jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's, so an SFT checkpoint never saw them.
 
 `--data arithmetic` (--digits, --ops as grpo.py's): RLHF with a known gold reward. Before training, the starting policy
-(an SFT model of `gpt.py --data arithmetic`; a newline ends each answer) samples --pair_samples
-answers (temperature 1, 2 * --digits + 2 tokens, cut after the first newline) to each of --pair_prompts training
-problems (drawn with random.Random(--seed)); arithmetic_reward, the gold checker, picks a right answer as chosen and a
-wrong one as rejected (the first of each). With `--judge PATH` a reward_model.py checkpoint ranks them instead: chosen
-is the answer it scores highest, rejected the lowest, and the run reports how often that agrees with gold (chosen
-right, rejected wrong). Problems whose answers all score the same (all right, all wrong, a tie) give no pair. Held-out
-pairs come the same way from the --eval_size held-out problems of grpo.py and ppo.py (random.Random(1234); their
---eval_size defaults to 128, so pass --eval_size 128, or 200 as the README does for all three, to compare), and
-eval/accuracy is the share of those problems whose greedy answer is exactly right, as grpo.py's. Rank 0 builds the
+(an SFT model of `gpt.py --data arithmetic`; a newline ends each answer) samples --pair_samples answers (temperature
+1, 2 * --digits + 2 tokens, cut after the first newline) to each of --pair_prompts training problems (drawn with
+random.Random(--seed), none of them held out); arithmetic_reward, the gold checker, picks a right answer as chosen
+and a wrong one as rejected (the first of each). With `--judge PATH` a reward_model.py checkpoint ranks them
+instead: chosen is the answer it scores highest, rejected the lowest, and the run reports how often that agrees with
+gold (chosen right, rejected wrong). Problems whose answers all score the same (all right, all wrong, a tie) give
+no pair.
+SPEC section 8 decides which problems are held out, in every script: those whose prompt's crc32 is 0 mod 10
+(held_out). No training pair is one; the held-out problems are the distinct ones among --eval_size held-out draws of
+random.Random(1234) (draw_problem; eval/n_problems says how many: 1 digit has only 37 of 300). Held-out pairs come the
+same way from them, and eval/accuracy is the share of them whose greedy answer is exactly right. Rank 0 builds the
 pairs and shares them with the other ranks; they are written to pairs.jsonl in the run folder (prompt, answer, chosen,
-rejected, split) before training, and --resume reads them back. With 1 digit the 300 distinct problems recur between
-the training and held-out sets (as in grpo.py): eval/accuracy measures the answers, not generalisation. A BPE policy
-gets <|endoftext|> after both responses (encode_pair), as in HH.
+rejected, split) before training, and --resume reads them back. A BPE policy gets <|endoftext|> after both responses
+(encode_pair), as in HH.
 
 Commands:
     python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
@@ -65,9 +91,9 @@ Commands:
     torchrun --standalone --nproc_per_node=8 dpo.py --init_from gpt2-medium --loss_type ipo --beta 0.5 --parallel fsdp
     python gpt.py --data arithmetic --tokenizer char --digits 1 --n_layer 2 --n_head 2 --n_embd 64 --block_size 32 \\
         --batch_size 32 --max_steps 400 --eval_every 400 --eval_iters 2 --lr 3e-3 --warmup_steps 10 --out_dir out/arith1
-    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --max_len 32 --lr 3e-4 --sft_weight 1   # CPU, ~20 s
+    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --lr 3e-4 --sft_weight 1   # CPU, ~20 s
     python reward_model.py --task orm --init_from out/arith1/ckpt.pt --out_dir out/orm   # a judge, then judged pairs:
-    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --max_len 32 --lr 3e-4 --sft_weight 1 \\
+    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --lr 3e-4 --sft_weight 1 \\
         --judge out/orm/ckpt.pt
 
 Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs; all ranks together):
@@ -81,13 +107,15 @@ Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs;
     eval/logratio_acc, eval/logratio_margin DPO's accuracy (h > 0, ties 1/2) and mean h in nats, for every loss type,
                                             so runs of different losses compare
     eval/accuracy                           arithmetic: share of held-out problems answered exactly right (greedy)
+    eval/n_problems                         arithmetic: how many distinct held-out problems eval/accuracy counts
     eval/win_rate                           --judge: share of held-out prompts whose greedy policy response the
                                             reward model scores above the reference's (ties 1/2); at the end
     train/kto_kl, train/bco_delta           kto's reference point z0; bco_pair's reward shift delta
     train/lr, train/grad_norm, train/pairs  learning rate, gradient norm before clipping, pairs trained on so far
     perf/pairs_per_s, perf/step_ms
 final_results.json holds the last evaluation (without eval/), and for arithmetic accuracy_before (step 0),
-heldout_problems and gold_agreement (the share of training and held-out pairs with chosen right and rejected wrong).
+heldout_problems (distinct) and gold_agreement (the share of training and held-out pairs with chosen right and
+rejected wrong).
 """
 
 import argparse
@@ -105,6 +133,8 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -137,6 +167,9 @@ class Config:
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
     # loss
     loss_type: str = "sigmoid"  # a loss of the table above: sigmoid, ipo, simpo, kto, ... (LOSS_TYPES)
+    f_divergence: str = "reverse_kl"  # f-DPO: f' of reverse_kl (DPO), forward_kl, js or alpha maps the log-ratios
+    f_alpha: float = 0.5  # alpha of --f_divergence alpha, in (0, 1): near 0 forward KL, near 1 reverse KL
+    ld_alpha: float = 1.0  # LD-DPO: weight of the tokens past the shorter response's length, in [0, 1] (1: off)
     beta: float = 0.1  # inverse temperature of the implicit reward (SimPO: about 2)
     label_smoothing: float = 0.0  # eps: assumed share of flipped labels (sigmoid -> cDPO, robust, exo_pair, simpo)
     gamma: float = 0.0  # SimPO's target reward margin (the paper: gamma / beta about 0.5)
@@ -146,8 +179,10 @@ class Config:
     kto_undesirable_weight: float = 1.0  # KTO's weight of undesirable (rejected) responses
     sft_weight: float = 0.0  # add this times the chosen response's mean token NLL (RPO)
     precompute_ref: bool = False  # compute the reference log-probs of every pair once, before training
+    ref_sync_steps: int = 0  # TR-DPO: every this many steps the reference moves toward the policy (0: off)
+    ref_mixup: float = 0.6  # TR-DPO's alpha: the reference becomes alpha policy + (1 - alpha) reference (0: off)
     # batches
-    max_len: int = 256  # tokens per sequence (prompt + response): prompts lose their start first
+    max_len: int = 0  # tokens per sequence (prompt + response; 0: the models' block_size): prompts lose their start
     batch_size: int = 8  # pairs per optimizer step per rank
     grad_accum: int = 1  # micro-batches per optimizer step
     # optimisation
@@ -160,7 +195,7 @@ class Config:
     dropout: float = 0.0  # dropout of the policy (DPO usually trains without)
     # evaluation
     eval_every: int = 25  # steps between evaluations on the held-out pairs
-    eval_size: int = 256  # held-out pairs per evaluation (0: all); arithmetic: held-out problems (> 0)
+    eval_size: int = 256  # held-out pairs per evaluation (0: all); arithmetic: held-out draws (> 0), distinct kept
     judge: str = ""  # ckpt.pt of reward_model.py: scores greedy responses at the end; arithmetic: also ranks pairs
     judge_prompts: int = 64  # held-out prompts the judge scores
     num_samples: int = 4  # greedy held-out responses written to samples.txt
@@ -197,9 +232,17 @@ PAIR_LOSSES = (
     "apo_down",
     "discopop",
     "simpo",
+    "sigmoid_norm",
+    "aot",
+    "aot_unpaired",
 )
 LOSS_TYPES = (*PAIR_LOSSES, "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # trained without the reference
+PER_TOKEN = ("ipo", "simpo", "sigmoid_norm")  # on mean token log-probs or log-ratios: response lengths needed
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js", "alpha")
+# the losses of h = a - b alone, whose f-DPO form maps a and b through f' (TRL's set; the others use a or b alone,
+# or no reference, or sort the log-ratios)
+F_DIVERGENCE_LOSSES = ("sigmoid", "robust", "hinge", "ipo", "exo_pair", "discopop", "sigmoid_norm")
 
 
 def preference_loss(
@@ -215,37 +258,46 @@ def preference_loss(
     gamma=0.0,
     bco_delta=0.0,
     discopop_tau=0.05,
+    f_divergence="reverse_kl",
+    f_alpha=0.5,
 ):
     """Per-pair losses (B,) from response log-probs (B,) summed over tokens, under the policy (pi_*) and the reference
     (ref_*). Returns (losses, chosen_rewards, rejected_rewards); the rewards are the implicit beta * (pi - ref),
     detached (simpo: beta * mean token log-prob, with chosen_len and rejected_len the response token counts).
     a = pi_chosen - ref_chosen, b = pi_rejected - ref_rejected, h = a - b, x = beta * h; the formulas are the
-    docstring's table (s = torch.sigmoid, log s = F.logsigmoid). ipo first averages the log-ratios per token,
-    a / chosen_len and b / rejected_len (TRL's form; rlhf-book and OpenRLHF sum), and its rewards are beta times
-    those averages. bco_delta is BCO's reward shift, a running mean of earlier rewards that the caller keeps (the
-    function stays pure); discopop_tau is DiscoPOP's temperature."""
+    docstring's table (s = torch.sigmoid, log s = F.logsigmoid). ipo and sigmoid_norm first average the log-ratios
+    per token, a / chosen_len and b / rejected_len (TRL's form; rlhf-book and OpenRLHF sum), and their rewards are beta
+    times those averages. f_divergence other than reverse_kl replaces a and b by f'(pi / ref) of that divergence
+    (f_prime, with f_alpha), and the rewards by beta times those, f-DPO's implicit rewards. aot and aot_unpaired sort
+    across the batch: their loss of a pair depends on the other pairs. bco_delta is BCO's reward shift, a running mean
+    of earlier rewards that the caller keeps (the function stays pure); discopop_tau is DiscoPOP's temperature."""
     eps = label_smoothing
     if loss_type not in PAIR_LOSSES:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    if loss_type in ("ipo", "simpo") and (chosen_len is None or rejected_len is None):
+    if loss_type in PER_TOKEN and (chosen_len is None or rejected_len is None):
         raise ValueError(f"{loss_type} needs chosen_len and rejected_len")
+    if f_divergence != "reverse_kl" and loss_type not in F_DIVERGENCE_LOSSES:
+        raise ValueError(f"f_divergence {f_divergence!r} needs a loss of {', '.join(F_DIVERGENCE_LOSSES)}")
     if loss_type == "simpo":  # no reference: the policy's log-probs take the log-ratios' place
         a = pi_chosen
         b = pi_rejected
-    else:  # (B,) log-ratios
-        a = pi_chosen - ref_chosen
-        b = pi_rejected - ref_rejected
-    if loss_type in ("ipo", "simpo"):
+    else:  # (B,) log-ratios, through f' (reverse_kl: unchanged)
+        a = f_prime(pi_chosen - ref_chosen, f_divergence, f_alpha)
+        b = f_prime(pi_rejected - ref_rejected, f_divergence, f_alpha)
+    if loss_type in PER_TOKEN:
         # per token: simpo's mean token log-probs; ipo's target 1/(2 beta) then does not depend on response lengths
         a = a / chosen_len
         b = b / rejected_len
     h = a - b
+    x = beta * h
     if loss_type == "simpo":
-        x = beta * h - gamma  # SimPO's target margin gamma
-    else:
-        x = beta * h
+        x = x - gamma  # SimPO's target margin gamma
+    elif loss_type == "aot":  # the quantiles of the policy's pair margins against the reference's
+        x = beta * ((pi_chosen - pi_rejected).sort().values - (ref_chosen - ref_rejected).sort().values)
+    elif loss_type == "aot_unpaired":  # the quantiles of the chosen log-ratios against those of the rejected
+        x = beta * (a.sort().values - b.sort().values)
 
-    if loss_type in ("sigmoid", "simpo"):  # simpo is sigmoid on SimPO's x
+    if loss_type in ("sigmoid", "simpo", "sigmoid_norm", "aot", "aot_unpaired"):  # all sigmoid, on their own x
         losses = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
     elif loss_type == "robust":  # unbiased under label noise eps (eps < 1/2)
         losses = (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps)
@@ -272,9 +324,31 @@ def preference_loss(
     else:  # discopop: m exp(-x) as exp(log m - x), so m = 0 never meets exp(-x) = inf
         m = torch.sigmoid(x / discopop_tau)  # (B,) the modulation
         losses = -(1 - m) * F.logsigmoid(x) + torch.exp(F.logsigmoid(x / discopop_tau) - x)
-    chosen_rewards = (beta * a).detach()
-    rejected_rewards = (beta * b).detach()
-    return losses, chosen_rewards, rejected_rewards
+    return losses, (beta * a).detach(), (beta * b).detach()
+
+
+def f_prime(logratio, f_divergence, f_alpha):
+    """f'(u) of an f-divergence at u = pi / pi_ref, from log u (Wang et al. 2023, Table 1; TRL's forms, which differ
+    from the paper's by constants that cancel in chosen minus rejected). With D_f in place of DPO's reverse KL, the
+    implicit reward is beta f'(u) (f-DPO, Theorem 1). f_alpha is TRL's alpha, the paper's 1 - alpha."""
+    if f_divergence == "forward_kl":  # f'(u) = 1 - 1/u
+        return 1 - torch.exp(-logratio)
+    if f_divergence == "js":  # f'(u) = log(2u / (1 + u))
+        return math.log(2) + F.logsigmoid(logratio)
+    if f_divergence == "alpha":  # f'(u) = (u^(f_alpha - 1) - 1) / (f_alpha - 1)
+        return torch.expm1((f_alpha - 1) * logratio) / (f_alpha - 1)
+    return logratio  # reverse_kl: f'(u) = log u (+ 1)
+
+
+@torch.no_grad()
+def sync_reference(ref, policy, alpha):
+    """TR-DPO's reference update (Gorbatovski et al. 2024), in place: every reference weight becomes
+    alpha * policy + (1 - alpha) * ref; alpha = 1 copies the policy (the hard update), 0 leaves ref as it is.
+    parameters() lists a tied weight once. Under FSDP2 each policy weight is gathered whole: every rank calls it."""
+    for r, p in zip(ref.parameters(), policy.parameters()):
+        if hasattr(p, "full_tensor"):  # a DTensor shard of FSDP2
+            p = p.full_tensor()
+        r.lerp_(p, alpha)  # r + alpha (p - r), exact at alpha = 0 and 1
 
 
 def orpo_loss(avg_logp_chosen, avg_logp_rejected, nll_chosen, lam):
@@ -341,6 +415,8 @@ def pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref=None, bco_delta=0.0):
             gamma=cfg.gamma,
             bco_delta=bco_delta,
             discopop_tau=cfg.discopop_tau,
+            f_divergence=cfg.f_divergence,
+            f_alpha=cfg.f_alpha,
         )
     losses = losses - cfg.sft_weight * pi_c / len_c  # RPO: the chosen response's mean token NLL (0: none)
     return losses, chosen_r, rejected_r
@@ -402,7 +478,7 @@ def train_step(run, step):
     pairs = [run.train_pairs[i] for i in indices]
     kl_ref = None
     if cfg.loss_type == "kto":  # KTO's reference point, from mismatched pairs
-        kl_ref = kto_reference_point(run.model, run.ref, pairs, run.tok, cfg, rt)
+        kl_ref = kto_reference_point(run, pairs)
     n_pairs = cfg.batch_size * rt.world_size  # the loss normaliser: the pairs of the step, on all ranks
     sums = {}  # per-pair statistics summed over the micro-batches, by name
     batches = micro_slices(cfg, indices, pairs)
@@ -411,7 +487,7 @@ def train_step(run, step):
         # 2. log-probs of chosen and rejected responses: one forward of the policy, the reference without grad.
         # The output layer is called outside the wrapper: DDP and FSDP2 (root unsharded after forward) still see
         # its gradient, as it is the embedding's (tied) weight.
-        logp, n_tokens = pair_logprobs(run.policy, batch, run.tok, cfg, rt, head=run.model.lm_head)  # (2b,) each
+        logp, n_tokens = pair_logprobs(run, run.policy, batch, head=run.model.lm_head)  # (2b,) each
         ref_logp = None
         if cfg.loss_type not in REFERENCE_FREE:
             ref_logp = reference_logprobs(run, "train", rows, batch)  # (2b,)
@@ -426,23 +502,26 @@ def train_step(run, step):
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
+    if cfg.ref_sync_steps and (step + 1) % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows the policy
+        sync_reference(run.ref, run.model, cfg.ref_mixup)
+        run.ref_checksum = weights_checksum(run.ref)  # a resumed run checks the synced weights
 
-    mean = pair_means(sums, n_pairs, rt)  # over the step's pairs on all ranks: 0-d tensors by name
+    mean = pair_means(sums, n_pairs, rt)  # over the step's pairs on all ranks: floats by name
     metrics = {
-        "train/loss": mean["loss"].item(),
-        "train/reward_acc": mean["reward_acc"].item(),
-        "train/margin": mean["margin"].item(),
-        "train/chosen_reward": mean["chosen_reward"].item(),
-        "train/rejected_reward": mean["rejected_reward"].item(),
-        "train/chosen_logp": mean["chosen_logp"].item(),
-        "train/rejected_logp": mean["rejected_logp"].item(),
+        "train/loss": mean["loss"],
+        "train/reward_acc": mean["reward_acc"],
+        "train/margin": mean["margin"],
+        "train/chosen_reward": mean["chosen_reward"],
+        "train/rejected_reward": mean["rejected_reward"],
+        "train/chosen_logp": mean["chosen_logp"],
+        "train/rejected_logp": mean["rejected_logp"],
         "train/kto_kl": kl_ref,  # None (not logged) but for kto
     }
     if cfg.loss_type == "bco_pair":  # delta: the running mean of every chosen and rejected reward of earlier steps
         metrics["train/bco_delta"] = run.bco[0]
         old_mean, count = run.bco
         n_new = 2 * n_pairs  # a chosen and a rejected reward per pair
-        new_sum = (mean["chosen_reward"] + mean["rejected_reward"]).item() * n_pairs
+        new_sum = (mean["chosen_reward"] + mean["rejected_reward"]) * n_pairs
         new_count = count + n_new
         run.bco = [(old_mean * count + new_sum) / new_count, new_count]
     run.pairs_seen += n_pairs
@@ -466,27 +545,34 @@ def micro_slices(cfg, *lists):
 
 
 @torch.no_grad()
-def kto_reference_point(model, ref, pairs, tok, cfg, rt):
+def kto_reference_point(run, pairs):
     """KTO's z0: the mean log-ratio of mismatched rows (the prompt of pair i, the responses of pair i+1), over all
     ranks, clamped at 0. The policy's share is detached: z0 is a baseline, not a target."""
+    rt = run.rt
     shifted = [(p, c, r) for (p, _, _), (_, c, r) in zip(pairs, pairs[1:] + pairs[:1])]
     total = torch.zeros((), device=rt.device)  # the sum of this rank's log-ratios
-    for [rows] in micro_slices(cfg, shifted):
-        logp, _ = pair_logprobs(model, rows, tok, cfg, rt)
-        ref_logp, _ = pair_logprobs(ref, rows, tok, cfg, rt)
+    for [rows] in micro_slices(run.cfg, shifted):
+        logp, _ = pair_logprobs(run, run.model, rows)
+        ref_logp, _ = pair_logprobs(run, run.ref, rows)
         total += (logp - ref_logp).sum()
     z0 = all_reduce(total, rt) / (2 * len(pairs) * rt.world_size)  # every rank has len(pairs) pairs, 2 rows each
     return z0.clamp(min=0)
 
 
-def pair_logprobs(net, pairs, tok, cfg, rt, head=None):
-    """Summed response log-probs (2B,) and response token counts (2B,) of B pairs: the chosen rows, then the
-    rejected rows, right-padded into one forward pass (encode_pair cuts each pair to --max_len). head: the output
-    layer, where net is a DDP/FSDP wrapper (default net.lm_head)."""
-    encoded = [encode_pair(tok, *pair, cfg.max_len) for pair in pairs]  # (chosen ids, rejected ids, prompt length)
+def pair_logprobs(run, net, pairs, head=None):
+    """Summed response log-probs (2B,) and response token counts (2B,) of B pairs under net (the policy, raw or
+    wrapped, or the reference): the chosen rows, then the rejected rows, right-padded into one forward pass
+    (encode_pair cuts each pair to --max_len). head: the output layer, where net is a DDP/FSDP wrapper (default
+    net.lm_head)."""
+    cfg = run.cfg
+    rt = run.rt
+    encoded = [encode_pair(run.tok, *pair, cfg.max_len) for pair in pairs]  # (chosen ids, rejected ids, prompt length)
     chosen_rows = [(chosen, n_prompt) for chosen, _, n_prompt in encoded]
     rejected_rows = [(rejected, n_prompt) for _, rejected, n_prompt in encoded]
     ids, mask = collate(chosen_rows + rejected_rows)  # (2B, T) each
+    if cfg.ld_alpha != 1:  # LD-DPO: past the shorter response's length, a token's log-prob counts ld_alpha times
+        shared = torch.minimum(*mask.sum(1).chunk(2)).repeat(2)  # (2B,): the pair's shorter response length
+        mask[mask.cumsum(1) > shared[:, None]] *= cfg.ld_alpha  # (2B, T)
     if head is None:
         head = net.lm_head
     with rt.autocast():
@@ -503,14 +589,15 @@ def collate(rows, pad_id=0):
 
 
 def sequence_logprobs(model, head, ids, mask):
-    """Log-probs of right-padded rows ids (N, T) summed over the tokens where mask (N, T) is 1.0 (the response;
-    prompt and padding are 0). Returns (summed log-probs (N,), response token counts (N,)). Token t is scored by the
+    """Log-probs of right-padded rows ids (N, T) summed over the tokens where mask (N, T) is above 0, each times its
+    mask value: 1.0 on the response (LD-DPO: --ld_alpha past the shorter response's length), 0 on prompt and padding.
+    Returns (summed log-probs (N,), counts of the tokens summed (N,)). Token t is scored by the
     hidden state at t-1, so padding on the right never reaches a scored token. Only scored positions go through the
     output layer `head` (the model's lm_head, weights tied to the embedding): prompts are most of an HH dialogue,
     and a 50k-vocabulary output layer over them would be most of the compute and memory."""
     h, _ = model(ids[:, :-1], output="hidden")  # (N, T-1, C)
     scored = mask[:, 1:] > 0  # (N, T-1)
-    logp = token_logprobs(head(h[scored]), ids[:, 1:][scored])  # (n,): every scored token of the batch
+    logp = token_logprobs(head(h[scored]), ids[:, 1:][scored]) * mask[:, 1:][scored]  # (n,): every scored token
     row = scored.nonzero()[:, 0]  # (n,): the row of each scored token
     sums = torch.zeros(len(ids), device=ids.device).index_add(0, row, logp)  # (N,)
     return sums, scored.sum(1).float()
@@ -521,7 +608,7 @@ def reference_logprobs(run, split, indices, pairs):
     rows `indices` of the table --precompute_ref made, or without one a forward of the frozen reference (no gradient:
     its weights require none)."""
     if split not in run.ref_cache:
-        return pair_logprobs(run.ref, pairs, run.tok, run.cfg, run.rt)[0]
+        return pair_logprobs(run, run.ref, pairs)[0]
     table = run.ref_cache[split][indices]  # (B, 2): chosen, rejected
     return table.t().flatten().to(run.rt.device)  # (2B,): chosen, then rejected
 
@@ -537,10 +624,10 @@ def add_stats(sums, stats, weight=None):
 
 
 def pair_means(sums, n, rt):
-    """Sums of per-pair statistics, by name, summed over ranks (one collective for all) and divided by n: 0-d
-    tensors by the same names."""
+    """Sums of per-pair statistics, by name, summed over ranks (one collective for all) and divided by n: floats by
+    the same names."""
     total = all_reduce(torch.stack(list(sums.values())), rt) / n
-    return dict(zip(sums, total))
+    return dict(zip(sums, total.tolist()))
 
 
 @torch.no_grad()
@@ -555,24 +642,24 @@ def evaluate(run, step, logger):
     mine = [run.eval_pairs[i] for i in idx]
     kl_ref = None
     if cfg.loss_type == "kto":
-        kl_ref = kto_reference_point(run.model, run.ref, mine, run.tok, cfg, rt)
+        kl_ref = kto_reference_point(run, mine)
     sums = {}  # per-pair statistics summed over the micro-batches, by name
     for rows, batch, w in micro_slices(cfg, idx, mine, weight):
-        logp, n_tokens = pair_logprobs(run.model, batch, run.tok, cfg, rt)
+        logp, n_tokens = pair_logprobs(run, run.model, batch)
         ref_logp = reference_logprobs(run, "eval", rows, batch)
         losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])
         add_stats(sums, pair_stats(losses, chosen_r, rejected_r, logp, ref_logp), w)  # w: 0 on shard's repeats
     mean = pair_means(sums, len(run.eval_pairs), rt)
     metrics = {
-        "eval/loss": mean["loss"].item(),
-        "eval/reward_acc": mean["reward_acc"].item(),
-        "eval/margin": mean["margin"].item(),
-        "eval/chosen_reward": mean["chosen_reward"].item(),
-        "eval/rejected_reward": mean["rejected_reward"].item(),
-        "eval/chosen_logp": mean["chosen_logp"].item(),
-        "eval/rejected_logp": mean["rejected_logp"].item(),
-        "eval/logratio_acc": mean["logratio_acc"].item(),
-        "eval/logratio_margin": mean["logratio_margin"].item(),
+        "eval/loss": mean["loss"],
+        "eval/reward_acc": mean["reward_acc"],
+        "eval/margin": mean["margin"],
+        "eval/chosen_reward": mean["chosen_reward"],
+        "eval/rejected_reward": mean["rejected_reward"],
+        "eval/chosen_logp": mean["chosen_logp"],
+        "eval/rejected_logp": mean["rejected_logp"],
+        "eval/logratio_acc": mean["logratio_acc"],
+        "eval/logratio_margin": mean["logratio_margin"],
     }
     if run.problems:  # arithmetic: greedy answers to the held-out problems, each rank a share
         idx, weight = shard(len(run.problems), rt)
@@ -581,6 +668,7 @@ def evaluate(run, step, logger):
         right = torch.tensor(rewards, device=rt.device)
         n_right = all_reduce((right * weight).sum(), rt)
         metrics["eval/accuracy"] = (n_right / len(run.problems)).item()
+        metrics["eval/n_problems"] = len(run.problems)  # distinct, all held out
     run.model.train()
     logger.log(step, metrics)
     return metrics
@@ -707,7 +795,7 @@ def load_pairs(cfg, rt):
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     train, skip_train = hh_pairs(train_records)
     val, skip_val = hh_pairs(val_records)
-    skipped = {k: skip_train.get(k, 0) + skip_val.get(k, 0) for k in {**skip_train, **skip_val}}
+    skipped = Counter(skip_train) + Counter(skip_val)
     summary = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
     check(train and val, f"{cfg.data_path or cfg.data}: a split without usable pairs (skipped: {summary or 'none'})")
     if rt.master and summary:
@@ -733,6 +821,19 @@ def arithmetic_problem(rng, digits, ops):
     return f"{a}{op}{b}=", f"{result}\n"
 
 
+def held_out(prompt):
+    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops)
+        if held_out(prompt) == held:
+            return prompt, answer
+
+
 def arithmetic_reward(text, answer, format_reward=0.0):
     """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
@@ -752,8 +853,9 @@ def arithmetic_pairs(run, out_dir):
     rejected wrong (1 without --judge)."""
     cfg = run.cfg
     path = os.path.join(out_dir, "pairs.jsonl")
-    heldout_rng = random.Random(1234)  # held-out problems: grpo.py's and ppo.py's, whatever --seed
-    run.problems = [arithmetic_problem(heldout_rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+    heldout_rng = random.Random(1234)  # the same held-out problems whatever --seed
+    draws = [draw_problem(heldout_rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size)]
+    run.problems = list(dict(draws).items())  # distinct: 1 digit has only 37 held-out problems
     if isinstance(run.tok, CharTokenizer):
         lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(run.tok.chars)))
         check(
@@ -791,7 +893,7 @@ def arithmetic_records(run):
     cfg = run.cfg
     G = cfg.pair_samples
     rng = random.Random(cfg.seed)
-    problems = [("train", *arithmetic_problem(rng, cfg.digits, cfg.ops)) for _ in range(cfg.pair_prompts)]
+    problems = [("train", *draw_problem(rng, cfg.digits, cfg.ops, False)) for _ in range(cfg.pair_prompts)]
     problems += [("heldout", *p) for p in run.problems]
     rows = [row for row in problems for _ in range(G)]  # (split, prompt, answer), each problem G times in a row
     prompts = [prompt for _, prompt, _ in rows]
@@ -895,15 +997,31 @@ def validate(cfg):
     positive += ["lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"]
     positive += ["digits", "pair_prompts"]
     non_negative = ["eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay"]
-    non_negative += ["grad_clip", "sft_weight", "gamma"]
+    non_negative += ["grad_clip", "sft_weight", "gamma", "ref_sync_steps"]
     for name in positive:
         check(0 < getattr(cfg, name) < math.inf, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in non_negative:
         check(0 <= getattr(cfg, name) < math.inf, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    check(
+        cfg.f_divergence in F_DIVERGENCES, f"--f_divergence {cfg.f_divergence!r}: use one of {', '.join(F_DIVERGENCES)}"
+    )
+    f_loss = cfg.f_divergence == "reverse_kl" or cfg.loss_type in F_DIVERGENCE_LOSSES
+    check(f_loss, f"--f_divergence {cfg.f_divergence} needs a --loss_type of {', '.join(F_DIVERGENCE_LOSSES)}")
+    check(0 < cfg.f_alpha < 1, f"--f_alpha must be in (0, 1) (got {cfg.f_alpha})")
+    check(0 <= cfg.ld_alpha <= 1, f"--ld_alpha must be in [0, 1] (got {cfg.ld_alpha})")
+    check(0 <= cfg.ref_mixup <= 1, f"--ref_mixup must be in [0, 1] (got {cfg.ref_mixup})")
+    # TR-DPO moves the starting policy's copy: not another model, nor cached log-probs
+    check(
+        not cfg.ref_sync_steps or not (cfg.reference or cfg.precompute_ref),
+        "--ref_sync_steps: no --reference, no --precompute_ref",
+    )
     check(0 <= cfg.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
-    check(cfg.max_len >= 2, f"--max_len must be >= 2: a prompt token and a response token (got {cfg.max_len})")
+    check(
+        cfg.max_len == 0 or cfg.max_len >= 2,
+        f"--max_len must be 0 or >= 2: a prompt and a response token (got {cfg.max_len})",
+    )
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum")
     check(cfg.loss_type != "kto" or cfg.batch_size >= 2, "--loss_type kto needs --batch_size >= 2: z0 uses other pairs")
     check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
@@ -914,17 +1032,19 @@ def validate(cfg):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
-    return float(sum(v.double().sum() for v in model.state_dict().values()))
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
+    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 
-def reference_table(ref, pairs, tok, cfg, rt):
+def reference_table(run, ref, pairs):
     """--precompute_ref: the reference log-probs (n, 2) [chosen, rejected] of every pair; each rank computes a
     share, then a sum over ranks fills the table."""
+    rt = run.rt
     table = torch.zeros(len(pairs), 2, device=rt.device)
     indices, weight = shard(len(pairs), rt)
-    for rows, w in micro_slices(cfg, indices, weight):
-        logp, _ = pair_logprobs(ref, [pairs[j] for j in rows], tok, cfg, rt)  # (2b,): chosen rows, then rejected
+    for rows, w in micro_slices(run.cfg, indices, weight):
+        logp, _ = pair_logprobs(run, ref, [pairs[j] for j in rows])  # (2b,): chosen rows, then rejected
         table[rows] = logp.view(2, -1).t() * w[:, None]  # (b, 2); a repeated pair adds 0
     return all_reduce(table, rt).cpu()
 
@@ -942,10 +1062,14 @@ def setup(cfg, out_dir, rt):
         check(ref_spec == spec, f"the reference {reference} uses another tokenizer than the policy")
     else:
         ref = copy.deepcopy(model)
+    if cfg.resume and "ref_model" in ckpt:  # --ref_sync_steps: the reference as synced when the run stopped
+        ref.load_state_dict(ckpt["ref_model"])
     run.ref_checksum = weights_checksum(ref)
     if cfg.resume:
         check(ckpt["ref_checksum"] == run.ref_checksum, f"--resume: the reference {reference} changed")
     block = min(model.config.block_size, ref.config.block_size)
+    if not cfg.max_len:  # unset: as long as the models allow
+        cfg.max_len = block
     check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
     check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
     run.model = model.to(rt.device)
@@ -987,8 +1111,8 @@ def setup(cfg, out_dir, rt):
         run.ref_cache = ckpt.get("ref_logps") or {}  # older checkpoints saved None without --precompute_ref
     if cfg.precompute_ref and not run.ref_cache:
         run.ref_cache = {
-            "train": reference_table(ref, run.train_pairs, run.tok, cfg, rt),
-            "eval": reference_table(ref, run.eval_pairs, run.tok, cfg, rt),
+            "train": reference_table(run, ref, run.train_pairs),
+            "eval": reference_table(run, ref, run.eval_pairs),
         }
     run.ref = ref
     if cfg.precompute_ref and cfg.loss_type != "kto" and run.judge is None:
@@ -1021,6 +1145,8 @@ def save(run, step):
             "ref_checksum": run.ref_checksum,
             "ref_logps": run.ref_cache,
         }
+        if run.cfg.ref_sync_steps:  # TR-DPO: the reference as synced, which --reference no longer holds
+            ckpt["ref_model"] = run.ref.state_dict()
         save_checkpoint(run.ckpt_path, ckpt)
 
 

@@ -2,11 +2,13 @@
 data rules shared with reward_model.py and gpt.py, and end-to-end runs (every loss type, run folder, resume,
 torchrun, the judge, learning, bad input)."""
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import math
 import random
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -124,9 +126,119 @@ def test_kto_hand_value():
     assert rewards.tolist() == pytest.approx([1.0, -1.0])
 
 
+# f-DPO (Wang et al. 2023, Table 1) on EXAMPLE (a = 1, b = -0.5), beta 0.5: f'(u) at u = e^a and u = e^b, as TRL writes
+# them; the paper's forward KL f'(u) = -1/u and alpha-divergence (1 - u^-alpha) / alpha differ by constants only
+F_PRIME = {
+    "forward_kl": (1 - math.exp(-1), 1 - math.exp(0.5)),  # 1 - 1/u
+    "js": (math.log(2) + log_s(1), math.log(2) + log_s(-0.5)),  # log(2u / (1 + u))
+    "alpha": (2 * (1 - math.exp(-0.5)), 2 * (1 - math.exp(0.25))),  # f_alpha 0.5: (u^-0.5 - 1) / -0.5
+}
+
+
+@pytest.mark.parametrize("f_divergence", F_PRIME)
+def test_f_divergence_hand_values(f_divergence):
+    """The sigmoid, hinge and ipo losses on f'(e^a) - f'(e^b) instead of h = a - b (ipo: each averaged over its 2 and
+    4 tokens first); the rewards are beta f', f-DPO's implicit rewards."""
+    fa, fb = F_PRIME[f_divergence]
+    value, chosen_r, rejected_r = loss("sigmoid", **EXAMPLE, beta=0.5, f_divergence=f_divergence)
+    assert value == pytest.approx(-log_s(0.5 * (fa - fb)), rel=1e-9)
+    assert (chosen_r, rejected_r) == pytest.approx((0.5 * fa, 0.5 * fb), rel=1e-9)
+    value = loss("hinge", **EXAMPLE, beta=0.5, f_divergence=f_divergence)[0]
+    assert value == pytest.approx(max(0.0, 1 - 0.5 * (fa - fb)), rel=1e-9)
+    value = loss("ipo", **EXAMPLE, beta=0.5, f_divergence=f_divergence, chosen_len=2, rejected_len=4)[0]
+    assert value == pytest.approx((fa / 2 - fb / 4 - 1) ** 2, rel=1e-9)
+
+
+def test_f_divergence_is_refused_for_losses_not_built_on_h_alone():
+    with pytest.raises(ValueError, match="f_divergence"):
+        loss("nca_pair", **EXAMPLE, f_divergence="js")
+
+
+def test_sigmoid_norm_hand_value():
+    """The sigmoid loss on per-token log-ratios: a / 2 = 0.5, b / 4 = -0.125, beta 0.5: -log s(0.3125); with label
+    smoothing 0.1 the cDPO mixture; the rewards beta a / 2 and beta b / 4."""
+    value, chosen_r, rejected_r = loss("sigmoid_norm", **EXAMPLE, beta=0.5, chosen_len=2, rejected_len=4)
+    assert value == pytest.approx(-log_s(0.3125), rel=1e-9)
+    assert (chosen_r, rejected_r) == pytest.approx((0.25, -0.0625), rel=1e-9)
+    smoothed = loss("sigmoid_norm", **EXAMPLE, beta=0.5, label_smoothing=0.1, chosen_len=2, rejected_len=4)[0]
+    assert smoothed == pytest.approx(-0.9 * log_s(0.3125) - 0.1 * log_s(-0.3125), rel=1e-9)
+    with pytest.raises(ValueError, match="needs chosen_len"):
+        loss("sigmoid_norm", **EXAMPLE)
+
+
+# three pairs: policy margins pi_c - pi_r = [2, -2, 2], reference margins [0.5, -1, 2]; log-ratios a = [1, -1, 1],
+# b = [-0.5, 0, 1]
+AOT_BATCH = dict(
+    pi_c=[-10.0, -12.0, -9.0], pi_r=[-12.0, -10.0, -11.0], ref_c=[-11.0, -11.0, -10.0], ref_r=[-11.5, -10.0, -12.0]
+)
+
+
+def batch_loss(loss_type, pi_c, pi_r, ref_c, ref_r, **kw):
+    """preference_loss on float64 batches given as lists, as lists."""
+    out = dpo.preference_loss(f64(*pi_c), f64(*pi_r), f64(*ref_c), f64(*ref_r), loss_type, **kw)
+    return [x.tolist() for x in out]
+
+
+def test_aot_hand_values():
+    """aot: sorted policy margins [-2, 2, 2] minus sorted reference margins [-1, 0.5, 2] = [-1, 1.5, 0]; aot_unpaired:
+    sorted a [-1, 1, 1] minus sorted b [-0.5, 0, 1] = [-0.5, 1, 0]; beta 0.5, then the sigmoid loss with label
+    smoothing 0.1 (TRL 1.16's forms). The rewards stay per pair: beta a and beta b."""
+
+    def cdpo(x):
+        return -0.9 * log_s(x) - 0.1 * log_s(-x)
+
+    value, chosen_r, rejected_r = batch_loss("aot", **AOT_BATCH, beta=0.5, label_smoothing=0.1)
+    assert value == pytest.approx([cdpo(-0.5), cdpo(0.75), cdpo(0.0)], rel=1e-9)
+    assert chosen_r == pytest.approx([0.5, -0.5, 0.5]) and rejected_r == pytest.approx([-0.25, 0.0, 0.5])
+    value = batch_loss("aot_unpaired", **AOT_BATCH, beta=0.5, label_smoothing=0.1)[0]
+    assert value == pytest.approx([cdpo(-0.25), cdpo(0.5), cdpo(0.0)], rel=1e-9)
+
+
+@FAST
+@given(st.lists(st.tuples(logps, logps, logps, logps), min_size=1, max_size=6), betas, st.randoms())
+def test_aot_losses_do_not_depend_on_the_order_of_the_pairs(rows, beta, rng):
+    """AOT compares distributions (sorted values), so shuffling the pairs permutes nothing in its losses; a single
+    pair is the plain sigmoid loss."""
+    columns = [list(c) for c in zip(*rows)]
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    shuffled = [[c[i] for i in order] for c in columns]
+    for loss_type in ("aot", "aot_unpaired"):
+        plain = batch_loss(loss_type, *columns, beta=beta)[0]
+        assert batch_loss(loss_type, *shuffled, beta=beta)[0] == pytest.approx(plain, rel=1e-12, abs=1e-12)
+    single = [c[:1] for c in columns]
+    sigmoid = batch_loss("sigmoid", *single, beta=beta)[0]
+    assert batch_loss("aot", *single, beta=beta)[0] == pytest.approx(sigmoid, rel=1e-12)
+    assert batch_loss("aot_unpaired", *single, beta=beta)[0] == pytest.approx(sigmoid, rel=1e-12)
+
+
+@FAST
+@given(st.sampled_from(dpo.F_DIVERGENCE_LOSSES), logps, logps, logps, logps, betas, st.floats(0, 0.4))
+def test_reverse_kl_f_divergence_is_the_loss_of_today(loss_type, pi_c, pi_r, ref_c, ref_r, beta, eps):
+    """f_divergence="reverse_kl" (f'(u) = log u) changes nothing: each loss equals the call without the keyword, and
+    sigmoid equals DPO's (cDPO's) formula evaluated here."""
+    kw = dict(beta=beta, label_smoothing=eps, chosen_len=3, rejected_len=5)
+    explicit = loss(loss_type, pi_c, pi_r, ref_c, ref_r, f_divergence="reverse_kl", **kw)
+    assert explicit == loss(loss_type, pi_c, pi_r, ref_c, ref_r, **kw)
+    if loss_type == "sigmoid":
+        x = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+        assert explicit[0] == pytest.approx(-(1 - eps) * log_s(x) - eps * log_s(-x), rel=1e-9, abs=1e-12)
+
+
+@FAST
+@given(ratios)
+def test_alpha_divergence_spans_forward_kl_to_reverse_kl(logratio):
+    """f_alpha = 0 gives forward KL's f' exactly (in exact arithmetic) and f_alpha -> 1 reverse KL's, log u."""
+    t = f64(logratio)
+    assert dpo.f_prime(t, "alpha", 0.0).item() == pytest.approx(dpo.f_prime(t, "forward_kl", 0.5).item(), rel=1e-9)
+    assert dpo.f_prime(t, "alpha", 1 - 1e-7).item() == pytest.approx(logratio, rel=1e-4, abs=1e-4)
+    assert dpo.f_prime(t, "reverse_kl", 0.5).item() == logratio
+
+
 def test_losses_are_batched_elementwise():
-    """A batch gives each pair the loss it gets alone (here a pair and its mirror image, h = +-1.5)."""
-    for loss_type in dpo.PAIR_LOSSES:
+    """A batch gives each pair the loss it gets alone (here a pair and its mirror image, h = +-1.5); not aot and
+    aot_unpaired, which sort across the batch by design."""
+    for loss_type in set(dpo.PAIR_LOSSES) - {"aot", "aot_unpaired"}:
         pi_c, pi_r = torch.tensor([-10.0, -12.0]), torch.tensor([-12.0, -10.0])
         ref_c, ref_r = torch.tensor([-11.0, -11.5]), torch.tensor([-11.5, -11.0])
         lens = torch.tensor([4.0, 6.0]), torch.tensor([6.0, 4.0])
@@ -805,24 +917,40 @@ def greedy_answer(model, tok, prompt, n_tokens=4):
     return tok.decode(ids[len(tok.encode(prompt)) :])
 
 
+def is_held_out(prompt):
+    """SPEC section 8's rule, written here rather than taken from dpo.py."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def heldout_problems(n, digits=1, ops="+"):
+    """The distinct held-out problems among n held-out draws of random.Random(1234), as SPEC section 8 asks."""
+    rng = random.Random(1234)
+    problems = {}
+    while n > 0:
+        prompt, answer = dpo.arithmetic_problem(rng, digits, ops)
+        if is_held_out(prompt):
+            problems[prompt] = answer
+            n -= 1
+    return list(problems.items())
+
+
 def test_arithmetic_gold_pairs_have_a_right_chosen_and_a_wrong_rejected_answer(tmp_path, arith):
     """--data arithmetic writes pairs.jsonl before training: in every pair the chosen answer is the right one and the
-    rejected one is not (checked by the test's own addition); held-out pairs come from grpo.py's held-out problems;
-    eval/accuracy at step 0 is the greedy accuracy of the starting policy on those problems."""
+    rejected one is not (checked by the test's own addition); held-out pairs come from the distinct held-out problems
+    of random.Random(1234); eval/accuracy at step 0 is the greedy accuracy of the starting policy on those problems."""
     results, rows = train_in_process(tmp_path / "run", *arith_args(arith), "--max_steps", "2", "--eval_every", "2")
     records = read_pairs(tmp_path / "run")
     train = [r for r in records if r["split"] == "train"]
     heldout = [r for r in records if r["split"] == "heldout"]
-    assert len(train) >= 5 and len(heldout) >= 5 and len(records) == len(train) + len(heldout)
+    assert len(train) >= 5 and len(heldout) >= 2 and len(records) == len(train) + len(heldout)
     for r in records:
         assert r["chosen"] == addition(r["prompt"]) != r["rejected"] and r["answer"] == r["chosen"]
-    grpo = importlib.import_module("grpo")
-    rng = random.Random(1234)
-    heldout_problems = [grpo.arithmetic_problem(rng, 1, "+") for _ in range(32)]
-    assert {r["prompt"] for r in heldout} <= {p for p, _ in heldout_problems}
-    right = [greedy_answer(arith.model, arith.tok, p) == a for p, a in heldout_problems]
-    assert rows[0]["eval/accuracy"] == results["accuracy_before"] == pytest.approx(sum(right) / 32)
-    assert "eval/accuracy" in rows[-1] and results["heldout_problems"] == 32 and results["gold_agreement"] == 1
+    problems = heldout_problems(32)  # 1-digit additions: 16 of the 100 are held out, 15 of them drawn
+    assert {r["prompt"] for r in heldout} <= {p for p, _ in problems}
+    right = [greedy_answer(arith.model, arith.tok, p) == a for p, a in problems]
+    assert rows[0]["eval/accuracy"] == results["accuracy_before"] == pytest.approx(sum(right) / len(problems))
+    assert rows[0]["eval/n_problems"] == results["heldout_problems"] == len(problems) == 15
+    assert "eval/accuracy" in rows[-1] and results["gold_agreement"] == 1
     assert results["train_pairs"] == len(train) and results["heldout_pairs"] == len(heldout)
     assert (tmp_path / "run" / "final_results.json").is_file()
 
@@ -916,3 +1044,202 @@ def test_arithmetic_bad_input_is_refused_before_training(tmp_path, arith, hh, ca
         train_in_process(tmp_path / "run", *arith_args(arith, *make(tmp_path, arith, hh)))
     assert exit_info.value.code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_default_max_len_is_the_models_block_size(tmp_path, arith):
+    """--max_len left unset is the models' block_size: a block_size-16 policy runs without --max_len (it stopped on
+    the default 256 before), and config.json records the 16 the run used."""
+    args = arith_args(arith, "--max_steps", "1", "--eval_every", "1")
+    i = args.index("--max_len")
+    del args[i : i + 2]
+    train_in_process(tmp_path / "run", *args)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["max_len"] == 16
+
+
+@FAST
+@given(st.integers(0, 10**6), st.integers(1, 3), st.sampled_from(["+", "-", "*", "+-*"]), st.booleans())
+def test_draw_problem_keeps_to_its_side_of_the_held_out_rule(seed, digits, ops, held):
+    """draw_problem(held=True) gives a problem the test's own crc32 rule holds out, held=False one it does not."""
+    prompt, answer = dpo.draw_problem(random.Random(seed), digits, ops, held)
+    assert is_held_out(prompt) == held == dpo.held_out(prompt)
+    assert dpo.arithmetic_reward(answer, answer) == 1.0
+
+
+def test_arithmetic_pairs_train_on_no_held_out_problem_and_evaluate_only_distinct_held_out_ones(tmp_path, arith):
+    """SPEC section 8: no training pair is a held-out problem (crc32 of the prompt 0 mod 10); every held-out pair and
+    every problem of eval/accuracy is one, each once."""
+    args = arith_args(arith, "--pair_prompts", "96", "--eval_size", "40", "--max_steps", "1", "--eval_every", "1")
+    results, rows = train_in_process(tmp_path / "run", *args)
+    records = read_pairs(tmp_path / "run")
+    train = [r["prompt"] for r in records if r["split"] == "train"]
+    heldout = [r["prompt"] for r in records if r["split"] == "heldout"]
+    assert len(train) >= 10 and heldout
+    assert not any(is_held_out(p) for p in train) and all(is_held_out(p) for p in heldout)
+    assert len(set(heldout)) == len(heldout)  # one pair per held-out problem at most
+    problems = heldout_problems(40)
+    assert rows[0]["eval/n_problems"] == len(problems) == 15  # of the 16 held-out 1-digit additions
+    right = [greedy_answer(arith.model, arith.tok, p) == a for p, a in problems]
+    assert results["accuracy_before"] == pytest.approx(sum(right) / 15)
+
+
+# -------------------------------------------------------------------- LD-DPO and TR-DPO (issue 30), end to end
+
+
+def ld_run(ld_alpha):
+    """The parts of a run pair_logprobs reads: the letter tokenizer (ids 1-10 for a-j, 0 ends a response)."""
+    cfg = SimpleNamespace(max_len=32, ld_alpha=ld_alpha)
+    rt = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    return SimpleNamespace(cfg=cfg, rt=rt, tok=letter_tokenizer())
+
+
+@pytest.mark.parametrize("ld_alpha", [1.0, 0.5, 0.0])
+def test_ld_dpo_weighs_the_tokens_past_the_shorter_response(ld_alpha):
+    """LD-DPO (Liu et al. 2024): the chosen response "de" has 3 tokens with <|endoftext|>, the rejected "fghij" 6;
+    the rejected one's log-prob is its first 3 tokens' plus ld_alpha times the last 3 (chain rule, computed here),
+    the shorter one's is unchanged. The counts are the tokens summed (ld_alpha 0: the shared length)."""
+    with torch.no_grad():
+        logp, n_tokens = dpo.pair_logprobs(ld_run(ld_alpha), MODEL, [("abc", "de", "fghij")])
+        prompt = [1, 2, 3]
+        chosen = chain_rule_logprob(MODEL, prompt, [4, 5, 0])
+        head = chain_rule_logprob(MODEL, prompt, [6, 7, 8])
+        tail = chain_rule_logprob(MODEL, prompt + [6, 7, 8], [9, 10, 0])
+    assert logp.tolist() == pytest.approx([chosen, head + ld_alpha * tail], abs=1e-4)
+    assert n_tokens.tolist() == [3, 6 if ld_alpha > 0 else 3]
+
+
+@FAST
+@given(st.integers(0, 1000), st.integers(0, 1000), st.floats(0, 1))
+def test_sync_reference_mixes_every_weight_once(seed_ref, seed_policy, alpha):
+    """sync_reference(ref, policy, alpha) sets every reference weight to alpha policy + (1 - alpha) ref, in place: 1
+    copies the policy exactly, 0 leaves ref exactly as it was; the tied embedding and output weights are mixed once."""
+    ref = tiny_model(seed=seed_ref)
+    policy = tiny_model(seed=seed_policy)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    dpo.sync_reference(ref, policy, alpha)
+    after = ref.state_dict()
+    assert ref.lm_head.weight is ref.transformer.wte.weight
+    for name, p in policy.state_dict().items():
+        if alpha == 1:
+            assert torch.equal(after[name], p), name
+        elif alpha == 0:
+            assert torch.equal(after[name], before[name]), name
+        else:
+            assert torch.allclose(after[name], alpha * p + (1 - alpha) * before[name], rtol=1e-5, atol=1e-6), name
+    for alpha in (0.0, 1.0):  # the endpoints, whatever hypothesis draws
+        ref = tiny_model(seed=seed_ref)
+        dpo.sync_reference(ref, policy, alpha)
+        expected = policy if alpha == 1 else tiny_model(seed=seed_ref)
+        assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), expected.state_dict().values()))
+
+
+NEW_FORMS = [
+    ["--f_divergence", "forward_kl"],
+    ["--f_divergence", "js", "--loss_type", "hinge"],
+    ["--f_divergence", "alpha", "--f_alpha", "0.3", "--loss_type", "ipo"],
+    ["--loss_type", "sigmoid_norm"],
+    ["--loss_type", "aot", "--label_smoothing", "0.1"],
+    ["--loss_type", "aot_unpaired"],
+    ["--ld_alpha", "0.5"],
+    ["--ref_sync_steps", "1", "--ref_mixup", "0.5"],
+]
+
+
+@pytest.mark.parametrize("args", NEW_FORMS, ids=" ".join)
+def test_every_new_form_trains(tmp_path, hh, args):
+    """Two steps of each new flag: finite metrics, and at step 0 (policy = reference, so every f'(1) is equal) the
+    loss of the sigmoid family is log 2."""
+    _, rows = train_in_process(
+        tmp_path / "run", *base_args(hh), *args, "--batch_size", "4", "--max_steps", "2", "--eval_every", "1",
+        "--eval_size", "8", "--num_samples", "1", "--lr", "3e-3",
+    )  # fmt: skip
+    assert all(math.isfinite(v) for r in rows for v in r.values())
+    if "hinge" not in args and "ipo" not in args:
+        assert rows[0]["eval/loss"] == pytest.approx(math.log(2))
+    assert any(r.get("eval/logratio_margin", 0) != 0 for r in rows[1:])  # it learned something
+
+
+@pytest.mark.parametrize("mixup", [1.0, 0.0])
+def test_ref_sync_with_mixup_one_makes_the_reference_the_policy(tmp_path, hh, mixup):
+    """--ref_sync_steps 1 --ref_mixup 1 (TR-DPO's hard update every step): after each step the reference is the
+    policy, so the next evaluation sees log-ratios 0 (loss log 2) and ckpt.pt's reference is its policy; --ref_mixup
+    0 leaves the reference where it was."""
+    out = tmp_path / "run"
+    _, rows = train_in_process(
+        out, *base_args(hh), "--ref_sync_steps", "1", "--ref_mixup", str(mixup), "--batch_size", "4",
+        "--max_steps", "2", "--eval_every", "1", "--eval_size", "8", "--num_samples", "0", "--lr", "1e-2",
+    )  # fmt: skip
+    evals = [r for r in rows if "eval/loss" in r]
+    assert len(evals) == 3  # steps 0, 1 and the end
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    same = [torch.equal(ckpt["model"][k], v) for k, v in ckpt["ref_model"].items()]
+    if mixup == 1:
+        assert all(r["eval/logratio_margin"] == 0 and r["eval/loss"] == pytest.approx(math.log(2)) for r in evals)
+        assert all(same)
+    else:
+        assert evals[1]["eval/logratio_margin"] != 0 and not all(same)
+    reference = dpo.GPT(hh.config)
+    reference.load_state_dict(ckpt["ref_model"])
+    assert ckpt["ref_checksum"] == dpo.weights_checksum(reference)
+
+
+def test_resume_with_ref_sync_continues_from_the_synced_reference(tmp_path, hh, monkeypatch):
+    """Stopped after 3 of 5 steps with the reference synced every 2 and resumed: the metrics of the uninterrupted
+    run (the synced reference is in ckpt.pt); a checkpoint whose reference weights were altered is refused."""
+    args = [*base_args(hh), "--ref_sync_steps", "2", "--ref_mixup", "0.5", "--batch_size", "4", "--max_steps", "5"]
+    args += ["--eval_every", "2", "--eval_size", "8", "--num_samples", "0", "--lr", "1e-2"]
+    _, full = train_in_process(tmp_path / "full", *args)
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "3")
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "part", *args)
+    assert exit_info.value.code == 143
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    ckpt = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)
+    torch.save(ckpt, tmp_path / "intact.pt")
+    ckpt["ref_model"]["transformer.ln_f.bias"] += 0.5
+    torch.save(ckpt, tmp_path / "part" / "ckpt.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "part", "--resume")
+    assert exit_info.value.code == 2
+    (tmp_path / "intact.pt").replace(tmp_path / "part" / "ckpt.pt")
+    _, resumed = train_in_process(tmp_path / "part", "--resume")
+    assert resumed == full
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--f_divergence", "kl"], "--f_divergence 'kl'"),
+        (["--f_divergence", "js", "--loss_type", "nca_pair"], "--f_divergence js needs"),
+        (["--f_divergence", "alpha", "--f_alpha", "1"], "--f_alpha"),
+        (["--f_alpha", "0"], "--f_alpha"),
+        (["--ld_alpha", "1.5"], "--ld_alpha"),
+        (["--ld_alpha", "-0.1"], "--ld_alpha"),
+        (["--ref_mixup", "2"], "--ref_mixup"),
+        (["--ref_sync_steps", "-1"], "--ref_sync_steps"),
+        (["--ref_sync_steps", "2", "--precompute_ref"], "--precompute_ref"),
+        (["--ref_sync_steps", "2", "--reference", "INIT"], "--reference"),
+        (["--max_len", "1"], "--max_len"),
+        (["--loss_type", "aot_paired"], "--loss_type"),
+    ],
+)
+def test_bad_values_of_the_new_flags_exit_2_with_one_line(tmp_path, hh, capsys, args, needle):
+    args = [str(hh.init) if a == "INIT" else a for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        train_in_process(tmp_path / "run", *base_args(hh), *args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ref_sync_under_two_process_fsdp_matches_one_process(tmp_path, hh):
+    """sync_reference gathers FSDP2's sharded policy weights whole: 2 CPU ranks of 4 pairs with the reference synced
+    every step give the metrics of one process of 8."""
+    common = [*base_args(hh), "--max_steps", "3", "--eval_every", "1", "--eval_size", "8", "--lr", "3e-3"]
+    common += ["--ref_sync_steps", "1", "--ref_mixup", "0.5", "--num_samples", "0"]
+    out = tmp_path / "fsdp"
+    proc = torchrun(ROOT / "dpo.py", 2, *common, "--batch_size", "4", "--parallel", "fsdp", "--out_dir", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, single = train_in_process(tmp_path / "one", *common, "--batch_size", "8")
+    close(metrics(out), single, tol=1e-4)
