@@ -98,7 +98,7 @@ class Config:
     bias: bool = True  # biases in Linear and LayerNorm layers (scratch only)
     # the variants (gpt.py only; a new model: see VariantAttention)
     attention: str = "mha"  # mha (GPT-2's multi-head attention) | mla (multi-head latent attention) (scratch only)
-    kv_latent_dim: int = 0  # mla: latent numbers per token and layer (0: 2*n_embd//3, the parameters of mha)
+    kv_latent_dim: int = 0  # mla: latent numbers per token and layer (0: 2*n_embd//3, about mha's parameters)
     objective: str = "causal"  # causal (next token) | denoise (masked diffusion: bidirectional) (scratch only)
     denoise_steps: int = 60  # denoise: unmasking steps of the sampler
     # optimisation
@@ -239,7 +239,10 @@ class VariantAttention(nn.Module):
     the query would stop W_UK from being absorbed). Queries are not compressed (in DeepSeek-V2 that saves training
     activations, not cache). The cached latents are up-projected again at every step, which reads best; absorbing
     W_UK into the query and W_UV into c_proj would attend in the latent space directly, the same numbers.
-    kv_latent_dim 0: no compression (c_kv is x, W_UK and W_UV are the k and v parts of GPT-2's c_attn).
+    As in DeepSeek-V2, c_kv is RMS-normalised after the down-projection (the cache keeps the normalised latent):
+    without it, c_kv of a GPT-2 initialisation has std 0.02 * sqrt(n_embd), and k and v start about 5x smaller
+    than standard attention's.
+    kv_latent_dim None (--objective denoise alone): standard attention's keys and values, k, v = W_KV x.
 
     --objective denoise: causal=False, every position sees the whole sequence (the denoiser never pads nor caches)."""
 
@@ -255,13 +258,14 @@ class VariantAttention(nn.Module):
         self.q_proj = nn.Linear(C, C, bias=config.bias)  # W_Q
         self.c_proj = nn.Linear(C, C, bias=config.bias)  # the output projection, as in CausalSelfAttention
         self.kv_down = nn.Linear(C, L, bias=config.bias) if L else nn.Identity()  # W_DKV
+        self.kv_norm = nn.RMSNorm(L) if L else nn.Identity()  # DeepSeek-V2's kv_a_layernorm
         self.kv_up = nn.Linear(L or C, 2 * C, bias=config.bias)  # W_UK and W_UV side by side
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, attn_mask, layer, cache):
         B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
         hs = C // self.n_head  # head size
-        c_kv = self.kv_down(x)  # (B, T, L): all the cache keeps of a token (L = C without compression)
+        c_kv = self.kv_norm(self.kv_down(x))  # (B, T, L): all the cache keeps of a token (L = C without MLA)
         if cache is not None:  # the block's KVCache keeps positions and padding; its k and v are never allocated
             if not hasattr(cache, "latent"):
                 cache.latent = c_kv.new_empty(self.n_layer, B, cache.real.size(1), c_kv.size(-1))  # (nl, B, max, L)
@@ -291,7 +295,7 @@ def make_model(model_config):
     if not variant:
         return model
     causal = variant.get("objective", "causal") == "causal"
-    latent = variant.get("kv_latent_dim", 0) if variant.get("attention") == "mla" else 0  # 0: no compression
+    latent = variant["kv_latent_dim"] if variant.get("attention") == "mla" else None
     for block in model.transformer.h:
         block.attn = VariantAttention(model.config, latent, causal)
         block.attn.apply(model._init_weights)
@@ -529,8 +533,7 @@ def model_and_tokenizer(cfg, ckpt):
     model_config["vocab_size"] = tok.vocab_size
     if cfg.attention == "mla":
         model_config["attention"] = "mla"
-        # 0: the latent width that gives MLA's 2C^2 + 3CL weights about mha's 4C^2
-        model_config["kv_latent_dim"] = cfg.kv_latent_dim or 2 * cfg.n_embd // 3
+        model_config["kv_latent_dim"] = cfg.kv_latent_dim or 2 * cfg.n_embd // 3  # see Config.kv_latent_dim
     if cfg.objective == "denoise":
         model_config["objective"] = "denoise"
         model_config["vocab_size"] += 1  # the mask token

@@ -58,11 +58,39 @@ def test_mla_cache_holds_kv_latent_dim_numbers_per_token_and_layer():
         mla(prompt, cache=cache)
         mla(torch.randint(50, (B, 1)), cache=cache)
         first = mla.transformer.h[0]
-        c_kv = first.attn.kv_down(first.ln_1(mla.transformer.wte(prompt) + mla.transformer.wpe(torch.arange(7))))
+        x = first.ln_1(mla.transformer.wte(prompt) + mla.transformer.wpe(torch.arange(7)))
+        c_kv = first.attn.kv_norm(first.attn.kv_down(x))  # the normalised latent
     assert cache.k is None and cache.v is None
     assert cache.latent.shape == (SIZES["n_layer"], B, max_len, 12)
     assert cache.latent.numel() // (B * max_len) == SIZES["n_layer"] * 12 < 2 * SIZES["n_layer"] * SIZES["n_embd"]
     assert cache.pos == 8 and torch.allclose(cache.latent[0, :, :7], c_kv, atol=1e-6)  # layer 0's c_kv of the prompt
+
+
+def test_mla_values_start_at_the_scale_of_standard_attentions():
+    """DeepSeek-V2's RMSNorm of the latent: at initialisation and width 128, MLA's values (the W_UV half of kv_up's
+    output) have a std within a factor of 2 of standard attention's (c_attn's v). Without the norm the latent's std
+    is 0.02 * sqrt(128) and the values come out about 5x smaller."""
+    sizes = {**SIZES, "n_layer": 4, "n_head": 4, "n_embd": 128}
+    torch.manual_seed(0)
+    mha = gpt.make_model(sizes).eval()
+    torch.manual_seed(0)
+    mla = gpt.make_model({**sizes, "attention": "mla", "kv_latent_dim": 2 * 128 // 3}).eval()
+    idx = torch.randint(SIZES["vocab_size"], (8, SIZES["block_size"]))
+    outputs = {}
+
+    def keep(name):
+        def hook(module, inputs, output):
+            outputs[name] = output[..., -128:]  # the values: the last n_embd outputs of both projections
+
+        return hook
+
+    mha.transformer.h[0].attn.c_attn.register_forward_hook(keep("mha"))
+    mla.transformer.h[0].attn.kv_up.register_forward_hook(keep("mla"))
+    with torch.no_grad():
+        mha(idx)
+        mla(idx)
+    ratio = outputs["mla"].std().item() / outputs["mha"].std().item()
+    assert 0.5 < ratio < 2, ratio
 
 
 def test_mla_default_latent_matches_the_standard_models_parameter_count(text_file):
