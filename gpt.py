@@ -37,7 +37,9 @@ Commands:
 
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
-(procedurally generated `12+345=357` lines), or the path of any text file (`--tokenizer char|gpt2`).
+(procedurally generated `12+345=357` lines; the validation split holds only the held-out problems of held_out's
+rule, which the training split and every later stage never see), or the path of any text file (`--tokenizer
+char|gpt2`).
 
 Metrics (metrics.jsonl, one object per logged step):
     train/loss        mean token cross-entropy of the optimizer step (nats)
@@ -63,6 +65,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -342,11 +345,12 @@ def load_splits(cfg, tok):
     if cfg.data == "arithmetic":
         check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
         splits = []
-        for seed, n in ((cfg.seed, 20000), (cfg.seed + 1, 1000)):  # train, then val: problems drawn from seed
+        # train, then val: the train split has no held-out problem, val only held-out ones (SPEC section 8)
+        for seed, n, held in ((cfg.seed, 20000, False), (cfg.seed + 1, 1000, True)):
             rng = random.Random(seed)
             examples = []
             for _ in range(n):
-                prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
+                prompt, answer = draw_problem(rng, cfg.digits, cfg.ops, held)
                 p = tok.encode(prompt)
                 a = tok.encode(answer)
                 examples.append((p + a, [False] * len(p) + [True] * len(a)))  # only the answer is a target
@@ -403,6 +407,19 @@ def arithmetic_problem(rng, digits, ops):
     else:
         result = a * b
     return f"{a}{op}{b}=", f"{result}\n"
+
+
+def held_out(prompt):
+    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops)
+        if held_out(prompt) == held:
+            return prompt, answer
 
 
 def hh_dialogue(text, tok):

@@ -12,7 +12,10 @@ sequence's reward is the score at its last real token.
       al. 2023) that keeps rewards near 0. Chosen and rejected rows go through one forward pass.
   --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems with their answer or a corrupted one (off by 1-3,
       or one digit changed); binary cross-entropy of sigmoid(s_t) against the outcome label at every answer
-      token; the reward is the last token's score.
+      token; the reward is the last token's score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy)
+      the answers are the policy's own instead, --samples_per_problem per problem at temperature 1, each labelled
+      by the exact-answer check (1 when it is the right number then a newline), as Cobbe et al. train the verifier
+      on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will meet.
   --task prm (process RM, Lightman et al. 2023): chains `3+4=7\\n7*2=14\\n14-5=9\\n` of 2..--chain_len steps, one
       a line in gpt.py's arithmetic format, some with one wrong result; binary cross-entropy at the newline after
       each step (the last step: at <|endoftext|> when the tokenizer has one) against the label "every step so far is
@@ -35,7 +38,10 @@ is held out, by gpt.py's hh_sft rule, so an SFT model made by gpt.py from the sa
 dialogue is split at its last "\\n\\nAssistant:" into prompt and response; a pair longer than --max_len loses the
 start of its prompt, the same tokens for both responses (truncate_pair), so both are scored on one context.
 Pairs with a missing field, no Assistant response, different prompts or identical responses are counted and
-skipped. orm and prm generate their data (a train set and a held-out set that share no text).
+skipped. orm and prm generate their data, split by problem with SPEC section 8's rule (held_out): no training
+example is of a held-out problem (a prm chain counts as its first step's problem), every held-out example is. Split
+by text instead, every held-out problem would lose its right answer (one text) from training, but not its wrong
+ones. The run prints how many distinct problems the held-out examples hold.
 
 The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
 head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
@@ -46,9 +52,11 @@ Commands:
     python reward_model.py --init_from gpt2 --device cuda --lr 1e-5 --max_len 512 --batch_size 32  # one GPU
     torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
     python reward_model.py --task orm --init_from out/arith/ckpt.pt   # ORM from a `gpt.py --data arithmetic` model
+    python reward_model.py --task orm --samples_from out/arith/ckpt.pt  # a verifier of that policy's own answers
     python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
 From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
-start them from a model that can, as Cobbe et al. start the verifier from the generator.
+start them from a model that can, as Cobbe et al. start the verifier from the generator (a run from scratch says
+so in one line on stderr). --samples_from starts from the policy unless --init_from names another model.
 
 Metrics (metrics.jsonl; train/ on the step's batch, eval/ on the held-out set):
     train/loss, eval/loss            the objective above (preference: with margin and centering; orm, prm: BCE)
@@ -57,6 +65,10 @@ Metrics (metrics.jsonl; train/ on the step's batch, eval/ on the held-out set):
                 {train,eval}/margin          mean r_c - r_r
                 {train,eval}/chosen_mean, chosen_std, rejected_mean, rejected_std   rewards of either side
     orm         {train,eval}/accuracy        sign of the reward (last token) equals the label
+                {train,eval}/accuracy_correct, accuracy_wrong   the same on right answers (reward > 0) and on
+                                             wrong ones (reward <= 0)
+                eval/auc                     ROC AUC of the reward on the held-out answers: the chance that a right
+                                             answer outscores a wrong one (prm: of the last step's score)
                 {train,eval}/reward_correct, reward_wrong   mean reward of correct and of corrupted answers
     prm         {train,eval}/step_accuracy   sign of the score after each step equals its label
                 {train,eval}/first_error_accuracy   the first step scored <= 0 is the first wrong step (or there
@@ -77,6 +89,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -108,12 +121,15 @@ class Config:
     margin: float = 0.0  # preference: m in -log sigmoid(r_c - r_r - m)
     center_coef: float = 0.0  # preference: weight of mean((r_c + r_r)^2), which keeps rewards near 0
     # generated arithmetic (orm, prm)
-    digits: int = 2  # orm/prm: largest number of digits of the first operand
+    digits: int = 2  # orm/prm: largest number of digits of an operand (prm: of the first number; each b has one)
     ops: str = "+-*"  # orm/prm: operators to draw from
     chain_len: int = 4  # prm: most steps in a chain (2..chain_len)
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
-    n_train: int = 20000  # orm/prm: generated training examples
-    n_val: int = 1000  # orm/prm: generated held-out examples
+    n_train: int = 20000  # orm/prm: generated training examples (never of a held-out problem)
+    n_val: int = 1000  # orm/prm: generated held-out examples (of held-out problems only)
+    # a verifier of a policy's own answers (orm)
+    samples_from: str = ""  # orm: train on answers sampled from this policy's ckpt.pt (and start from it by default)
+    samples_per_problem: int = 8  # orm --samples_from: answers sampled per problem (--n_train, --n_val: answers in all)
     # model (a new one; a checkpoint brings its own)
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
@@ -182,6 +198,14 @@ def first_error_hits(scores, labels):
     return (first_wrong == first_low).float()
 
 
+def roc_auc(rewards, labels):
+    """ROC AUC of (N,) rewards against (N,) 0/1 labels: the fraction of (right, wrong) pairs in which the right one
+    has the higher reward, ties counting one half (Mann-Whitney U); nan without both labels (no pair). Every pair
+    is compared, plainly: (right, wrong) floats in memory, fine for held-out sets of thousands."""
+    d = rewards[labels == 1][:, None] - rewards[labels == 0]  # (right, wrong): each pair's reward difference
+    return (d.sign().mean().item() + 1) / 2  # a pair scores (sign + 1) / 2: 1 if the right one is higher, 1/2 if tied
+
+
 def truncate_pair(prompt, chosen, rejected, max_len):
     """Cut a pair of token-id lists to fit max_len: (prompt, chosen, rejected) with len(prompt) + len(response) <=
     max_len for both responses. The prompt is cut once, from its start (its end, next to the responses, stays), to
@@ -194,7 +218,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 
 # ----------------------------------------------------------------------------------------------------------
 # The training step: rows -> scores -> rewards -> loss -> update. main() picks this rank's rows of each step with
-# batch_indices and calls reward_model_step; held_out_metrics runs the same batch_loss on the held-out rows.
+# batch_indices and calls reward_model_step; held_out_metrics runs the same batch_loss on the held-out rows, and
+# for orm and prm also eval/auc of every held-out row's reward (batch_loss returns them).
 #
 # A row, as encode() makes it (token ids: a list of ints, at most --max_len long):
 #   preference   (chosen_ids, rejected_ids)   prompt + response (+ <|endoftext|>), the same prompt tokens in both
@@ -206,6 +231,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 #                chosen, chosen_sq        train/chosen_mean, train/chosen_std    per pair (std: from the squares)
 #                rejected, rejected_sq    train/rejected_mean, train/rejected_std
 #   orm          accuracy                 train/accuracy                         per sequence
+#                accuracy_correct         train/accuracy_correct                 per right answer
+#                accuracy_wrong           train/accuracy_wrong                   per wrong answer
 #                reward_correct           train/reward_correct                   per right answer
 #                reward_wrong             train/reward_wrong                     per corrupted answer
 #   prm          step_accuracy            train/step_accuracy                    per labelled step
@@ -231,7 +258,7 @@ def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
     for micro in range(cfg.grad_accum):
         grad_sync(model, micro == cfg.grad_accum - 1)  # DDP syncs gradients on the last micro-batch only
         batch = rows[micro * cfg.batch_size : (micro + 1) * cfg.batch_size]
-        loss_sum, batch_stats = batch_loss(model, batch, cfg, rt)
+        loss_sum, batch_stats, _ = batch_loss(model, batch, cfg, rt)
         # ranks' gradients are averaged, so each rank's share is scaled by world_size
         loss = loss_sum * rt.world_size / all_terms
         scaler.scale(loss).backward()
@@ -249,8 +276,9 @@ def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
 
 
 def batch_loss(model, batch, cfg, rt):
-    """(loss summed over the batch's terms, statistics {name: (2,) tensor [sum, count]} of the batch, the table above).
-    A metric is its sum over the micro-batches and ranks divided by its count (summarize)."""
+    """(loss summed over the batch's terms, statistics {name: (2,) tensor [sum, count]} of the batch (the table
+    above), the rewards of its rows). A metric is its sum over the micro-batches and ranks divided by its count
+    (summarize)."""
     if cfg.task == "preference":
         # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
         # follows real tokens, and positions count from 0 in every row
@@ -260,8 +288,9 @@ def batch_loss(model, batch, cfg, rt):
     idx, lengths = pad_right(seqs, rt.device)  # (B, T), (B,); preference: 2B rows
     with rt.autocast():
         scores = model(idx)  # (B, T) float32
+    rewards = last_token_rewards(scores, lengths)  # (B,); preference: chosen rows, then rejected rows
     if cfg.task == "preference":
-        r_c, r_r = last_token_rewards(scores, lengths).chunk(2)  # (B,), (B,)
+        r_c, r_r = rewards.chunk(2)  # (B,), (B,)
         loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
         r_c = r_c.detach()
         r_r = r_r.detach()
@@ -282,11 +311,15 @@ def batch_loss(model, batch, cfg, rt):
         labelled = labels >= 0  # (B, T)
         terms = labelled.sum().float()
         if cfg.task == "orm":
-            r = last_token_rewards(scores, lengths)  # (B,) rewards
+            r = rewards.detach()
             y = last_token_rewards(labels, lengths)  # (B,) outcome labels
+            right = r[y == 1]  # the rewards of right answers
+            wrong = r[y == 0]  # and of wrong ones
             values = {"accuracy": ((r > 0) == (y == 1)).float()}
-            values["reward_correct"] = r[y == 1]
-            values["reward_wrong"] = r[y == 0]
+            values["accuracy_correct"] = (right > 0).float()
+            values["accuracy_wrong"] = (wrong <= 0).float()
+            values["reward_correct"] = right
+            values["reward_wrong"] = wrong
         else:
             values = {
                 "step_accuracy": ((scores > 0) == (labels == 1))[labelled].float(),
@@ -295,7 +328,7 @@ def batch_loss(model, batch, cfg, rt):
     stats = {"loss": torch.stack([loss.detach(), terms])}
     for name, value in values.items():
         stats[name] = torch.stack([value.sum(), value.new_tensor(value.numel())])
-    return loss, stats
+    return loss, stats, rewards
 
 
 def pad_right(seqs, device="cpu", value=0):
@@ -333,14 +366,22 @@ def held_out_metrics(model, eval_data, cfg, rt):
     mine = eval_data[rt.rank :: rt.world_size]
     most = math.ceil(len(eval_data) / rt.world_size)  # the most rows any rank holds
     stats = {}
+    found = []  # the rewards of this rank's rows, in order
     for b in range(0, most, cfg.batch_size):
         batch = mine[b : b + cfg.batch_size]
         weight = 1.0 if batch else 0.0  # a rank out of rows runs a dummy batch that counts for nothing
-        _, batch_stats = batch_loss(model, batch or eval_data[:1], cfg, rt)
+        _, batch_stats, rewards = batch_loss(model, batch or eval_data[:1], cfg, rt)
         for name, value in batch_stats.items():
             stats[name] = stats.get(name, 0.0) + weight * value
+        found.append(rewards[: len(batch)])
     model.train()
-    return {f"eval/{name}": value for name, value in summarize(stats, rt).items()}  # the table above
+    metrics = {f"eval/{name}": value for name, value in summarize(stats, rt).items()}  # the table above
+    if cfg.task != "preference":  # the AUC needs every row's reward: each rank fills in its own rows
+        rewards = torch.zeros(len(eval_data), device=rt.device)
+        rewards[rt.rank :: rt.world_size] = torch.cat(found)
+        outcomes = torch.tensor([labels[-1] for _, labels in eval_data])
+        metrics["eval/auc"] = roc_auc(all_reduce(rewards, rt).cpu(), outcomes)
+    return metrics
 
 
 def batch_indices(n, step, per_rank, rank, world_size, seed):
@@ -526,6 +567,19 @@ def arithmetic_problem(rng, digits, ops):
     return f"{a}{op}{b}=", f"{result}\n"
 
 
+def held_out(prompt):
+    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops)
+        if held_out(prompt) == held:
+            return prompt, answer
+
+
 def corrupt(rng, value):
     """A wrong result near value: off by 1 to 3, or one digit changed (never to a new leading zero)."""
     if rng.random() < 0.5:
@@ -573,18 +627,54 @@ def prm_chain(rng, cfg):
     return tuple(steps)
 
 
+def problem_of(task, example):
+    """The prompt of a preference or orm example (e.g. "12+3="), or a prm chain's first step's problem ("3+4=")."""
+    return example[0] if task != "prm" else example[0][0].split("=")[0] + "="
+
+
 def synthetic_data(cfg, rt):
-    """(train, held-out) lists of orm problems (prompt, answer, label) or prm chains, and {} (nothing is skipped);
-    no training example has the text of a held-out one."""
-    make = orm_example if cfg.task == "orm" else prm_chain
-    val_rng = random.Random(cfg.seed + 1)
-    train_rng = random.Random(cfg.seed)
-    val = [make(val_rng, cfg) for _ in range(cfg.n_val)]
-    held_out = set(val)  # an example's labels follow from its text, so equal examples are equal texts
-    generated = [make(train_rng, cfg) for _ in range(cfg.n_train)]
-    train = [ex for ex in generated if ex not in held_out]
-    check(train, f"every generated training example is also held out; raise --digits (now {cfg.digits})")
-    return train, val, {}
+    """(train, held-out) lists of orm examples (prompt, answer, label) or prm chains, and {} (nothing is skipped).
+    They are split by problem (SPEC section 8), not by text: a problem's right answer is one text, and holding out
+    texts would take the right answers of every held-out problem out of training, but not its wrong ones."""
+    rng = random.Random(cfg.seed)
+    train = []
+    val = []
+    while len(train) < cfg.n_train or len(val) < cfg.n_val:
+        example = orm_example(rng, cfg) if cfg.task == "orm" else prm_chain(rng, cfg)
+        if held_out(problem_of(cfg.task, example)):
+            val.append(example)
+        else:
+            train.append(example)
+    return train[: cfg.n_train], val[: cfg.n_val], {}
+
+
+@torch.no_grad()
+def sampled_data(cfg, tok, rt):
+    """(train, held-out) lists of orm examples (prompt, answer, label) whose answers the --samples_from policy wrote
+    (Cobbe et al. 2021: the verifier learns the generator's own mistakes), and {}. Batches of 64 problems, each
+    --samples_per_problem times, sampled at temperature 1 until --n_train (--n_val) answers, the last batch cut;
+    training problems are never held out, held-out ones always (SPEC section 8). An answer ends at its first
+    newline; its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward), else 0."""
+    policy, spec, _ = load_model(cfg.samples_from)
+    check(spec == tok.spec, f"--samples_from {cfg.samples_from}: its tokenizer is not the reward model's")
+    policy.to(rt.device)
+    rng = random.Random(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    splits = []
+    for n, held in ((cfg.n_train, False), (cfg.n_val, True)):
+        examples = []
+        while len(examples) < n:
+            # a generation batch: 64 problems, each --samples_per_problem times, sorted so that a problem's answers
+            # sit side by side and cutting the last batch leaves at most one problem short
+            batch = sorted([draw_problem(rng, cfg.digits, cfg.ops, held) for _ in range(64)] * cfg.samples_per_problem)
+            prompts = [tok.encode(prompt) for prompt, _ in batch]
+            # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
+            tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
+            for (prompt, answer), ids in zip(batch, tokens.tolist()):
+                head, newline, _ = tok.decode(ids).partition("\n")
+                examples.append((prompt, head + newline, int(head + newline == answer)))
+        splits.append(examples[:n])
+    return splits[0], splits[1], {}
 
 
 def encode(task, tok, example, max_len):
@@ -619,7 +709,7 @@ def encode(task, tok, example, max_len):
 
 def validate(cfg):
     positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val"]
-    positive += ["digits", "n_layer", "n_head", "n_embd", "block_size", "lr"]
+    positive += ["digits", "n_layer", "n_head", "n_embd", "block_size", "lr", "samples_per_problem"]
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
@@ -633,6 +723,7 @@ def validate(cfg):
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(not cfg.data_path or cfg.task == "preference", "--data_path is for --task preference; orm/prm make data")
+    check(not cfg.samples_from or cfg.task == "orm", "--samples_from is for --task orm")
 
 
 def make_tokenizer(cfg, spec, texts):
@@ -724,20 +815,31 @@ def main():
         return
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if cfg.samples_from and cfg.init_from == "scratch":  # the verifier starts from its generator, as Cobbe et al.'s
+        cfg.init_from = cfg.samples_from
+    texts = [ARITHMETIC_CHARS]  # orm, prm
     if cfg.task == "preference":
         train_text, val_text, skipped = load_preference_data(cfg, rt)
         texts = [t for pair in train_text + val_text for t in pair]  # a char vocabulary must cover them
-    else:
+    elif not cfg.samples_from:
         train_text, val_text, skipped = synthetic_data(cfg, rt)
-        texts = [ARITHMETIC_CHARS]
     raw, model, tok, optimizer, scaler, start_step = build_reward_model(cfg, ckpt_path, texts, rt)
+    if cfg.samples_from:
+        train_text, val_text, skipped = sampled_data(cfg, tok, rt)
     max_len = cfg.max_len or raw.body.config.block_size
     train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
-    eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text[: cfg.eval_size or len(val_text)]]
+    val_text = val_text[: cfg.eval_size or len(val_text)]
+    eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text]
+    problems = len({problem_of(cfg.task, ex) for ex in val_text})  # distinct held-out problems (or prompts)
     if rt.master:
         model_size = f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}"
-        data_size = f"{cfg.task}, {len(train_data)} train / {len(eval_data)} held-out"
+        data_size = f"{cfg.task}, {len(train_data)} train / {len(eval_data)} held-out ({problems} distinct problems)"
         print(f"{model_size}, {data_size}, {rt.world_size} process(es) on {rt.device}, out_dir {out_dir}")
+    if rt.master and cfg.task != "preference" and cfg.init_from == "scratch":
+        note(
+            "a model from scratch cannot do arithmetic, so this reward model stays near chance; start from one that"
+            " can: --init_from (or --samples_from) the ckpt.pt of `python gpt.py --data arithmetic --tokenizer char`"
+        )
 
     stop = GracefulExit()
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
@@ -778,6 +880,7 @@ def main():
             **{name.removeprefix("eval/"): value for name, value in last_eval.items()},
             "skipped": skipped,  # the preference records skipped per reason ({} for orm, prm)
             "eval_examples": len(eval_data),
+            "eval_problems": problems,  # distinct held-out problems (orm, prm) or prompts (preference)
             "train_examples": len(train_data),
             "epochs": cfg.max_steps * per_step / len(train_data),
             "steps": cfg.max_steps,

@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -148,6 +149,21 @@ def test_arithmetic_problems_have_correct_answers():
         expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         assert answer == f"{expected}\n" and prompt.endswith("=")
         assert len(a) <= 3 and len(b) <= 3
+
+
+def test_arithmetic_sft_trains_on_no_held_out_problem_and_validates_on_held_out_ones_only():
+    """SPEC section 8: a problem is held out iff crc32(prompt) % 10 == 0 (written here again, so the rule itself is
+    checked). No training line of --data arithmetic is held out, every validation line is; at --digits 1 the
+    validation split covers all 37 held-out problems of the 300."""
+    cfg = gpt.Config(data="arithmetic", digits=1, ops="+-*")
+    tok = gpt.CharTokenizer(gpt.ARITHMETIC_CHARS)
+    (train_ids, _), (val_ids, _) = gpt.load_splits(cfg, tok)
+    train = [line.split("=")[0] + "=" for line in tok.decode(train_ids.tolist()).splitlines()]
+    val = [line.split("=")[0] + "=" for line in tok.decode(val_ids.tolist()).splitlines()]
+    assert len(train) == 20000 and len(val) == 1000
+    assert not any(zlib.crc32(prompt.encode()) % 10 == 0 for prompt in train)
+    assert all(zlib.crc32(prompt.encode()) % 10 == 0 for prompt in val) and len(set(val)) == 37
+    assert all(gpt.held_out(prompt) == (zlib.crc32(prompt.encode()) % 10 == 0) for prompt in train[:500] + val)
 
 
 def test_char_level_arithmetic_uses_the_arithmetic_alphabet(tmp_path):

@@ -5,16 +5,20 @@ torchrun, learning, bad input)."""
 import contextlib
 import gzip
 import io
+import itertools
 import json
 import math
 import random
 import re
 import sys
+import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import BPE_AVAILABLE, ROOT, needs_bpe, run_script, torchrun
+from hypothesis import given
+from hypothesis import strategies as st
 
 import reward_model as rm
 
@@ -241,18 +245,104 @@ def test_first_error_hits_hand_values():
     assert rm.first_error_hits(scores, labels).tolist() == [1, 1, 0, 0, 0]
 
 
+def is_held_out(prompt):
+    """SPEC section 8's rule, written here again so that the scripts' copies are checked against it."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def problem(text):
+    """The problem "a op b=" of "a op b=y" (a prm chain's: its first step's)."""
+    return text.split("=")[0] + "="
+
+
 @pytest.mark.parametrize("task", ["orm", "prm"])
-def test_synthetic_held_out_examples_never_appear_in_training(task):
-    """No training problem (orm) or chain (prm) has the text of a held-out one; digits 1 makes repeats common."""
-    cfg = rm.Config(task=task, digits=1, chain_len=2, ops="+" if task == "prm" else "+-*", n_train=3000, n_val=300)
+def test_synthetic_data_is_split_by_problem_so_no_training_example_is_held_out(task):
+    """Issue #29: no training example is of a held-out problem (a prm chain counts as its first step's), every
+    held-out example is. Splitting by text instead (the old rule) left many problems without a right training
+    answer: at --digits 1 the share of right orm answers in training fell from 1 - error_frac = 0.5 to about 0.2."""
+    ops = "+" if task == "prm" else "+-*"
+    cfg = rm.Config(task=task, digits=1, chain_len=2, ops=ops, n_train=3000, n_val=1000, error_frac=0.5)
     train, val, _ = rm.synthetic_data(cfg, None)
     if task == "orm":
-        train_texts = {prompt + answer for prompt, answer, _ in train}
-        val_texts = {prompt + answer for prompt, answer, _ in val}
+        train_problems = [prompt for prompt, _, _ in train]
+        val_problems = [prompt for prompt, _, _ in val]
+        assert 0.45 < sum(label for _, _, label in train) / len(train) < 0.55
     else:
-        train_texts = {"\n".join(step for step, _ in chain) for chain in train}
-        val_texts = {"\n".join(step for step, _ in chain) for chain in val}
-    assert not train_texts & val_texts and 1000 < len(train) < 3000
+        train_problems = [problem(chain[0][0]) for chain in train]
+        val_problems = [problem(chain[0][0]) for chain in val]
+    assert len(train) == 3000 and len(val) == 1000
+    assert not any(is_held_out(p) for p in train_problems) and all(is_held_out(p) for p in val_problems)
+    assert [rm.problem_of(task, example) for example in val] == val_problems
+    assert all(rm.held_out(p) == is_held_out(p) for p in train_problems[:300] + val_problems[:300])
+
+
+def test_draw_problem_draws_held_out_problems_or_others_only():
+    rng = random.Random(0)
+    assert all(is_held_out(rm.draw_problem(rng, 2, "+-*", True)[0]) for _ in range(300))
+    assert not any(is_held_out(rm.draw_problem(rng, 2, "+-*", False)[0]) for _ in range(300))
+
+
+def test_roc_auc_hand_values():
+    """Right answers score 0.9 and 0.5, wrong ones 0.1, 0.5 and -1: of the 6 (right, wrong) pairs the right one is
+    higher in 5, tied in 1, so the AUC is 5.5 / 6. One class alone has no pair: nan."""
+    rewards = torch.tensor([0.9, 0.1, 0.5, 0.5, -1.0])
+    labels = torch.tensor([1, 0, 1, 0, 0])
+    assert rm.roc_auc(rewards, labels) == pytest.approx(5.5 / 6, abs=1e-7)
+    assert rm.roc_auc(-rewards, labels) == pytest.approx(0.5 / 6, abs=1e-7)
+    assert rm.roc_auc(torch.ones(5), labels) == 0.5 and rm.roc_auc(rewards[labels == 1], labels[labels == 1]) != 0.5
+    assert math.isnan(rm.roc_auc(rewards, torch.ones(5)))
+
+
+@given(st.lists(st.tuples(st.integers(-5, 5), st.booleans()), min_size=2, max_size=40))
+def test_roc_auc_is_the_share_of_pairs_ranked_right(rows):
+    """Against the definition, pair by pair in Python; AUC(-r) = 1 - AUC(r)."""
+    rewards = torch.tensor([float(r) for r, _ in rows])
+    labels = torch.tensor([int(y) for _, y in rows])
+    right = [r for r, y in rows if y]
+    wrong = [r for r, y in rows if not y]
+    if not right or not wrong:
+        return
+    expected = sum((r > w) + 0.5 * (r == w) for r in right for w in wrong) / (len(right) * len(wrong))
+    assert rm.roc_auc(rewards, labels) == pytest.approx(expected, abs=1e-6)
+    assert rm.roc_auc(-rewards, labels) == pytest.approx(1 - expected, abs=1e-6)
+
+
+def test_samples_from_labels_equal_the_exact_answer_checker(tmp_path, monkeypatch):
+    """--samples_from: the policy's answers (here a stand-in generate writing the right answer, the right answer then
+    more text, no newline, a leading zero or sign, an empty line, the answer plus one) are cut after their first
+    newline and labelled as grpo.py's arithmetic_reward labels the same text: 1.0 exactly for the right number
+    then a newline. Training problems are never held out, held-out ones always, --samples_per_problem answers each
+    (the last problem of a split may be cut short)."""
+    from conftest import char_checkpoint
+
+    import grpo
+
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+
+    def fake_generate(model, prompts, max_new_tokens, generator=None, **kwargs):
+        rows = []
+        for i, ids in enumerate(prompts):
+            _, value, _ = parse(tok.decode(ids) + "0")
+            right = f"{value}\n"
+            candidates = [right, right + "12", f"{value}", "0" + right, "-" + right, "\n", f"{value + 1}\n"]
+            rows.append(tok.encode((candidates[i % len(candidates)] + "=" * max_new_tokens)[:max_new_tokens]))
+        return torch.tensor(rows), torch.ones(len(rows), max_new_tokens)
+
+    monkeypatch.setattr(rm, "generate", fake_generate)
+    policy = char_checkpoint(tmp_path / "policy.pt", rm.ARITHMETIC_CHARS, block_size=32)
+    cfg = rm.Config(task="orm", samples_from=str(policy), digits=2, ops="+-*", n_train=600, n_val=200)
+    train, val, _ = rm.sampled_data(cfg, tok, rm.Runtime(torch.device("cpu"), torch.float32))
+    assert len(train) == 600 and len(val) == 200
+    for prompt, answer, label in train + val:
+        _, value, _ = parse(prompt + "0")
+        assert label == grpo.arithmetic_reward(answer, str(value)) and answer.count("\n") <= 1
+        assert answer.endswith("\n") or len(answer) == 2 * cfg.digits + 2
+    assert 0.1 < sum(label for _, _, label in train) / len(train) < 0.5  # both labels occur
+    assert not any(is_held_out(prompt) for prompt, _, _ in train) and all(is_held_out(prompt) for prompt, _, _ in val)
+    for split in (train, val):  # a problem's answers side by side, 8 of them (16 if drawn twice), but the last's
+        prompts = [prompt for prompt, _, _ in split]
+        runs = [len(list(run)) for _, run in itertools.groupby(prompts)]
+        assert all(n % 8 == 0 for n in runs[:-1]) and len(set(prompts)) == len(runs)
 
 
 # ------------------------------------------------------------------------------------------- the model and reward
@@ -501,11 +591,15 @@ def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
     code, _, err = run_main(monkeypatch, "--task", task, *args, "--device", "cpu")
     assert code == 0, err[-5:]
     results = json.loads((out / "final_results.json").read_text())
-    keys = (
-        ("accuracy", "reward_correct", "reward_wrong") if task == "orm" else ("step_accuracy", "first_error_accuracy")
-    )
+    keys = ("step_accuracy", "first_error_accuracy", "auc")
+    if task == "orm":
+        keys = ("accuracy", "reward_correct", "reward_wrong", "accuracy_correct", "accuracy_wrong", "auc")
     assert all(k in results for k in keys) and 0 <= results[keys[0]] <= 1 and results["eval_examples"] == 40
+    assert 0 < results["eval_problems"] <= 40 and 0 <= results["auc"] <= 1
     assert torch.load(out / "ckpt.pt", weights_only=True)["reward_task"] == task
+    # issue #29: from scratch the run says in one line that it cannot do arithmetic, names the warm start, goes on
+    hints = [line for line in err if "from scratch cannot do arithmetic" in line]
+    assert len(hints) == 1 and "gpt.py --data arithmetic" in hints[0]
 
 
 @pytest.fixture(scope="module")
@@ -530,12 +624,32 @@ def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, mo
     args = ["--task", task, "--init_from", arithmetic_sft, "--n_train", 200, "--n_val", 20, "--max_steps", 2]
     code, _, err = run_main(monkeypatch, *args, "--batch_size", 4, "--out_dir", out, "--device", "cpu")
     assert code == 0, err[-5:]
+    assert not any("cannot do arithmetic" in line for line in err)
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt"):
         assert (out / name).is_file(), name
     sft, new = (torch.load(path, weights_only=True) for path in (arithmetic_sft, out / "ckpt.pt"))
     assert new["tokenizer"] == sft["tokenizer"] == {"type": "char", "chars": gpt.ARITHMETIC_CHARS}
     assert new["model_config"] == sft["model_config"] and new["reward_task"] == task
     assert rm.ARITHMETIC_CHARS == gpt.ARITHMETIC_CHARS
+
+
+def test_samples_from_trains_a_verifier_of_the_policy_on_its_own_answers(tmp_path, monkeypatch, arithmetic_sft):
+    """--samples_from CKPT: the reward model starts from that policy (no warm-start hint), trains on its sampled
+    answers and reports accuracy on right and on wrong answers and the AUC on held-out problems' answers, 8 answers
+    a problem, and how many distinct problems they hold; an orm-only flag refused elsewhere."""
+    out = tmp_path / "verifier"
+    args = ["--task", "orm", "--samples_from", arithmetic_sft, "--n_train", 96, "--n_val", 80, "--max_steps", 2]
+    code, stdout, err = run_main(monkeypatch, *args, "--batch_size", 8, "--out_dir", out, "--device", "cpu")
+    assert code == 0, err[-5:]
+    assert not any("cannot do arithmetic" in line for line in err)
+    results = json.loads((out / "final_results.json").read_text())
+    assert results["eval_examples"] == 80 and results["train_examples"] == 96
+    assert 1 <= results["eval_problems"] <= 10 and f"({results['eval_problems']} distinct problems)" in stdout
+    assert all(k in results for k in ("accuracy_correct", "accuracy_wrong", "auc", "reward_correct"))
+    sft, new = (torch.load(path, weights_only=True) for path in (arithmetic_sft, out / "ckpt.pt"))
+    assert new["model_config"] == sft["model_config"] and new["config"]["init_from"] == str(arithmetic_sft)
+    code, _, err = run_main(monkeypatch, "--task", "prm", "--samples_from", arithmetic_sft, "--out_dir", tmp_path / "x")
+    assert code == 2 and err == ["error: --samples_from is for --task orm"]
 
 
 @pytest.mark.learning
