@@ -49,12 +49,17 @@ Tasks (--task):
                   true text, not a log-prob of a sampled token); tiny Shakespeare or `--data FILE`
     arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
                   by a newline, --format_reward for another well-formed integer followed by a newline, 0 otherwise;
-                  start from `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out
-                  set is reported before and after training. With --reward_model (reward_model.py --task orm or prm
-                  on the same tokenizer) the policy is trained on that learned reward instead, scored at the last
-                  token of prompt + completion, and the exact-answer reward is only measured (rl/gold_reward): RLHF
-                  with a known gold reward. The run folder then also holds overoptimization.png, the proxy and the
-                  gold reward against sqrt(KL to the initial policy) (Gao et al. 2022's axes)
+                  start from `python gpt.py --data arithmetic` (--init_from: a model from scratch cannot do
+                  arithmetic, every group scores alike); greedy exact match on a fixed set of distinct held-out
+                  problems (SPEC section 8: crc32 of the prompt is 0 mod 10; training never draws one) is reported
+                  before and after training. With --reward_model (reward_model.py --task orm or prm on the same
+                  tokenizer) the policy is trained on that learned reward instead, scored at the last token of
+                  prompt + completion, and the exact-answer reward is only measured (rl/gold_reward): RLHF with a
+                  known gold reward. The run folder then also holds overoptimization.png, the proxy and the gold
+                  reward against sqrt(KL to the initial policy per completion, rl/rollout_kl) (Gao et al. 2022's
+                  axes); --best_of 1,2,4,8,16,32 adds best-of-n of the initial policy to it (best_of_n.json: for
+                  each n, the reward model's favourite of n answers at temperature 1 to each held-out problem, its
+                  gold accuracy and proxy score, at KL_bon = log n - (n - 1)/n)
     reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
                   through `datasets`, or --data_path .jsonl/.jsonl.gz); the reference is the starting policy
 Where we depart from the papers, on purpose:
@@ -79,6 +84,7 @@ Commands:
     python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --loss_type dapo --clip_eps_high 0.28
     python reward_model.py --task orm --init_from out/arith/ckpt.pt --digits 1 --out_dir out/orm   # a learned reward
     python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt  # RLHF, gold known
+    python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt --best_of 1,2,4,8,16
     python grpo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --device cuda
     torchrun --standalone --nproc_per_node=8 grpo.py --horizon 70         # 8 GPUs, one process each
 
@@ -86,6 +92,9 @@ Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     rl/reward_mean, rl/reward_std  rewards of the step's first sampling round (per sequence; per token for next_token)
     rl/accuracy                    the same rollouts: arithmetic exact answers; next_token tokens equal to the truth
     rl/gold_reward                 arithmetic with --reward_model: the exact-answer reward of the same rollouts
+    rl/rollout_kl                  arithmetic with --reward_model: k1 summed over each completion of those rollouts
+                                   (every token, whatever --mask_truncated or --dynamic_sampling), mean: the KL
+                                   axis of overoptimization.png
     rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
     rl/kl, rl/beta                 mean k1 estimate of KL(pi || pi_ref) per token, and the coefficient in use
     rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration); per sequence for gspo
@@ -96,8 +105,9 @@ Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     rl/pg_loss                     the policy-gradient part of the loss (train/loss adds the KL and entropy terms)
     train/loss, train/lr, train/grad_norm
     eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
-                                   format_rate, and rm_score with --reward_model (the learned reward of the same
-                                   greedy answers); reward_model: rm_score, kl (per sequence, k1), completion_len
+                                   format_rate, n_problems (distinct held-out problems), and rm_score with
+                                   --reward_model (the learned reward of the same greedy answers); reward_model:
+                                   rm_score, kl (per sequence, k1), completion_len
     perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
 """
 
@@ -115,6 +125,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -149,6 +160,7 @@ class Config:
     ops: str = "+-*"  # arithmetic: operators to draw from
     format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
+    best_of: str = ""  # arithmetic with --reward_model: n values (e.g. 1,2,4,8,16,32) for best_of_n.json at step 0
 
     # a new model (--init_from scratch)
     tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE; see the docstring)
@@ -193,7 +205,7 @@ class Config:
 
     # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
-    eval_size: int = 128  # held-out windows, problems or prompts per evaluation
+    eval_size: int = 128  # held-out windows or prompts per evaluation; arithmetic: held-out draws, repeats dropped
     log_every: int = 10  # steps between log lines
     save_every: int = 100  # steps between checkpoints (one is always written at the end)
     wandb: bool = False  # log to Weights & Biases
@@ -412,7 +424,8 @@ def sample_batch(run):
 #   info        (N, H) long | N strings  next_token: the true continuations; arithmetic: the answers. None: the
 #                                        reward needs nothing more (reward_model)
 #   old_logp    (N, H) float             log-probs under the sampling distribution. None: one update per batch and a
-#                                        reward that reads no logits, so the training pass's own (detached) stand in
+#                                        reward that reads no logits nor is a learned arithmetic reward, so the
+#                                        training pass's own (detached) stand in
 #   ref_logp    (N, H) float             the reference's log-probs (same temperature, every token). None: no reference
 #   rewards     (N,) | (N, H) float      per sequence, or per token (next_token)
 def collect(task, raw, ref, cfg, rt, n_prompts):
@@ -448,8 +461,9 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                 logits = completion_logits(raw, s, a, H)
                 old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
             # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits).
-            elif cfg.num_iterations > 1:
+            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits, or
+            # a learned arithmetic reward plots the KL of exactly these rollouts: rl/rollout_kl)
+            elif cfg.num_iterations > 1 or (cfg.task == "arithmetic" and cfg.reward_model):
                 old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
             if isinstance(ref, BigramReference):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
@@ -621,6 +635,9 @@ def rollout_metrics(task, first, batch, group_size, rt):
     correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
     learned = isinstance(task, ArithmeticTask) and task.rm is not None  # a proxy reward: measure the gold one too
     gold = task.gold(first["completion"], first["mask"], first["info"]) if learned else None
+    kl = None  # overoptimization.png's KL: k1 summed over each completion the rewards score, every token
+    if learned and first["ref_logp"] is not None:
+        kl = ((first["old_logp"] - first["ref_logp"]) * first["mask"]).sum(1)  # (N,)
 
     def mean(x):  # over every rank's rows; a measure the task does not have (None) stays None
         if x is None:
@@ -635,6 +652,7 @@ def rollout_metrics(task, first, batch, group_size, rt):
         "rl/reward_std": rewards.std().item(),
         "rl/accuracy": mean(correct),
         "rl/gold_reward": mean(gold),
+        "rl/rollout_kl": mean(kl),
         "rl/zero_std_frac": mean(zero_std_groups(first["rewards"], group_size)),
         "rl/completion_len": mean(batch["mask"].sum(1)),
         "rl/truncated_frac": mean(batch["truncated"]),  # None for a task without an end token (next_token)
@@ -668,6 +686,7 @@ class NextTokenTask:
     the true continuation at the same offset."""
 
     eos_id = None  # rollouts always run the whole horizon
+    rm = None  # no learned reward: the true text scores
 
     def __init__(self, cfg, tok, text, path):
         self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
@@ -740,7 +759,7 @@ class BigramReference:
     def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
         key = prev * self.vocab_size + nxt
         i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
+        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
         return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
 
 
@@ -750,25 +769,31 @@ ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data a
 class ArithmeticTask:
     """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
     learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
-    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched."""
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
+    draws no held-out problem, and every evaluation uses held-out problems only (held_out, SPEC section 8)."""
 
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
-    def __init__(self, cfg, tok, rt):
+    def __init__(self, cfg, tok, rt, out_dir):
         self.cfg = cfg
         self.tok = tok
+        self.out_dir = out_dir  # where best_of_n.json goes
         newline = tok.encode("\n")
         check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
         self.eos_id = newline[0]
+        if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
+            print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
         rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
-        self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+        # --eval_size draws of held-out problems; the distinct ones, sorted
+        self.eval_problems = sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size)})
         self.rm = None
         if cfg.reward_model:  # a learned reward; the gold one is only measured
             longest = 2 * cfg.digits + 2 + cfg.horizon  # "a*b=" with the longest operands, then the completion
-            self.rm = frozen_reward_model(cfg, tok, rt, longest)
+            self.rm, task = frozen_reward_model(cfg, tok, rt, longest)
+            check(task in ("orm", "prm"), f"--reward_model {cfg.reward_model} is a {task} model; use an orm or prm")
 
     def sample(self, n):
-        problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
+        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False) for _ in range(n)]
         return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
 
     def texts(self, completion, mask):
@@ -785,23 +810,61 @@ class ArithmeticTask:
         return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
 
     def correct(self, completion, mask, answers, rewards):
-        gold = rewards  # the rewards are the gold ones unless a model gives them
-        if self.rm is not None:
-            gold = self.gold(completion, mask, answers)
-        return (gold == 1.0).float()  # (N,) exact answers
+        return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
 
     def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
-        prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
-        with rt.autocast():
-            completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+        """eval/ metrics of the greedy answers to the held-out problems. At step 0 with --best_of, best_of_n.json
+        too: for each n, the answer the reward model scores highest among n answers of the initial policy to each
+        held-out problem (temperature 1; the first n of max(n) samples), its gold accuracy (exact answers) with the
+        standard error, the proxy score of the picks, and KL_bon = log n - (n - 1) / n, the KL of best-of-n sampling
+        to the policy (Stiennon et al. 2020)."""
+        if self.cfg.best_of and step == 0:
+            E = len(self.eval_problems)
+            every_n = [int(n) for n in self.cfg.best_of.split(",")]
+            prompts, completion, mask, exact = self.answer(model, rt, max(every_n), 1.0)
+            scores = reward_model_scores(self.rm, prompts, completion, mask).view(E, -1)  # (E, max n)
+            results = []
+            for n in every_n:
+                best, pick = scores[:, :n].max(1)  # (E,) the reward model's highest score of the first n, and which
+                accuracy = exact.view(E, -1)[:, :n].gather(1, pick[:, None]).mean().item()  # of the picks
+                results.append(
+                    {
+                        "n": n,
+                        "kl_bon": math.log(n) - (n - 1) / n,
+                        "gold_accuracy": accuracy,
+                        "gold_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / E),
+                        "proxy_score": best.mean().item(),
+                        "n_problems": E,
+                    }
+                )
+            if rt.master:
+                with open(os.path.join(self.out_dir, "best_of_n.json"), "w") as f:
+                    json.dump(results, f, indent=2)
+        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
         texts = self.texts(completion, mask)
-        scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
-        well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
+        well_formed = [bool(re.fullmatch(r"-?\d+\n", t)) for t in texts]
         shown = [f"{p}{t!r} (answer {a.strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
-        metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
+        metrics = {
+            "eval/accuracy": exact.mean().item(),
+            "eval/format_rate": sum(well_formed) / len(texts),
+            "eval/n_problems": len(texts),  # distinct held-out problems
+        }
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         return metrics, "\n".join(shown)
+
+    def answer(self, model, rt, n, temperature):
+        """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
+        vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
+        for an exact answer."""
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
+        answers = [a for _, a in self.eval_problems for _ in range(n)]
+        gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
+        with rt.autocast():
+            completion, mask = sample_completions(
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen
+            )
+        return prompts, completion, mask, self.correct(completion, mask, answers, None)
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -816,6 +879,19 @@ def arithmetic_problem(rng, digits, ops):
     else:
         result = a * b
     return f"{a}{op}{b}=", f"{result}\n"
+
+
+def held_out(prompt):
+    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops)
+        if held_out(prompt) == held:
+            return prompt, answer
 
 
 def arithmetic_reward(text, answer, format_reward=0.0):
@@ -843,10 +919,10 @@ class RewardModelTask:
         self.tok = tok
         self.eos_id = tok.eot_id
         check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
+        self.rm, _ = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
         if cfg.data_path:
             records = read_jsonl(cfg.data_path, ["chosen"])
-            chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
+            chosen = [r["chosen"] for r in random.Random(0).sample(records, len(records))]  # shuffled
             n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
             parts = [chosen[n_val:], chosen[:n_val]]
         else:
@@ -891,7 +967,7 @@ class RewardModelTask:
             completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
-            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
+            logp = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)[0]  # (ppo: values too)
             ref_logp = logp  # no reference: a KL of zero
             if ref is not None:
                 ref_logp, _ = completion_logprobs(ref, seq, attn, H, temperature=T)
@@ -952,12 +1028,13 @@ def reward_model_scores(rm, prompts, completion, mask):
 
 
 def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
-    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); it must share
+    the policy's tokenizer and hold a row of longest tokens."""
+    rm, rm_tok, task = load_reward_model(cfg.reward_model)
     check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
     size = rm.body.config.block_size
     check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
-    return rm.to(rt.device)
+    return rm.to(rt.device), task
 
 
 def read_jsonl(path, required):
@@ -991,16 +1068,22 @@ def download(url, path):
     return path
 
 
-def plot_overoptimization(metrics_path, png_path, kl_per_token):
-    """overoptimization.png, Gao et al. 2022's axes: the proxy (the learned reward) and the gold reward of each step's
-    rollouts against sqrt(KL to the initial policy), KL per completion in nats (a per-token rl/kl times the mean
-    completion length). Dots are steps, lines the means of tenths of them in KL order. Over-optimisation: the proxy
+def plot_overoptimization(out_dir, kl_key):
+    """overoptimization.png in the run folder, Gao et al. 2022's axes: the proxy (the learned reward) and the gold
+    reward of each step's rollouts (metrics.jsonl) against sqrt(KL to the initial policy), kl_key the metric of the KL
+    per completion in nats of the same rollouts. Dots are steps, lines the means of tenths of them in KL order;
+    squares are best-of-n of the initial policy (best_of_n.json, when there is one). Over-optimisation: the proxy
     keeps rising while the gold reward falls."""
     from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
-    rows = [r for r in read_metrics(metrics_path) if "rl/gold_reward" in r and "rl/kl" in r]
-    kl = [max(r["rl/kl"] * (r["rl/completion_len"] if kl_per_token else 1), 0.0) for r in rows]  # k1 can dip < 0
-    rows = [(math.sqrt(k), r) for k, r in sorted(zip(kl, rows), key=lambda pair: pair[0])]
+    rows = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if "rl/gold_reward" in r and kl_key in r]
+    rows.sort(key=lambda r: r[kl_key])
+    x = [math.sqrt(max(r[kl_key], 0.0)) for r in rows]  # k1 can dip < 0
+    best_of_n = []
+    path = os.path.join(out_dir, "best_of_n.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            best_of_n = json.load(f)
     fig = Figure(figsize=(6, 4), layout="tight")
     gold_ax = fig.subplots()
     proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
@@ -1009,16 +1092,21 @@ def plot_overoptimization(metrics_path, png_path, kl_per_token):
     def bins(v):  # the means of consecutive tenths
         return [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]
 
-    for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
-        x = [d for d, _ in rows]
-        y = [r[key] for _, r in rows]
-        color = "tab:green" if ax is gold_ax else "tab:blue"
+    curves = [  # axis, RL metric, best-of-n key, label, colour
+        (gold_ax, "rl/gold_reward", "gold_accuracy", "gold reward (exact answer)", "tab:green"),
+        (proxy_ax, "rl/reward_mean", "proxy_score", "proxy reward (reward model score)", "tab:blue"),
+    ]
+    for ax, key, best_key, name, color in curves:
+        y = [r[key] for r in rows]
         ax.plot(x, y, ".", color=color, alpha=0.3)
         ax.plot(bins(x), bins(y), "-", color=color, label=name)
-        ax.set_ylabel(name + (" (exact answer)" if ax is gold_ax else " (reward model score)"))
+        if best_of_n:  # squares: best-of-n of the initial policy, n = 1, 2, 4, ...
+            kl_bon = [math.sqrt(b["kl_bon"]) for b in best_of_n]
+            ax.plot(kl_bon, [b[best_key] for b in best_of_n], "s--", color=color, label="best-of-n")
+        ax.set_ylabel(name)
     gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
     fig.legend(loc="upper left")
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(os.path.join(out_dir, "overoptimization.png"), dpi=100)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1082,6 +1170,8 @@ def validate(cfg):
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
+    n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)  # arithmetic only, like --digits
+    check(not cfg.best_of or n_values and cfg.reward_model, "--best_of n,n,..: answers ranked by a --reward_model")
 
 
 def setup(cfg):
@@ -1120,11 +1210,16 @@ def setup(cfg):
         run.task = NextTokenTask(cfg, run.tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        run.task = ArithmeticTask(cfg, run.tok, rt)
+        run.task = ArithmeticTask(cfg, run.tok, rt, out_dir)
         prompt_len = 2 * cfg.digits + 2  # "a*b=" with the longest operands
     else:
         run.task = RewardModelTask(cfg, run.tok, rt)
         prompt_len = cfg.max_prompt_len
+    # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
+    # check has no checksum, and is refused when a reward model is used)
+    run.rm_checksum = weights_checksum(run.task.rm) if run.task.rm is not None else None
+    same = not cfg.resume or ckpt.get("rm_checksum") == run.rm_checksum
+    check(same, f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on")
     longest = prompt_len + cfg.horizon
     block_size = model.config.block_size
     check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
@@ -1181,6 +1276,11 @@ def evaluate_policy(run, step, logger):
     return metrics
 
 
+def weights_checksum(model):
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
+    return float(sum(v.double().sum() for v in model.state_dict().values()))
+
+
 def save(run, step):
     """ckpt.pt (SPEC section 4) and this script's extras: tokens generated, the first evaluation, the init reference."""
     model_sd, optim_sd = training_state(run.raw, run.optimizer, run.rt)
@@ -1199,6 +1299,7 @@ def save(run, step):
             "tokens": run.tokens,
             "first_eval": run.first_eval,
             "reference": run.ref.state_dict() if run.reference == "init" else None,  # a resume reloads it
+            "rm_checksum": run.rm_checksum,  # a resume checks --reward_model against it
         }
         save_checkpoint(run.ckpt_path, ckpt)
 
@@ -1221,8 +1322,7 @@ def write_results(run, last_eval, wall_time_s):
     summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
     print(f"{cfg.task} ({cfg.loss_type}): {summary}; {wall_time_s:.0f} s")
     if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
-        metrics_path = os.path.join(run.out_dir, "metrics.jsonl")
-        plot_overoptimization(metrics_path, os.path.join(run.out_dir, "overoptimization.png"), kl_per_token=True)
+        plot_overoptimization(run.out_dir, "rl/rollout_kl")
 
 
 def main():

@@ -45,11 +45,14 @@ Tasks (--task), as in grpo.py:
                   likelihood of the text, finite for a true token outside the top k); tiny Shakespeare or `--data FILE`
     arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
                   by a newline, --format_reward for another well-formed integer so ended, 0 otherwise; start from
-                  `python gpt.py --data arithmetic` (--init_from); greedy exact match on a fixed held-out set is
-                  reported before and after training. With --reward_model (reward_model.py --task orm or prm on the
-                  same tokenizer) the policy is trained on that learned reward instead and the exact-answer reward is
-                  only measured (rl/gold_reward); the run folder then also holds overoptimization.png, the proxy and
-                  gold rewards against sqrt(KL to the initial policy per completion) (Gao et al. 2022's axes)
+                  `python gpt.py --data arithmetic` (--init_from: a model from scratch cannot do arithmetic);
+                  greedy exact match on a fixed set of distinct held-out problems (SPEC section 8; training never
+                  draws one) is reported before and after training. With --reward_model (reward_model.py --task orm
+                  or prm on the same tokenizer) the policy is trained on that learned reward instead and the
+                  exact-answer reward is only measured (rl/gold_reward); the run folder then also holds
+                  overoptimization.png, the proxy and gold rewards against sqrt(KL to the initial policy per
+                  completion, rl/kl) (Gao et al. 2022's axes), with best-of-n of the initial policy beside them
+                  under --best_of 1,2,4,8,16,32 (best_of_n.json, as in grpo.py)
     reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
                   through `datasets`, or --data_path .jsonl/.jsonl.gz)
 The reference of the KL penalty (--reference): the starting policy (init), a bigram model of the training text
@@ -87,8 +90,9 @@ Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, a
     rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end token;
                                    completion tokens generated so far, all ranks
     eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
-                                   format_rate, and rm_score with --reward_model (the learned reward of the same
-                                   greedy answers); reward_model: rm_score, kl (per sequence, k1), completion_len
+                                   format_rate, n_problems (distinct held-out problems), and rm_score with
+                                   --reward_model (the learned reward of the same greedy answers); reward_model:
+                                   rm_score, kl (per sequence, k1), completion_len
     perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
 """
 
@@ -106,6 +110,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -146,6 +151,7 @@ class Config:
     ops: str = "+-*"  # arithmetic: operators to draw from
     format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
+    best_of: str = ""  # arithmetic with --reward_model: n values (e.g. 1,2,4,8,16,32) for best_of_n.json at step 0
     missing_eos_penalty: float = 0.0  # subtracted from the score of a completion without an end token
     # rollouts
     batch_size: int = 64  # prompts per step per rank, one completion each
@@ -185,7 +191,7 @@ class Config:
     grad_clip: float = 1.0  # clip the gradient norm of each model to this (0: off)
     # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
-    eval_size: int = 128  # held-out windows, problems or prompts per evaluation
+    eval_size: int = 128  # held-out windows or prompts per evaluation; arithmetic: held-out draws, repeats dropped
     log_every: int = 10  # steps between log lines
     save_every: int = 100  # steps between checkpoints (one is always written at the end)
     wandb: bool = False  # log to Weights & Biases
@@ -364,32 +370,36 @@ def ppo_step(run, step):
     returns_mean, returns_var = global_moments(returns, mask, rt)
     if returns_var > 0:
         metrics["train/explained_variance"] = 1 - residual_var / returns_var
-    metrics["train/lr"] = lr
     if run.ref is not None:
         metrics["rl/kl"] = mean_seq_kl
     reward_mask = mask if scores.dim() == 2 else torch.ones_like(scores)  # per token (next_token) or per sequence
     reward_mean, reward_var = global_moments(scores, reward_mask, rt)
-    metrics["rl/reward_mean"] = reward_mean
-    metrics["rl/reward_std"] = math.sqrt(reward_var)
-    metrics["rl/kl_coef"] = kl_coef
     correct = run.task.correct(batch["completion"], mask, batch["info"], scores)  # (N,) or None
     if correct is not None:
         metrics["rl/accuracy"] = global_moments(correct, torch.ones_like(correct), rt)[0]
     if cfg.task == "arithmetic" and cfg.reward_model:  # it learns from a proxy reward: measure the gold one too
         gold = run.task.gold(batch["completion"], mask, batch["info"])  # (N,)
         metrics["rl/gold_reward"] = global_moments(gold, torch.ones_like(gold), rt)[0]
-    metrics["rl/returns_mean"] = returns_mean
-    metrics["rl/value_mean"] = global_moments(old_values, mask, rt)[0]
     n_tokens, n_truncated = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)
     run.tokens += int(n_tokens.item())
-    metrics["rl/completion_len"] = (n_tokens / n_seqs).item()
     if run.task.eos_id is not None:  # next_token has no end token: every completion runs the whole horizon
         metrics["rl/truncated_frac"] = (n_truncated / n_seqs).item()
-    metrics["perf/rollout_tokens_per_s"] = cfg.batch_size * cfg.horizon * rt.world_size / max(t_rollout, 1e-9)
-    metrics["perf/rollout_ms"] = 1000 * t_rollout
-    metrics["perf/step_ms"] = 1000 * (time.time() - t0)
-    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
-    metrics["rl/tokens"] = run.tokens
+    metrics.update(
+        {
+            "train/lr": lr,
+            "rl/reward_mean": reward_mean,
+            "rl/reward_std": math.sqrt(reward_var),
+            "rl/kl_coef": kl_coef,
+            "rl/returns_mean": returns_mean,
+            "rl/value_mean": global_moments(old_values, mask, rt)[0],
+            "rl/completion_len": (n_tokens / n_seqs).item(),
+            "rl/tokens": run.tokens,
+            "perf/rollout_tokens_per_s": cfg.batch_size * cfg.horizon * rt.world_size / max(t_rollout, 1e-9),
+            "perf/rollout_ms": 1000 * t_rollout,
+            "perf/step_ms": 1000 * (time.time() - t0),
+            "perf/peak_mem_mb": peak_memory_mb(rt),
+        }
+    )
     return metrics
 
 
@@ -431,40 +441,27 @@ def rollout(run):
         if task.eos_id is not None:
             truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
         seq, attn = join(prompts, completion)
-        old_logp = []  # one (n, H) tensor per micro-batch in each list
-        old_values = []
-        ref_logp = []
-        scores = []
+        parts = defaultdict(list)  # batch key -> one (n, H) or (n,) tensor per micro-batch
         for i in range(0, len(prompts), n_micro):
             rows = slice(i, i + n_micro)
             s = seq[rows]
             a = None if attn is None else attn[rows]
             logp, _, values = logprobs_and_values(actor, run.critic, s, a, cfg)  # (n, H) each
             logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
-            ref_logp_part = logp  # no reference: k1 = 0
+            ref_logp = logp  # no reference: k1 = 0
             if isinstance(run.ref, BigramReference):
-                ref_logp_part = run.ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
+                ref_logp = run.ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
             elif run.ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
-                ref_logp_part = completion_logprobs(run.ref, s, a, H, temperature=T)[0]
+                ref_logp = completion_logprobs(run.ref, s, a, H, temperature=T)[0]
             info_part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
-            scores_part = task.rewards(prompts[rows], completion[rows], mask[rows], info_part, logits)  # (n,), (n, H)
-            old_logp.append(logp)
-            old_values.append(values.float())
-            ref_logp.append(ref_logp_part.float())
-            scores.append(scores_part.float())
-    return {
-        "prompts": prompts,
-        "seq": seq,
-        "attn": attn,
-        "completion": completion,
-        "mask": mask,
-        "truncated": truncated,
-        "info": info,
-        "old_logp": torch.cat(old_logp),
-        "old_values": torch.cat(old_values),
-        "ref_logp": torch.cat(ref_logp),
-        "scores": torch.cat(scores),
-    }
+            scores = task.rewards(prompts[rows], completion[rows], mask[rows], info_part, logits)  # (n,) or (n, H)
+            parts["old_logp"].append(logp)
+            parts["old_values"].append(values.float())
+            parts["ref_logp"].append(ref_logp.float())
+            parts["scores"].append(scores.float())
+    batch = {key: torch.cat(tensors) for key, tensors in parts.items()}  # old_logp, old_values, ref_logp, scores
+    batch.update(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
+    return batch
 
 
 def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
@@ -495,25 +492,21 @@ def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
     (N, H) read at the same positions: the value of completion token t is V(s_t), read at the position that predicts
     it. critic None: the actor is a PolicyWithValueHead and one forward gives all three."""
     H = cfg.horizon
-    x = seq[:, :-1]  # the input: every token but the last
-    y = seq[:, -H:]  # the targets: the completion tokens
-    a = None if attn is None else attn[:, :-1]
-    dist = dict(output="logprobs", entropy=entropy, temperature=cfg.temperature, top_k=cfg.top_k or None)
-    out = actor(x, targets=y, attention_mask=a, keep_last=H, **dist)  # (N, H) each
+    out = completion_logprobs(actor, seq, attn, H, entropy, cfg.temperature, cfg.top_k or None)  # (N, H) each
     if critic is None:
         return out  # log-probs, entropy, values
-    logp, ent = out
-    return logp, ent, critic(x, attention_mask=a)[:, -H:]
+    a = None if attn is None else attn[:, :-1]
+    return *out, critic(seq[:, :-1], attention_mask=a)[:, -H:]
 
 
 def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
     """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
     each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the
-    top_k. The logits stay inside the model's linear_logprobs."""
+    top_k. The logits stay inside the model's linear_logprobs. A PolicyWithValueHead (--value_model shared) returns
+    its values (N, H) too, read at the same positions."""
     mask = None if attn is None else attn[:, :-1]
     dist = dict(entropy=entropy, temperature=temperature, top_k=top_k)
-    # [:2]: a PolicyWithValueHead (--value_model shared) also returns its values
-    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)[:2]
+    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)
 
 
 def completion_logits(model, seq, attn, H):
@@ -664,6 +657,7 @@ class NextTokenTask:
     the true continuation at the same offset."""
 
     eos_id = None  # rollouts always run the whole horizon
+    rm = None  # no learned reward: the true text scores
 
     def __init__(self, cfg, tok, text, path):
         self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
@@ -736,32 +730,38 @@ class BigramReference:
     def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
         key = prev * self.vocab_size + nxt
         i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        count = torch.where(self.keys[i] == key, self.pair_counts[i], torch.zeros_like(self.pair_counts[i]))
+        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
         return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
 
 
 class ArithmeticTask:
     """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
     learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
-    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched."""
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
+    draws no held-out problem, and every evaluation uses held-out problems only (held_out, SPEC section 8)."""
 
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
-    def __init__(self, cfg, tok, rt):
+    def __init__(self, cfg, tok, rt, out_dir):
         self.cfg = cfg
         self.tok = tok
+        self.out_dir = out_dir  # where best_of_n.json goes
         newline = tok.encode("\n")
         check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
         self.eos_id = newline[0]
+        if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
+            print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
         rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
-        self.eval_problems = [arithmetic_problem(rng, cfg.digits, cfg.ops) for _ in range(cfg.eval_size)]
+        # --eval_size draws of held-out problems; the distinct ones, sorted
+        self.eval_problems = sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size)})
         self.rm = None
         if cfg.reward_model:  # a learned reward; the gold one is only measured
             longest = 2 * cfg.digits + 2 + cfg.horizon  # "a*b=" with the longest operands, then the completion
-            self.rm = frozen_reward_model(cfg, tok, rt, longest)
+            self.rm, task = frozen_reward_model(cfg, tok, rt, longest)
+            check(task in ("orm", "prm"), f"--reward_model {cfg.reward_model} is a {task} model; use an orm or prm")
 
     def sample(self, n):
-        problems = [arithmetic_problem(random, self.cfg.digits, self.cfg.ops) for _ in range(n)]
+        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False) for _ in range(n)]
         return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
 
     def texts(self, completion, mask):
@@ -778,23 +778,61 @@ class ArithmeticTask:
         return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
 
     def correct(self, completion, mask, answers, rewards):
-        gold = rewards  # the rewards are the gold ones unless a model gives them
-        if self.rm is not None:
-            gold = self.gold(completion, mask, answers)
-        return (gold == 1.0).float()  # (N,) exact answers
+        return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
 
     def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
-        prompts = [self.tok.encode(p) for p, _ in self.eval_problems]
-        with rt.autocast():
-            completion, mask = sample_completions(model, prompts, self.cfg.horizon, 0.0, None, self.eos_id, rt)
+        """eval/ metrics of the greedy answers to the held-out problems. At step 0 with --best_of, best_of_n.json
+        too: for each n, the answer the reward model scores highest among n answers of the initial policy to each
+        held-out problem (temperature 1; the first n of max(n) samples), its gold accuracy (exact answers) with the
+        standard error, the proxy score of the picks, and KL_bon = log n - (n - 1) / n, the KL of best-of-n sampling
+        to the policy (Stiennon et al. 2020)."""
+        if self.cfg.best_of and step == 0:
+            E = len(self.eval_problems)
+            every_n = [int(n) for n in self.cfg.best_of.split(",")]
+            prompts, completion, mask, exact = self.answer(model, rt, max(every_n), 1.0)
+            scores = reward_model_scores(self.rm, prompts, completion, mask).view(E, -1)  # (E, max n)
+            results = []
+            for n in every_n:
+                best, pick = scores[:, :n].max(1)  # (E,) the reward model's highest score of the first n, and which
+                accuracy = exact.view(E, -1)[:, :n].gather(1, pick[:, None]).mean().item()  # of the picks
+                results.append(
+                    {
+                        "n": n,
+                        "kl_bon": math.log(n) - (n - 1) / n,
+                        "gold_accuracy": accuracy,
+                        "gold_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / E),
+                        "proxy_score": best.mean().item(),
+                        "n_problems": E,
+                    }
+                )
+            if rt.master:
+                with open(os.path.join(self.out_dir, "best_of_n.json"), "w") as f:
+                    json.dump(results, f, indent=2)
+        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
         texts = self.texts(completion, mask)
-        scores = [arithmetic_reward(t, a) for t, (_, a) in zip(texts, self.eval_problems)]
-        well_formed = [re.fullmatch(r"-?\d+\n", t) is not None for t in texts]
+        well_formed = [bool(re.fullmatch(r"-?\d+\n", t)) for t in texts]
         shown = [f"{p}{t!r} (answer {a.strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
-        metrics = {"eval/accuracy": sum(scores) / len(scores), "eval/format_rate": sum(well_formed) / len(texts)}
+        metrics = {
+            "eval/accuracy": exact.mean().item(),
+            "eval/format_rate": sum(well_formed) / len(texts),
+            "eval/n_problems": len(texts),  # distinct held-out problems
+        }
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         return metrics, "\n".join(shown)
+
+    def answer(self, model, rt, n, temperature):
+        """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
+        vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
+        for an exact answer."""
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
+        answers = [a for _, a in self.eval_problems for _ in range(n)]
+        gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
+        with rt.autocast():
+            completion, mask = sample_completions(
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen
+            )
+        return prompts, completion, mask, self.correct(completion, mask, answers, None)
 
 
 def arithmetic_problem(rng, digits, ops):
@@ -811,6 +849,19 @@ def arithmetic_problem(rng, digits, ops):
     return f"{a}{op}{b}=", f"{result}\n"
 
 
+def held_out(prompt):
+    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops)
+        if held_out(prompt) == held:
+            return prompt, answer
+
+
 def arithmetic_reward(text, answer, format_reward=0.0):
     """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
@@ -823,16 +874,22 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     return format_reward
 
 
-def plot_overoptimization(metrics_path, png_path, kl_per_token):
-    """overoptimization.png, Gao et al. 2022's axes: the proxy (the learned reward) and the gold reward of each step's
-    rollouts against sqrt(KL to the initial policy), KL per completion in nats (a per-token rl/kl times the mean
-    completion length). Dots are steps, lines the means of tenths of them in KL order. Over-optimisation: the proxy
+def plot_overoptimization(out_dir, kl_key):
+    """overoptimization.png in the run folder, Gao et al. 2022's axes: the proxy (the learned reward) and the gold
+    reward of each step's rollouts (metrics.jsonl) against sqrt(KL to the initial policy), kl_key the metric of the KL
+    per completion in nats of the same rollouts. Dots are steps, lines the means of tenths of them in KL order;
+    squares are best-of-n of the initial policy (best_of_n.json, when there is one). Over-optimisation: the proxy
     keeps rising while the gold reward falls."""
     from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
-    rows = [r for r in read_metrics(metrics_path) if "rl/gold_reward" in r and "rl/kl" in r]
-    kl = [max(r["rl/kl"] * (r["rl/completion_len"] if kl_per_token else 1), 0.0) for r in rows]  # k1 can dip < 0
-    rows = [(math.sqrt(k), r) for k, r in sorted(zip(kl, rows), key=lambda pair: pair[0])]
+    rows = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if "rl/gold_reward" in r and kl_key in r]
+    rows.sort(key=lambda r: r[kl_key])
+    x = [math.sqrt(max(r[kl_key], 0.0)) for r in rows]  # k1 can dip < 0
+    best_of_n = []
+    path = os.path.join(out_dir, "best_of_n.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            best_of_n = json.load(f)
     fig = Figure(figsize=(6, 4), layout="tight")
     gold_ax = fig.subplots()
     proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
@@ -841,16 +898,21 @@ def plot_overoptimization(metrics_path, png_path, kl_per_token):
     def bins(v):  # the means of consecutive tenths
         return [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]
 
-    for ax, key, name in ((gold_ax, "rl/gold_reward", "gold reward"), (proxy_ax, "rl/reward_mean", "proxy reward")):
-        x = [d for d, _ in rows]
-        y = [r[key] for _, r in rows]
-        color = "tab:green" if ax is gold_ax else "tab:blue"
+    curves = [  # axis, RL metric, best-of-n key, label, colour
+        (gold_ax, "rl/gold_reward", "gold_accuracy", "gold reward (exact answer)", "tab:green"),
+        (proxy_ax, "rl/reward_mean", "proxy_score", "proxy reward (reward model score)", "tab:blue"),
+    ]
+    for ax, key, best_key, name, color in curves:
+        y = [r[key] for r in rows]
         ax.plot(x, y, ".", color=color, alpha=0.3)
         ax.plot(bins(x), bins(y), "-", color=color, label=name)
-        ax.set_ylabel(name + (" (exact answer)" if ax is gold_ax else " (reward model score)"))
+        if best_of_n:  # squares: best-of-n of the initial policy, n = 1, 2, 4, ...
+            kl_bon = [math.sqrt(b["kl_bon"]) for b in best_of_n]
+            ax.plot(kl_bon, [b[best_key] for b in best_of_n], "s--", color=color, label="best-of-n")
+        ax.set_ylabel(name)
     gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
     fig.legend(loc="upper left")
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(os.path.join(out_dir, "overoptimization.png"), dpi=100)
 
 
 class RewardModelTask:
@@ -863,10 +925,10 @@ class RewardModelTask:
         self.tok = tok
         self.eos_id = tok.eot_id
         check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
+        self.rm, _ = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
         if cfg.data_path:
             records = read_jsonl(cfg.data_path, ["chosen"])
-            chosen = [records[i]["chosen"] for i in random.Random(0).sample(range(len(records)), len(records))]
+            chosen = [r["chosen"] for r in random.Random(0).sample(records, len(records))]  # shuffled
             n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
             parts = [chosen[n_val:], chosen[:n_val]]
         else:
@@ -911,7 +973,7 @@ class RewardModelTask:
             completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             seq, attn = join(prompts, completion)
-            logp, _ = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)
+            logp = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)[0]  # (ppo: values too)
             ref_logp = logp  # no reference: a KL of zero
             if ref is not None:
                 ref_logp, _ = completion_logprobs(ref, seq, attn, H, temperature=T)
@@ -968,12 +1030,13 @@ def load_reward_model(path):
 
 
 def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen; it must share the policy's tokenizer and hold a row of longest tokens."""
-    rm, rm_tok, _ = load_reward_model(cfg.reward_model)
+    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); it must share
+    the policy's tokenizer and hold a row of longest tokens."""
+    rm, rm_tok, task = load_reward_model(cfg.reward_model)
     check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
     size = rm.body.config.block_size
     check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
-    return rm.to(rt.device)
+    return rm.to(rt.device), task
 
 
 @torch.no_grad()
@@ -1086,6 +1149,8 @@ def validate(cfg):
         check(cfg.value_model == "separate", "--value_init reward_model needs --value_model separate")
         check(cfg.reward_model, "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
     check(not (cfg.adaptive_kl and cfg.reference == "none"), "--adaptive_kl needs a reference (--reference none)")
+    n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)  # arithmetic only, like --digits
+    check(not cfg.best_of or n_values and cfg.reward_model, "--best_of n,n,..: answers ranked by a --reward_model")
 
 
 def setup(cfg):
@@ -1093,11 +1158,9 @@ def setup(cfg):
     of the data's characters, or of arithmetic's) and the task; the value model; the frozen reference; optimizers and
     loss scaler, restored on --resume. Returns the run's state as a namespace."""
     rt = setup_runtime(cfg)
-    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=prepare_out_dir(cfg, "ppo", rt), stop=GracefulExit())
-    run.ckpt_path = os.path.join(run.out_dir, "ckpt.pt")
-    run.start_step = 0
-    run.tokens = 0
-    run.first_eval = None
+    out_dir = prepare_out_dir(cfg, "ppo", rt)
+    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit(), start_step=0, tokens=0, first_eval=None)
+    run.ckpt_path = os.path.join(out_dir, "ckpt.pt")
     text = None
     path = None
     if cfg.task == "next_token":
@@ -1124,11 +1187,18 @@ def setup(cfg):
         run.task = NextTokenTask(cfg, tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        run.task = ArithmeticTask(cfg, tok, rt)
+        run.task = ArithmeticTask(cfg, tok, rt, run.out_dir)
         prompt_len = 2 * cfg.digits + 2  # the longest "a+b="
     else:
         run.task = RewardModelTask(cfg, tok, rt)
         prompt_len = cfg.max_prompt_len
+    # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
+    # check has no checksum, and is refused when a reward model is used)
+    run.rm_checksum = weights_checksum(run.task.rm) if run.task.rm is not None else None
+    check(
+        ckpt is None or ckpt.get("rm_checksum") == run.rm_checksum,
+        f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on",
+    )
     model.to(rt.device)
     broadcast_weights(model, rt)  # rank 0's starting weights, which the value model and the reference copy
 
@@ -1142,7 +1212,7 @@ def setup(cfg):
     elif ckpt is not None:
         critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
     elif cfg.value_init == "reward_model":
-        critic = frozen_reward_model(cfg, tok, rt, prompt_len + cfg.horizon)  # its tokenizer and block_size checked
+        critic, _ = frozen_reward_model(cfg, tok, rt, prompt_len + cfg.horizon)  # its tokenizer and block_size checked
         critic.train()  # loaded frozen, as a reward; unfrozen here: its body and head start the value model
         critic.requires_grad_(True)
     else:
@@ -1150,8 +1220,8 @@ def setup(cfg):
         critic.body.load_state_dict(model.state_dict())
         nn.init.zeros_(critic.head.weight)
         nn.init.zeros_(critic.head.bias)
+    value_model = actor.value_head if critic is None else critic  # what ckpt.pt's value_model holds
     if ckpt is not None:
-        value_model = actor.value_head if critic is None else critic
         value_model.load_state_dict(ckpt["value_model"])
     trained = [m.to(rt.device) for m in (actor, critic) if m is not None]
     longest = prompt_len + cfg.horizon  # (a resumed run may ask for a longer --horizon than the value model holds)
@@ -1205,11 +1275,15 @@ def setup(cfg):
         run.tokens = ckpt["tokens"]
         run.first_eval = ckpt["first_eval"]
     if rt.master:
-        value_params = actor.value_head.parameters() if critic is None else critic.parameters()
-        n_value = sum(p.numel() for p in value_params)
+        n_value = sum(p.numel() for p in value_model.parameters())
         sizes = f"{model.num_params() / 1e6:.2f}M policy, {n_value / 1e6:.2f}M value ({cfg.value_model}) params"
         print(f"{sizes}, vocab {tok.vocab_size}, {cfg.task}, reference {run.reference}, {rt.world_size} x {rt.device}")
     return run
+
+
+def weights_checksum(model):
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
+    return float(sum(v.double().sum() for v in model.state_dict().values()))
 
 
 def save(run, step):
@@ -1218,8 +1292,13 @@ def save(run, step):
     rank's RNG, and the loop's state. Every rank calls it: under FSDP, gathering the state is collective."""
     rt = run.rt
     actor_sd, optim_sd = training_state(run.actor, run.optimizers[0], rt)
-    ckpt = {"tokens": run.tokens, "first_eval": run.first_eval, "kl_coef": run.kl_ctl.value}
-    ckpt["reference"] = run.ref.state_dict() if run.reference == "init" else None  # a resume reloads it
+    ckpt = {
+        "tokens": run.tokens,
+        "first_eval": run.first_eval,
+        "kl_coef": run.kl_ctl.value,
+        "rm_checksum": run.rm_checksum,  # a resume checks --reward_model against it
+        "reference": run.ref.state_dict() if run.reference == "init" else None,  # a resume reloads it
+    }
     if run.critic is None:  # the shared value head is saved apart from the policy's keys
         model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
         value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
@@ -1230,16 +1309,18 @@ def save(run, step):
         ckpt["value_optimizer"] = value_optim_sd
     rngs = all_rng_states(rt)
     if rt.master:
-        ckpt["model"] = model_sd
-        ckpt["model_config"] = dataclasses.asdict(run.actor.config)
-        ckpt["tokenizer"] = run.tok.spec
-        ckpt["step"] = step
-        ckpt["optimizer"] = optim_sd
-        ckpt["rng"] = rngs[0]
-        ckpt["rng_ranks"] = rngs
-        ckpt["value_model"] = value_sd
-        ckpt["config"] = dataclasses.asdict(run.cfg)
-        ckpt["scaler"] = run.scaler.state_dict()
+        ckpt.update(
+            model=model_sd,
+            model_config=dataclasses.asdict(run.actor.config),
+            tokenizer=run.tok.spec,
+            step=step,
+            optimizer=optim_sd,
+            rng=rngs[0],
+            rng_ranks=rngs,
+            value_model=value_sd,
+            config=dataclasses.asdict(run.cfg),
+            scaler=run.scaler.state_dict(),
+        )
         save_checkpoint(run.ckpt_path, ckpt)
 
 
@@ -1291,7 +1372,7 @@ def main():
         summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
         print(f"{cfg.task} (ppo, {cfg.value_model} value model): {summary}; {results['wall_time_s']:.0f} s")
         if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
-            plot_overoptimization(logger.path, os.path.join(run.out_dir, "overoptimization.png"), kl_per_token=False)
+            plot_overoptimization(run.out_dir, "rl/kl")
     cleanup(rt)
 
 

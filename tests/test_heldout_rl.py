@@ -1,0 +1,247 @@
+"""Issue #29 in grpo.py and ppo.py: arithmetic's held-out rule (no training draw is held out, every evaluation problem
+is, distinct and counted), best-of-n against the gold reward (best_of_n.json and overoptimization.png), the reward
+model's checksum on --resume, the reward models the arithmetic task accepts, the hint for a model from scratch, and
+grpo's KL axis under --mask_truncated / --dynamic_sampling."""
+
+import inspect
+import json
+import math
+import random
+import shutil
+import zlib
+
+import pytest
+import torch
+from conftest import char_checkpoint, run_script
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from matplotlib.figure import Figure
+
+import grpo
+import ppo
+
+MODULES = [grpo, ppo]
+CHARS = grpo.ARITHMETIC_CHARS
+
+
+def held(prompt):
+    """SPEC section 8, written out here: a problem is held out iff crc32 of its prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def reward_checkpoint(path, task, seed=1):
+    """A tiny random char reward model of the arithmetic characters, saved as reward_model.py --task TASK saves one."""
+    char_checkpoint(path, CHARS, block_size=32, seed=seed, reward_head=True)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["reward_task"] = task
+    torch.save(ckpt, path)
+    return path
+
+
+def arithmetic_task(module, out_dir, **overrides):
+    """module.ArithmeticTask on the char tokenizer, CPU float32, best_of_n.json written to out_dir."""
+    cfg = module.Config(**{"task": "arithmetic", "init_from": "init.pt", "horizon": 4, **overrides})
+    rt = module.Runtime(torch.device("cpu"), torch.float32)
+    tok = module.CharTokenizer(CHARS)
+    if "out_dir" in inspect.signature(module.ArithmeticTask).parameters:
+        return module.ArithmeticTask(cfg, tok, rt, out_dir)
+    return module.ArithmeticTask(cfg, tok, rt)  # a task without a run folder: the tests below still say what fails
+
+
+def tiny_policy(module):
+    torch.manual_seed(0)
+    return module.GPT(module.GPTConfig(32, len(CHARS), 1, 2, 16, 0.0, True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    digits=st.integers(1, 3),
+    ops=st.sampled_from(["+", "-", "*", "+-", "+-*"]),
+    want_held=st.booleans(),
+)
+def test_draw_problem_draws_by_the_held_out_rule(seed, digits, ops, want_held):
+    for module in MODULES:
+        prompt, answer = module.draw_problem(random.Random(seed), digits, ops, want_held)
+        assert held(prompt) == want_held == module.held_out(prompt)
+        assert answer == f"{eval(prompt[:-1])}\n"
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_no_training_draw_is_held_out_and_every_evaluation_problem_is(module, tmp_path, monkeypatch):
+    """3000 training draws of 2-digit problems: none held out (today's draws hold out about one in ten). The greedy
+    evaluation asks exactly the task's evaluation problems, each once, all held out; eval/n_problems counts them."""
+    task = arithmetic_task(module, tmp_path, digits=2, ops="+-", eval_size=300)
+    random.seed(0)
+    prompts, answers = task.sample(3000)
+    texts = [task.tok.decode(p) for p in prompts]
+    assert not [t for t in texts if held(t)]
+    assert all(a == f"{eval(t[:-1])}\n" for t, a in zip(texts, answers))
+    asked = []
+    real = module.sample_completions
+
+    def recording(model, prompts, *args, **kwargs):  # the real sampler, noting what it was asked
+        asked.extend(task.tok.decode(p) for p in prompts)
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(module, "sample_completions", recording)
+    metrics, _ = task.evaluate(tiny_policy(module), None, task_runtime(module), task.tok, 5)
+    assert asked and all(held(p) for p in asked)
+    assert len(set(asked)) == len(asked) == metrics["eval/n_problems"]
+    assert sorted(asked) == sorted(p for p, _ in task.eval_problems)
+    assert len(asked) > 150  # 300 draws of 2-digit problems: 188 distinct (one-digit operands repeat)
+
+
+def task_runtime(module):
+    return module.Runtime(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_best_of_n_keeps_the_reward_models_favourite_at_kl_log_n_minus_n_minus_1_over_n(module, tmp_path, monkeypatch):
+    """A stand-in policy answers each problem right or off by one, at random; a tiny reward model scores them. For
+    each n, best_of_n.json's gold accuracy is that of the reward model's argmax among each problem's first n answers
+    (the model run on each answer alone), its proxy score the mean of those maxima, KL_bon = log n - (n - 1) / n."""
+    rm_path = reward_checkpoint(tmp_path / "rm.pt", "orm")
+    task = arithmetic_task(module, tmp_path, digits=1, eval_size=60, reward_model=str(rm_path), best_of="1,2,4,8")
+    rng = random.Random(0)
+    sampled = {}  # prompt -> the answers sampled at temperature 1, in order
+    temperatures = []
+
+    def stand_in(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
+        temperatures.append((temperature, top_k))
+        texts = []
+        for p in prompts:
+            prompt = task.tok.decode(p)
+            text = f"{eval(prompt[:-1]) + rng.choice([0, 0, 1, -1])}\n"
+            texts.append(text)
+            if temperature > 0:
+                sampled.setdefault(prompt, []).append(text)
+        completion = torch.tensor([task.tok.encode(t.ljust(horizon, "\n")) for t in texts])
+        mask = torch.tensor([[float(i < len(t)) for i in range(horizon)] for t in texts])
+        return completion, mask
+
+    monkeypatch.setattr(module, "sample_completions", stand_in)
+    task.evaluate(None, None, task_runtime(module), task.tok, 0)
+    assert (1.0, None) in temperatures  # best-of-n samples the policy itself: temperature 1, every token
+    results = json.loads((tmp_path / "best_of_n.json").read_text())
+    E = len(task.eval_problems)
+    assert sorted(sampled) == sorted(p for p, _ in task.eval_problems)
+    assert all(len(answers) == 8 for answers in sampled.values())
+    with torch.no_grad():
+        scores = {
+            p: [task.rm(torch.tensor([task.tok.encode(p + a)]))[0, -1].item() for a in sampled[p]] for p in sampled
+        }
+    assert [r["n"] for r in results] == [1, 2, 4, 8]
+    for r in results:
+        n = r["n"]
+        picks = {p: max(range(n), key=lambda i: scores[p][i]) for p in sampled}
+        gold = [float(sampled[p][i] == f"{eval(p[:-1])}\n") for p, i in picks.items()]
+        accuracy = sum(gold) / E
+        assert r["kl_bon"] == pytest.approx(math.log(n) - (n - 1) / n, abs=1e-12)
+        assert r["gold_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+        assert r["gold_accuracy_se"] == pytest.approx(math.sqrt(accuracy * (1 - accuracy) / E), abs=1e-6)
+        assert r["proxy_score"] == pytest.approx(sum(scores[p][i] for p, i in picks.items()) / E, abs=1e-5)
+        assert r["n_problems"] == E
+    assert results[0]["kl_bon"] == 0.0 and results[-1]["proxy_score"] > results[0]["proxy_score"]
+
+
+def test_overoptimization_png_draws_best_of_n_beside_the_rl_run(tmp_path, monkeypatch):
+    """The RL steps' dots sit at sqrt(KL per completion) of the metric named, negative k1 estimates at 0; best-of-n's
+    squares at sqrt(KL_bon), gold accuracy on the gold axis and the proxy score on the proxy axis."""
+    steps = [(0.4, 0.1, 0.0), (-0.01, 0.2, 1.0), (2.25, 0.3, 2.0)]  # (KL, gold, proxy) of three steps
+    lines = [
+        {"step": i, "rl/rollout_kl": k, "rl/gold_reward": g, "rl/reward_mean": p} for i, (k, g, p) in enumerate(steps)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    best = [
+        {"n": n, "kl_bon": math.log(n) - (n - 1) / n, "gold_accuracy": 0.1 * n, "proxy_score": n} for n in (1, 2, 4)
+    ]
+    (tmp_path / "best_of_n.json").write_text(json.dumps(best))
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
+    grpo.plot_overoptimization(tmp_path, "rl/rollout_kl")
+    gold_ax, proxy_ax = figures[0].axes
+    dots = {ax: [line for line in ax.get_lines() if line.get_marker() == "."][0] for ax in (gold_ax, proxy_ax)}
+    squares = {ax: [line for line in ax.get_lines() if line.get_marker() == "s"][0] for ax in (gold_ax, proxy_ax)}
+    assert list(dots[gold_ax].get_xdata()) == pytest.approx([0.0, math.sqrt(0.4), 1.5])
+    assert list(dots[gold_ax].get_ydata()) == [0.2, 0.1, 0.3] and list(dots[proxy_ax].get_ydata()) == [1.0, 0.0, 2.0]
+    for ax, key in ((gold_ax, "gold_accuracy"), (proxy_ax, "proxy_score")):
+        assert list(squares[ax].get_xdata()) == pytest.approx([math.sqrt(b["kl_bon"]) for b in best])
+        assert list(squares[ax].get_ydata()) == pytest.approx([b[key] for b in best])
+
+
+def test_grpo_draws_overoptimization_against_the_kl_of_the_rollouts_the_rewards_score(tmp_path):
+    """With --mask_truncated or --dynamic_sampling, the batch trained on differs from the first sampling round, whose
+    rewards overoptimization.png draws: rl/rollout_kl is k1 summed over every token of each first-round completion, and
+    collect keeps the sampling policy's log-probs it needs (a learned arithmetic reward)."""
+    rm_path = reward_checkpoint(tmp_path / "rm.pt", "orm")
+    task = arithmetic_task(grpo, tmp_path, reward_model=str(rm_path), eval_size=4)
+    rt = task_runtime(grpo)
+    torch.manual_seed(1)
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]])
+    first = {
+        "completion": torch.randint(len(CHARS), (4, 4)),
+        "mask": mask,
+        "info": ["1\n", "2\n", "3\n", "4\n"],
+        "rewards": torch.randn(4),
+        "old_logp": -torch.rand(4, 4),
+        "ref_logp": -torch.rand(4, 4),
+    }
+    batch = {"mask": mask[:2].repeat(2, 1), "truncated": torch.tensor([True, False, True, False])}  # other rows
+    metrics = grpo.rollout_metrics(task, first, batch, 2, rt)
+    expected = ((first["old_logp"] - first["ref_logp"]) * mask).sum(1).mean().item()
+    assert metrics["rl/rollout_kl"] == pytest.approx(expected, rel=1e-6)
+    cfg = grpo.Config(task="arithmetic", reward_model=str(rm_path), horizon=4, group_size=2, mask_truncated=True)
+    policy = tiny_policy(grpo)
+    collected = grpo.collect(task, policy, tiny_policy(grpo), cfg, rt, 2)
+    assert collected["old_logp"] is not None and collected["old_logp"].shape == (4, 4)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_the_arithmetic_task_takes_only_an_orm_or_a_prm(module, tmp_path, capsys):
+    """A preference reward model (HH-RLHF pairs) is no verifier of arithmetic: one line, exit code 2. orm and prm
+    models are taken."""
+    for task in ("orm", "prm"):
+        arithmetic_task(module, tmp_path, reward_model=str(reward_checkpoint(tmp_path / f"{task}.pt", task)))
+    capsys.readouterr()
+    preference = reward_checkpoint(tmp_path / "preference.pt", "preference")
+    with pytest.raises(SystemExit) as e:
+        arithmetic_task(module, tmp_path, reward_model=str(preference))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "preference" in lines[0] and "orm" in lines[0], lines
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_arithmetic_from_scratch_says_so_and_names_the_warm_start(module, tmp_path, capsys):
+    """--init_from scratch on arithmetic: one line that a model from scratch cannot do arithmetic (every group
+    scores alike: rl/zero_std_frac 1 at step 0) and the gpt.py warm start; a checkpoint start prints nothing of it."""
+    arithmetic_task(module, tmp_path, init_from="scratch")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "scratch" in line]
+    assert len(lines) == 1 and "rl/zero_std_frac" in lines[0] and "gpt.py" in lines[0], lines
+    arithmetic_task(module, tmp_path)
+    assert "scratch" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_resume_refuses_another_reward_model(tmp_path, script):
+    """ckpt.pt keeps a checksum of the reward model's weights: --resume with another reward model ends with one line
+    and exit code 2; the same weights at another path resume."""
+    init = char_checkpoint(tmp_path / "init.pt", CHARS, block_size=32)
+    rm = reward_checkpoint(tmp_path / "rm.pt", "orm", seed=1)
+    other = reward_checkpoint(tmp_path / "other.pt", "orm", seed=2)
+    out = tmp_path / "run"
+    args = ["--task", "arithmetic", "--init_from", init, "--horizon", "4", "--batch_size", "4", "--eval_size", "8"]
+    if script == "grpo.py":
+        args += ["--group_size", "2"]
+    proc = run_script(script, *args, "--reward_model", rm, "--max_steps", "2", "--eval_every", "2", "--out_dir", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bad = run_script(script, "--resume", "--out_dir", out, "--max_steps", "4", "--reward_model", other)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--reward_model" in lines[0], lines
+    same = shutil.copy(rm, tmp_path / "copy.pt")
+    ok = run_script(script, "--resume", "--out_dir", out, "--max_steps", "4", "--reward_model", same)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 4
