@@ -1277,8 +1277,9 @@ def evaluate_policy(run, step, logger):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them."""
-    return float(sum(v.double().sum() for v in model.state_dict().values()))
+    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
+    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 
 def save(run, step):
