@@ -321,6 +321,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(script, kind, f, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, kind", REAL_PROCESS)
 def test_bad_input_in_a_real_process_exits_2_without_a_traceback(script, kind, f, tmp_path):
     out = tmp_path / "run"

@@ -49,6 +49,7 @@ def test_bench_prints_one_json_line_with_a_positive_value_per_measurement():
     assert next(r for r in rows if r["bench"] == "train")["mfu"] is None  # no peak FLOPs on CPU
 
 
+@pytest.mark.slow
 @needs_bpe
 def test_bench_times_a_step_of_each_post_training_script():
     """The *_step measurements run the scripts themselves on tiny work: a positive median in ms per step, the
@@ -67,12 +68,14 @@ def test_bench_times_a_step_of_each_post_training_script():
         assert r["unit"] == "ms" and r["value"] > 0 and r["peak_mb"] > 100 and r["script"] == scripts[name], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--only", "nope"], ["--vs", "trl"], ["--group_size", "1"]])
 def test_bench_new_flags_refuse_bad_values_in_one_line(args):
     proc = run_script("bench.py", *args)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--only", "nope"], ["--batch_size", "0"], ["--model", "huge"], ["--bogus"]])
 def test_bench_bad_flag_exits_2_with_one_line(args):
     """Bad input is refused before any model is built: one line on stderr, exit code 2."""
@@ -81,6 +84,7 @@ def test_bench_bad_flag_exits_2_with_one_line(args):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_launch_help_exits_0_and_documents_multi_node(flag):
     """--help prints the usage with the multi-node variables and the CPU smoke example, and exits 0."""
@@ -90,6 +94,7 @@ def test_launch_help_exits_0_and_documents_multi_node(flag):
         assert word in proc.stdout, word
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [[], ["gpt.py"], ["gpt.py", "0"], ["gpt.py", "-1"], ["gpt.py", "two"], ["no.py", "2"]])
 def test_launch_missing_or_bad_arguments_exit_2_with_one_line(args):
     """Missing SCRIPT/NPROC, an NPROC that is not a positive integer, or no such script: one line, exit 2."""

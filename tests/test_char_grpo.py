@@ -51,6 +51,7 @@ def test_bigram_reference_is_the_normalised_add_one_counts():
     assert torch.allclose(table.sum(1), torch.ones(3))
 
 
+@pytest.mark.slow
 def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tmp_path, text_file, monkeypatch):
     """At --temperature 0.5 the log-probs in the loss, rl/entropy and the bigram reference's log-probs are those of
     softmax(logits / 0.5) (the bigram's: of its log-probs / 0.5), against float64 oracles from the same weights and
@@ -132,6 +133,7 @@ def test_float16_loss_scale_is_saved_and_restored_on_resume(tmp_path, text_file,
     assert run_in_process(["--resume", "--out_dir", out], monkeypatch) == 0
 
 
+@pytest.mark.slow
 def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file):
     """A few GRPO steps write SPEC section 4's folder; stopping at 4 of 6 steps and resuming gives the same metrics."""
     common = ["--data", text_file, *SMALL_RUN, "--eval_every", "2", "--save_every", "2", "--log_every", "1"]
@@ -158,6 +160,7 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_
     assert results["tokens"] == 6 * 4 * 4 * 4 and 0 <= results["next_char_acc"] <= 1
 
 
+@pytest.mark.slow
 def test_supervised_and_compare_runs(tmp_path, text_file):
     """--compare runs GRPO then the supervised baseline on the same token budget; final_results.json holds both."""
     out = tmp_path / "cmp"
@@ -213,6 +216,7 @@ torch.save(seen, os.path.join(os.environ["SPY_DIR"], "seen" + os.environ["RANK"]
 """
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_process_gloo_run(tmp_path, text_file):
     """torchrun with 2 CPU ranks trains, counts both ranks' tokens and saves one checkpoint. With --scale_rewards
@@ -254,6 +258,7 @@ def test_two_process_gloo_run(tmp_path, text_file):
         assert logged[step]["rl/char_match"] == pytest.approx(match.mean().item(), abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.learning
 def test_mean_reward_rises_on_repetitive_text(tmp_path):
     """On a text that repeats one short phrase, GRPO alone lifts the per-character reward far above chance."""

@@ -65,6 +65,7 @@ def metrics(out_dir):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["gpt", "char_grpo", "grpo", "ppo", "dpo", "reward_model", "rookworld_grpo"])
 def test_two_deterministic_cpu_runs_with_one_seed_write_identical_metrics(script, f, tmp_path):
     if script == "rookworld_grpo" and not BPE_AVAILABLE:

@@ -635,6 +635,7 @@ def close(rows_a, rows_b, tol=1e-5):
         assert a == pytest.approx(b, rel=tol, abs=tol), (a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", dpo.LOSS_TYPES)
 def test_every_loss_type_runs_a_step(tmp_path, hh, loss_type):
     """One optimizer step of each loss type: finite metrics, the run folder, held-out results."""
@@ -659,6 +660,7 @@ def test_every_loss_type_runs_a_step(tmp_path, hh, loss_type):
         assert train_row["train/kto_kl"] >= 0
 
 
+@pytest.mark.slow
 def test_grad_accum_and_precomputed_reference_do_not_change_the_run(tmp_path, hh):
     """The loss is normalised by the pairs of the whole step, so 4 micro-batches give the metrics of one; cached
     reference log-probs give those of a reference forward at every step."""
@@ -670,6 +672,7 @@ def test_grad_accum_and_precomputed_reference_do_not_change_the_run(tmp_path, hh
     close(plain, cached)
 
 
+@pytest.mark.slow
 def test_training_batches_give_chosen_and_rejected_rows_the_same_prompt(tmp_path, hh, monkeypatch):
     """In a run whose pairs are longer than --max_len, the chosen and rejected rows of every pair in a batch (the
     rows that go to collate) start with the same prompt tokens, also where the responses differ in length."""
@@ -686,6 +689,7 @@ def test_training_batches_give_chosen_and_rejected_rows_the_same_prompt(tmp_path
     assert batches and cut_and_unequal  # the case that matters did occur
 
 
+@pytest.mark.slow
 def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_path, hh):
     """Stopped by SIGTERM after 3 of 6 steps and resumed: the same metrics as the uninterrupted run, including the
     state a resume must carry (BCO's running mean, cached reference log-probs, the optimizer, micro-batches)."""
@@ -711,6 +715,7 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_resume_restores_the_float16_loss_scale(tmp_path, hh):
     """--dtype float16 trains with a GradScaler: its state is saved in ckpt.pt and a resumed run continues from it
     (here a scale of 1024, as after overflows), not from the initial 65536."""
@@ -725,6 +730,7 @@ def test_resume_restores_the_float16_loss_scale(tmp_path, hh):
     assert torch.load(out / "ckpt.pt", weights_only=True)["scaler"]["scale"] == 1024.0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_gloo_run_matches_one_process_on_the_same_pairs(tmp_path, hh, parallel):
@@ -768,6 +774,7 @@ def test_judge_loader_matches_reward_model_py(tmp_path, hh):
     assert torch.equal(ours(ids), theirs(ids)) and [spec, task] == rest
 
 
+@pytest.mark.slow
 def test_judge_scores_policy_against_reference(tmp_path, hh):
     """--judge loads a reward_model.py checkpoint and reports eval/win_rate; a judge whose head is zero scores
     every response 0, so every comparison is a tie and the win rate is exactly 1/2."""
@@ -778,6 +785,7 @@ def test_judge_scores_policy_against_reference(tmp_path, hh):
     assert "reference (greedy)" in (tmp_path / "run" / "samples.txt").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.learning
 @pytest.mark.parametrize(
     "loss_type, args",
@@ -795,6 +803,7 @@ def test_heldout_reward_accuracy_rises_above_90_percent(tmp_path, hh, loss_type,
     assert results["logratio_acc"] > 0.9
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step_named_and_keeps_the_last_checkpoint(tmp_path, hh):
     """An absurd learning rate blows the weights up; the first non-finite loss stops the run with exit code 1."""
     out = tmp_path / "run"
@@ -815,6 +824,7 @@ def other_tokenizer_checkpoint(hh):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -835,6 +845,7 @@ def test_impossible_settings_are_refused_before_training(tmp_path, hh, capsys, a
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 def test_char_checkpoint_refuses_data_outside_its_vocabulary(tmp_path, hh, capsys):
     """Dialogues with characters the char-level policy cannot encode are bad input, not a KeyError."""
     odd = {"chosen": "\n\nHuman: q\n\nAssistant: Zebra!", "rejected": "\n\nHuman: q\n\nAssistant: no"}
@@ -844,6 +855,7 @@ def test_char_checkpoint_refuses_data_outside_its_vocabulary(tmp_path, hh, capsy
     assert exit_info.value.code == 2 and "outside the model's vocabulary" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_unusable_pairs_are_refused_with_the_skip_counts(tmp_path, hh, capsys):
     """A file whose every record is skipped (here: identical responses) is an error naming why."""
     same = {"chosen": "\n\nHuman: q\n\nAssistant: no", "rejected": "\n\nHuman: q\n\nAssistant: no"}
@@ -934,6 +946,7 @@ def heldout_problems(n, digits=1, ops="+"):
     return list(problems.items())
 
 
+@pytest.mark.slow
 def test_arithmetic_gold_pairs_have_a_right_chosen_and_a_wrong_rejected_answer(tmp_path, arith):
     """--data arithmetic writes pairs.jsonl before training: in every pair the chosen answer is the right one and the
     rejected one is not (checked by the test's own addition); held-out pairs come from the distinct held-out problems
@@ -973,6 +986,7 @@ def save_arith_judge(path, arith, chars=ARITH_CHARS, seed=3, zero_head=False):
     return judge.eval()
 
 
+@pytest.mark.slow
 def test_arithmetic_judge_ranks_the_pairs_and_its_agreement_with_gold_is_reported(tmp_path, arith):
     """With --judge, chosen is the answer the reward model scores higher (its score at the last token of prompt +
     answer, computed here), and gold_agreement is the share of pairs whose chosen answer is right and rejected wrong."""
@@ -993,6 +1007,7 @@ def test_arithmetic_judge_ranks_the_pairs_and_its_agreement_with_gold_is_reporte
     assert "win_rate" in results
 
 
+@pytest.mark.slow
 def test_arithmetic_resume_reads_the_pairs_back_and_reproduces_the_run(tmp_path, arith, monkeypatch):
     """Stopped after 2 of 4 steps and resumed: the pairs come from pairs.jsonl (not rebuilt from the trained policy)
     and the metrics equal the uninterrupted run's."""
@@ -1022,6 +1037,7 @@ def without_newline(folder, arith):
     return folder / "no_newline.pt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, needle",
     [
@@ -1046,6 +1062,7 @@ def test_arithmetic_bad_input_is_refused_before_training(tmp_path, arith, hh, ca
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 def test_default_max_len_is_the_models_block_size(tmp_path, arith):
     """--max_len left unset is the models' block_size: a block_size-16 policy runs without --max_len (it stopped on
     the default 256 before), and config.json records the 16 the run used."""
@@ -1065,6 +1082,7 @@ def test_draw_problem_keeps_to_its_side_of_the_held_out_rule(seed, digits, ops, 
     assert dpo.arithmetic_reward(answer, answer) == 1.0
 
 
+@pytest.mark.slow
 def test_arithmetic_pairs_train_on_no_held_out_problem_and_evaluate_only_distinct_held_out_ones(tmp_path, arith):
     """SPEC section 8: no training pair is a held-out problem (crc32 of the prompt 0 mod 10); every held-out pair and
     every problem of eval/accuracy is one, each once."""
@@ -1144,6 +1162,7 @@ NEW_FORMS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", NEW_FORMS, ids=" ".join)
 def test_every_new_form_trains(tmp_path, hh, args):
     """Two steps of each new flag: finite metrics, and at step 0 (policy = reference, so every f'(1) is equal) the
@@ -1158,6 +1177,7 @@ def test_every_new_form_trains(tmp_path, hh, args):
     assert any(r.get("eval/logratio_margin", 0) != 0 for r in rows[1:])  # it learned something
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixup", [1.0, 0.0])
 def test_ref_sync_with_mixup_one_makes_the_reference_the_policy(tmp_path, hh, mixup):
     """--ref_sync_steps 1 --ref_mixup 1 (TR-DPO's hard update every step): after each step the reference is the
@@ -1182,6 +1202,7 @@ def test_ref_sync_with_mixup_one_makes_the_reference_the_policy(tmp_path, hh, mi
     assert ckpt["ref_checksum"] == dpo.weights_checksum(reference)
 
 
+@pytest.mark.slow
 def test_resume_with_ref_sync_continues_from_the_synced_reference(tmp_path, hh, monkeypatch):
     """Stopped after 3 of 5 steps with the reference synced every 2 and resumed: the metrics of the uninterrupted
     run (the synced reference is in ckpt.pt); a checkpoint whose reference weights were altered is refused."""
@@ -1205,6 +1226,7 @@ def test_resume_with_ref_sync_continues_from_the_synced_reference(tmp_path, hh, 
     assert resumed == full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, needle",
     [

@@ -113,6 +113,7 @@ def test_bad_export_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path
     assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == expected
 
 
+@pytest.mark.slow
 def test_export_runs_as_a_command(tmp_path):
     """The command the README gives, in a real process: exit 0, the three files transformers needs."""
     init = char_checkpoint(tmp_path / "ckpt.pt", CHARS, block_size=32)

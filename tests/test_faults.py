@@ -286,6 +286,7 @@ def stop_by_signal(script, part, sig, code):
     assert start < stopped < STEPS and max(run.train_steps()) == stopped - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_an_interrupted_run_always_resumes_to_the_uninterrupted_metrics(script, data, references, tmp_path):
     """One run of the script goes through interruptions in turn, each followed by --resume: SIGKILL at a random
@@ -312,6 +313,7 @@ def test_an_interrupted_run_always_resumes_to_the_uninterrupted_metrics(script, 
 # --------------------------------------------------------------------------------------------- memory over steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_memory_does_not_grow_across_steps(script, references):
     """The uninterrupted run's resident memory between steps 5-10 and 20-29: the least seen in each window (the
@@ -389,6 +391,7 @@ def run_main(monkeypatch, capsys, script, args):
 REASONS = {"read_only": "Read-only file system|Permission denied", "full": "No space left", "not_a_folder": "Not a dir"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", REASONS)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_an_unwritable_out_dir_is_refused_before_training(script, kind, data, unwritable, monkeypatch, capsys):
@@ -403,6 +406,7 @@ def test_an_unwritable_out_dir_is_refused_before_training(script, kind, data, un
     assert not (out_dir / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_no_longer_fits_on_the_disk_keeps_the_previous_one(tmp_path, data, references):
     """A disk with room for one checkpoint but not for a second beside it (the atomic write needs both at once):
     the second save fails, the run ends with exit code 1 and one line, ckpt.pt is still the first checkpoint and no
@@ -425,6 +429,7 @@ def test_a_checkpoint_that_no_longer_fits_on_the_disk_keeps_the_previous_one(tmp
 # ------------------------------------------------------------------------------------------- a rank that crashes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("script, rank", [("gpt.py", 1), ("grpo.py", 0)])
 def test_a_rank_that_raises_ends_the_torchrun_run_promptly_and_is_named(script, rank, data, tmp_path):
@@ -440,6 +445,7 @@ def test_a_rank_that_raises_ends_the_torchrun_run_promptly_and_is_named(script, 
     assert f"[rank{rank}]: RuntimeError: FAULT_RAISE_AT_STEP: injected error on rank {rank}" in output, output[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(data, tmp_path):
     """SIGTERM to the launcher, as a scheduler's preemption sends it: torchrun passes it to both ranks, which agree

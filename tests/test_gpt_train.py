@@ -27,6 +27,7 @@ def assert_ok(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file):
     """A short gpt.py run writes every file of SPEC section 4, and its val loss beats character frequencies."""
     out = tmp_path / "run"
@@ -50,6 +51,7 @@ def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file)
     assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
 
 
+@pytest.mark.slow
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
     """Stop after 8 of 12 steps, resume: metrics.jsonl equals the uninterrupted run's (dropout on, so RNG matters)."""
     common = ["--data", text_file, *RUN, "--dropout", "0.1", "--eval_every", "4", "--save_every", "4"]
@@ -63,6 +65,7 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
     """With --dtype float16 the GradScaler's state (its loss scale and growth tracker) is part of the checkpoint:
     a run resumed at step 4 ends with the uninterrupted run's scaler state and metrics, instead of restarting at
@@ -78,6 +81,7 @@ def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run
     assert metrics(part) == metrics(full)
 
 
+@pytest.mark.slow
 def test_the_default_data_ships_with_the_repository_and_runs_offline(tmp_path):
     """gpt.py's default data (char-level tiny Shakespeare) is data/tinyshakespeare.txt beside the script: a copy of
     gpt.py and data/ alone (no ../shared, started from another folder, every download failing through a dead proxy)
@@ -106,6 +110,7 @@ def test_the_default_data_ships_with_the_repository_and_runs_offline(tmp_path):
     assert not (elsewhere / "data").exists()  # nothing was downloaded next to the working folder
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file):
     """ckpt.pt round-trips: load_model gives the saved weights and tokenizer, and --init_from trains from it."""
     out = tmp_path / "run"
@@ -166,6 +171,7 @@ def test_arithmetic_sft_trains_on_no_held_out_problem_and_validates_on_held_out_
     assert all(gpt.held_out(prompt) == (zlib.crc32(prompt.encode()) % 10 == 0) for prompt in train[:500] + val)
 
 
+@pytest.mark.slow
 def test_char_level_arithmetic_uses_the_arithmetic_alphabet(tmp_path):
     """--data arithmetic --tokenizer char trains on the 15 characters of the problems (grpo.py starts from it)."""
     out = tmp_path / "run"
@@ -211,6 +217,7 @@ def test_config_flags_parse_types_booleans_and_help(capsys):
     assert "peak learning rate" in out
 
 
+@pytest.mark.slow
 @needs_bpe
 @pytest.mark.parametrize("data", ["arithmetic", "hh_sft"])
 def test_bpe_datasets_train(tmp_path, data):
@@ -230,6 +237,7 @@ def test_bpe_datasets_train(tmp_path, data):
     assert torch.load(out / "ckpt.pt", weights_only=True)["tokenizer"] == "gpt2"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_distributed_gradients_equal_single_process_gradients(tmp_path, parallel):
@@ -240,6 +248,7 @@ def test_distributed_gradients_equal_single_process_gradients(tmp_path, parallel
     assert result.read_text() == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_run_saves_a_checkpoint_that_loads_in_one_process(tmp_path, text_file):
     """torchrun --parallel fsdp trains and saves a full (unsharded) checkpoint loadable without torchrun."""

@@ -177,6 +177,7 @@ def test_denoise_sampler_keeps_the_most_confident_draws_first():
 # --------------------------------------------------------------------------------------------- end to end runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [["--attention", "mla", "--kv_latent_dim", "16"], ["--objective", "denoise"]])
 def test_variant_run_learns_resumes_exactly_and_only_gpt_loads_it(variant, tmp_path, text_file):
     """A short run of each variant lowers its validation loss and writes the run folder (samples.txt holds text of

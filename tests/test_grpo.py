@@ -162,6 +162,7 @@ def test_gspo_default_clip_range_clips_a_sequence_ratio_of_exp_1e_minus_3():
         assert grpo.resolve_clip(cfg) == cfg
 
 
+@pytest.mark.slow
 def test_gspo_logged_clip_frac_weighs_micro_batches_by_their_sequences(tmp_path, monkeypatch):
     """--loss_type gspo, 2 micro-batches of 8 completions with different token counts, 2 iterations per batch:
     rl/clip_frac (last iteration) is the fraction of its 16 sequences whose clipped branch is active, so the
@@ -317,6 +318,7 @@ def test_completion_logprobs_skip_left_padding():
 # ---------------------------------------------------------------------------------- the normaliser across splits
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_token_normaliser_is_global_across_two_gloo_ranks(tmp_path):
     """dapo's token count (and every other loss's normaliser) covers the whole step: two ranks with uneven token
@@ -327,6 +329,7 @@ def test_token_normaliser_is_global_across_two_gloo_ranks(tmp_path):
     assert result.read_text() == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_advantages_and_rollout_metrics_cover_every_rank(tmp_path):
     """Two ranks, each with its own groups: --scale_rewards batch divides by the std of both ranks' rewards, and the
@@ -341,6 +344,7 @@ def test_advantages_and_rollout_metrics_cover_every_rank(tmp_path):
 # ------------------------------------------------------------------------- log-probs of the sampling distribution
 
 
+@pytest.mark.slow
 def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, text_file, monkeypatch):
     """At --temperature 0.5, rl/entropy is the mean over completion tokens of H(softmax(logits / 0.5)), computed here
     in float64 from the weights that sampled the batch (one iteration: the training pass sees the same weights)."""
@@ -356,6 +360,7 @@ def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, 
     assert logged == pytest.approx(expected.item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_old_logprobs_are_those_of_the_top_k_sampler_and_the_first_update_has_ratio_one(
     tmp_path, text_file, monkeypatch
 ):
@@ -385,6 +390,7 @@ def test_old_logprobs_are_those_of_the_top_k_sampler_and_the_first_update_has_ra
 # ---------------------------------------------------------------------------------------------- end-to-end runs
 
 
+@pytest.mark.slow
 def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file):
     """SIGTERM after 3 of 6 steps saves and exits 143; --resume continues to exactly the uninterrupted metrics
     (reference init, partial credit, 2 iterations per batch, 2 micro-batches, entropy bonus, KL warm-up)."""
@@ -406,6 +412,7 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     assert results["tokens"] == 6 * 4 * 4 * 4 and set(results["before"]) == set(results["after"])
 
 
+@pytest.mark.slow
 def test_float16_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, text_file, monkeypatch):
     """--dtype float16 (CPU autocast here) trains through a GradScaler: its state goes into ckpt.pt, and --resume
     continues it. The saved scale is set to 2^10 (as after overflows) before resuming: the resumed run keeps it, and
@@ -426,6 +433,7 @@ def test_float16_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, tex
     assert resumed["step"] == 3 and resumed["scaler"]["scale"] == 2.0**10 and resumed["scaler"]["_growth_tracker"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -451,6 +459,7 @@ def test_arithmetic_runs_for_each_loss_family(tmp_path, args):
     assert {"accuracy", "format_rate"} <= set(results["after"])
 
 
+@pytest.mark.slow
 def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp_path):
     """The policy samples completions of HH prompts, a reward model checkpoint scores them; the evaluation reports the
     reward model's score and the KL to the starting policy (0 before any update)."""
@@ -471,6 +480,7 @@ def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp
     assert np.isfinite(results["after"]["rm_score"]) and results["after"]["completion_len"] == 8
 
 
+@pytest.mark.slow
 @needs_bpe
 def test_next_token_on_gpt2_bpe_with_the_sparse_bigram_reference(tmp_path, text_file):
     """--tokenizer gpt2: GPT-2 BPE, a bigram reference over 50,257 ids kept sparse."""
@@ -495,6 +505,7 @@ def test_next_token_on_gpt2_bpe_with_the_sparse_bigram_reference(tmp_path, text_
     assert "rl/kl" in [r for r in metrics(out) if "train/loss" in r][0]
 
 
+@pytest.mark.slow
 def test_the_default_configuration_has_reward_signal_from_its_first_step(tmp_path):
     """The headline command (defaults: next_token on the shipped tiny Shakespeare, a model from scratch, --horizon
     70) at a tiny width: most groups' rewards differ at step 0, so the gradient is not zero. Over GPT-2 BPE (the old
@@ -507,6 +518,7 @@ def test_the_default_configuration_has_reward_signal_from_its_first_step(tmp_pat
     assert first["step"] == 0 and first["rl/zero_std_frac"] < 0.5 and first["rl/reward_mean"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_gloo_runs(tmp_path, text_file, parallel):
@@ -554,6 +566,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle, monk
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_policy_checkpoint_is_not_a_reward_model(tmp_path):
     """--reward_model must hold a reward head; a plain policy checkpoint is refused with one line."""
     data = hh_file(tmp_path / "hh.jsonl")
@@ -564,6 +577,7 @@ def test_a_policy_checkpoint_is_not_a_reward_model(tmp_path):
     assert proc.returncode == 2 and "reward head" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.learning
 def test_arithmetic_accuracy_rises_from_a_briefly_supervised_model(tmp_path):
     """1-digit arithmetic: a tiny char model trained briefly by gpt.py, then GRPO; the exact answers of its rollouts
@@ -621,6 +635,7 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
     assert metrics["rl/reward_mean"] == pytest.approx(proxy.mean().item())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
 def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_path, script):
     """End to end: a policy trained on a reward model's score logs rl/gold_reward every step, evaluates the greedy

@@ -331,6 +331,7 @@ def truncated_logprobs(logits, temperature, top_k):
     return torch.log_softmax(z.masked_fill(z < kth, float("-inf")), -1)
 
 
+@pytest.mark.slow
 def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, monkeypatch, text_file):
     """At --temperature 0.5 train/entropy (one update, before it changes the policy) is the mean entropy of
     softmax(logits / 0.5) at the completion positions, not that of softmax(logits)."""
@@ -340,6 +341,7 @@ def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, 
     assert seen["metrics"]["train/entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_rollout_samples_inside_the_top_k_and_stores_the_truncated_distributions_logprobs(
     tmp_path, monkeypatch, text_file
 ):
@@ -352,6 +354,7 @@ def test_rollout_samples_inside_the_top_k_and_stores_the_truncated_distributions
     assert torch.allclose(batch["old_logp"].double(), want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_first_update_ratio_is_exactly_1_under_temperature_and_top_k(tmp_path, monkeypatch, text_file):
     """The first update sees the policy that sampled: its log-probs, under the same truncated tempered distribution,
     equal the rollout's bit for bit (ratio mean 1.0, nothing clipped), and are those of that distribution."""
@@ -367,6 +370,7 @@ def test_first_update_ratio_is_exactly_1_under_temperature_and_top_k(tmp_path, m
 # ---------------------------------------------------------------------------------------------- end-to-end runs
 
 
+@pytest.mark.slow
 def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file):
     """SIGTERM after 2 of 4 steps saves and exits 143; --resume continues to exactly the uninterrupted metrics, the
     adaptive KL coefficient and both optimizers included (separate value model, 2 epochs of 2 minibatches of 2
@@ -400,6 +404,7 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     assert set(results["before"]) == set(results["after"]) == {"next_token_acc", "loss", "greedy_match"}
 
 
+@pytest.mark.slow
 def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
     """With --dtype float16 the GradScaler's state (loss scale, growth tracker) is part of ckpt.pt: a run stopped
     after step 1 and resumed ends with the uninterrupted run's scaler state and metrics, instead of restarting at
@@ -417,6 +422,7 @@ def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run
     assert metrics(part) == metrics(full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
 def test_vf_coef_weighs_the_value_loss_only_where_the_trunk_is_shared(tmp_path, text_file, value_model):
     """A separate value model shares no parameter with the policy and has its own AdamW, so it minimises L_V itself:
@@ -432,6 +438,7 @@ def test_vf_coef_weighs_the_value_loss_only_where_the_trunk_is_shared(tmp_path, 
     assert (runs[0] == runs[1]) == (value_model == "separate")
 
 
+@pytest.mark.slow
 def test_reward_model_task_with_the_value_model_initialised_from_the_reward_model(tmp_path):
     """HH prompts scored by a reward_model.py checkpoint, which also initialises the value model (body and head):
     the first step's values are the reward model's scores of the prompt prefixes, so they are not all zero."""
@@ -454,6 +461,7 @@ def test_reward_model_task_with_the_value_model_initialised_from_the_reward_mode
     assert first["rl/value_mean"] != 0.0 and math.isfinite(first["train/explained_variance"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_gloo_runs(tmp_path, text_file, parallel):
@@ -523,6 +531,7 @@ def test_impossible_settings_exit_2_with_one_line(overrides, needle, capsys):
     assert len(lines) == 1 and needle in lines[0], lines
 
 
+@pytest.mark.slow
 def test_a_policy_checkpoint_cannot_initialise_the_value_model_as_a_reward_model(tmp_path):
     """--value_init reward_model needs a reward head: a plain policy checkpoint is refused with one line, exit code 2,
     no traceback and no checkpoint written."""
@@ -535,6 +544,7 @@ def test_a_policy_checkpoint_cannot_initialise_the_value_model_as_a_reward_model
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.learning
 def test_mean_reward_rises_on_the_dense_next_token_task(tmp_path):
     """A tiny char model from scratch on a text that repeats one short phrase: PPO with its value model lifts the

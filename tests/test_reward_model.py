@@ -416,6 +416,7 @@ def test_load_reward_model_refuses_a_policy_checkpoint(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ end to end
 
 
+@pytest.mark.slow
 def test_preference_run_writes_the_run_folder_and_a_loadable_checkpoint(pref_run):
     """SPEC section 4's files; bad records counted in one summary line; the body loads as a plain GPT policy and
     load_reward_model gives the same rewards as training's forward."""
@@ -455,6 +456,7 @@ def eval_margin(model, tok, out):
     return sum(c - r for c, r in zip(r_c, r_r)) / len(rows)
 
 
+@pytest.mark.slow
 def test_init_from_a_policy_checkpoint_keeps_its_body_and_tokenizer(tmp_path, clean_file, pref_run, monkeypatch):
     """--init_from a gpt.py-style checkpoint (no head): the run starts from its weights and vocabulary, adds a new
     head, and writes a reward model with the same architecture and tokenizer."""
@@ -482,6 +484,7 @@ def test_init_from_a_policy_checkpoint_keeps_its_body_and_tokenizer(tmp_path, cl
     assert not torch.equal(new["reward_head"]["weight"], ckpt["reward_head"]["weight"])  # a new head
 
 
+@pytest.mark.slow
 def test_score_flag_prints_the_reward(pref_run, monkeypatch):
     """reward_model.py --score TEXT --init_from ckpt.pt prints score() of the text and exits."""
     ckpt = pref_run[0] / "ckpt.pt"
@@ -492,11 +495,13 @@ def test_score_flag_prints_the_reward(pref_run, monkeypatch):
     assert code == 0 and float(out.strip()) == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_score_flag_refuses_characters_outside_the_vocabulary(pref_run, monkeypatch):
     code, _, err = run_main(monkeypatch, "--init_from", pref_run[0] / "ckpt.pt", "--score", "Q?", "--device", "cpu")
     assert code == 2 and len(err) == 1 and "outside the model's char vocabulary" in err[0]
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tmp_path, pairs_file, pref_run, monkeypatch):
     """Stopped by SIGTERM after 3 of 6 steps and resumed in a new process with its own settings: the same
     metrics.jsonl and weights as the uninterrupted run (model, optimizer, data order and schedule all continue)."""
@@ -514,6 +519,7 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tmp_path, pai
     assert all(torch.equal(a["reward_head"][k], b["reward_head"][k]) for k in a["reward_head"])
 
 
+@pytest.mark.slow
 def test_preference_rows_of_a_pair_share_their_prompt_tokens(tmp_path, clean_file, monkeypatch):
     """At --max_len 40 most dialogues lose prompt tokens: the chosen and rejected rows of every training and held-out
     pair (the rows that go to pad_right) still carry the same prompt, also where the responses differ in length.
@@ -539,6 +545,7 @@ def test_preference_rows_of_a_pair_share_their_prompt_tokens(tmp_path, clean_fil
     assert cut_and_unequal  # the case that matters did occur
 
 
+@pytest.mark.slow
 def test_resume_restores_the_float16_loss_scale(tmp_path, clean_file, monkeypatch):
     """--dtype float16 trains with a GradScaler: its state is saved in ckpt.pt and a resumed run continues from it
     (here a scale of 1024, as after overflows), not from the initial 65536."""
@@ -561,6 +568,7 @@ def assert_same_metrics(a, b):
         assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5) for k in x), (x, y)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_same_steps(tmp_path, pairs_file, pref_run, monkeypatch):
     """2 micro-batches of 2 pairs take the same optimizer steps as 1 batch of 4: the loss is normalised globally."""
     out = tmp_path / "accum"
@@ -570,6 +578,7 @@ def test_gradient_accumulation_gives_the_same_steps(tmp_path, pairs_file, pref_r
     assert_same_metrics(metrics(out), metrics(pref_run[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_process_gloo_fsdp_run_matches_one_process(tmp_path, pairs_file, pref_run):
     """torchrun with 2 CPU ranks of 2 pairs each takes the same steps as one process with 4 pairs, and saves one
@@ -583,6 +592,7 @@ def test_two_process_gloo_fsdp_run_matches_one_process(tmp_path, pairs_file, pre
     assert len(torch.load(out / "ckpt.pt", weights_only=True)["rng_ranks"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["orm", "prm"])
 def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
     """A few steps of each synthetic task: held-out metrics in range, the checkpoint names its task."""
@@ -613,6 +623,7 @@ def arithmetic_sft(tmp_path_factory):
     return out / "ckpt.pt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["orm", "prm"])
 def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, monkeypatch, arithmetic_sft, task):
     """Issue #21: --init_from a gpt.py arithmetic SFT model with its char tokenizer trains (the data stays inside its
@@ -633,6 +644,7 @@ def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, mo
     assert rm.ARITHMETIC_CHARS == gpt.ARITHMETIC_CHARS
 
 
+@pytest.mark.slow
 def test_samples_from_trains_a_verifier_of_the_policy_on_its_own_answers(tmp_path, monkeypatch, arithmetic_sft):
     """--samples_from CKPT: the reward model starts from that policy (no warm-start hint), trains on its sampled
     answers and reports accuracy on right and on wrong answers and the AUC on held-out problems' answers, 8 answers
@@ -652,6 +664,7 @@ def test_samples_from_trains_a_verifier_of_the_policy_on_its_own_answers(tmp_pat
     assert code == 2 and err == ["error: --samples_from is for --task orm"]
 
 
+@pytest.mark.slow
 @pytest.mark.learning
 def test_preference_model_learns_the_marker_to_over_90_percent_held_out(tmp_path, monkeypatch):
     """Chosen responses contain "thanks": a tiny char-level model from scratch ranks > 90% of held-out pairs right

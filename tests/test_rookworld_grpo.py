@@ -44,6 +44,7 @@ def expected_step(board, move):
     return after.fen(), reward, outcome is not None, False
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_env_step_matches_python_chess_on_random_games(seed):
@@ -418,6 +419,7 @@ def sft(tmp_path_factory):
     return data, tmp / "sft" / "ckpt.pt"
 
 
+@pytest.mark.slow
 def test_make_data_writes_distinct_lines_of_both_tasks_and_never_overwrites(sft, monkeypatch, capsys):
     """The fixture's --make_data file: distinct lines that all parse, both tasks, some illegal moves; asking for the
     same file again is refused with one line and leaves it as it was."""
@@ -432,6 +434,7 @@ def test_make_data_writes_distinct_lines_of_both_tasks_and_never_overwrites(sft,
     assert data.read_text().splitlines() == lines
 
 
+@pytest.mark.slow
 @needs_bpe
 def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft):
     """Two steps on batches of one P: and one A: prompt; SIGTERM after step 1 saves and exits 143, and --resume
@@ -521,6 +524,7 @@ def first(calls, name, after=None):
     return next(tensors for n, tensors in calls[start:] if n == name)
 
 
+@pytest.mark.slow
 @needs_bpe
 @pytest.mark.parametrize("temperature, top_k, kl_type, iterations", [(0.5, 0, "symmetric", 1), (0.5, 5, "forward", 2)])
 def test_every_completion_logprob_is_of_the_sampling_distribution(
@@ -564,6 +568,7 @@ def test_every_completion_logprob_is_of_the_sampling_distribution(
         assert train[0]["rl/kl"] == pytest.approx(oracle_kl[mask].mean().item(), rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 @needs_bpe
 @pytest.mark.distributed
 def test_scale_rewards_batch_divides_by_the_std_of_every_ranks_rewards(tmp_path, sft):
@@ -585,6 +590,7 @@ def test_scale_rewards_batch_divides_by_the_std_of_every_ranks_rewards(tmp_path,
     assert train[0]["rl/zero_std_frac"] == 0.0
 
 
+@pytest.mark.slow
 @needs_bpe
 def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
     """--dtype float16 (autocast and a GradScaler, here on CPU): the checkpoint holds the scaler's state, and a run
@@ -604,6 +610,7 @@ def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
     assert metrics(full) == metrics(part)
 
 
+@pytest.mark.slow
 @needs_bpe
 def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path, sft):
     """The reference is reloaded from --init_from on --resume; when that file now holds other weights the resume
@@ -623,6 +630,7 @@ def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path,
     assert proc.returncode == 2 and len(lines) == 1 and "changed since the run started" in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 @needs_bpe
 @pytest.mark.distributed
 def test_two_process_torchrun_with_a_value_head_and_adaptive_kl(tmp_path, sft):
@@ -676,6 +684,7 @@ def test_a_missing_data_file_or_a_bad_stockfish_is_one_clear_line(tmp_path, caps
         assert e.value.code == 2 and len(lines) == 1 and needle in lines[0]
 
 
+@pytest.mark.slow
 def test_an_unreadable_stockfish_path_ends_the_command_with_one_line(tmp_path):
     """Through the command line: exit code 2, one line on stderr, no traceback, no file written."""
     out = tmp_path / "out.txt"
