@@ -812,7 +812,8 @@ class ArithmeticTask:
     def correct(self, completion, mask, answers, rewards):
         return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
 
-    def evaluate(self, model, ref, rt, tok, step):  # generate and reward_model_scores need no gradients
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
         """eval/ metrics of the greedy answers to the held-out problems. At step 0 with --best_of, best_of_n.json
         too: for each n, the answer the reward model scores highest among n answers of the initial policy to each
         held-out problem (temperature 1; the first n of max(n) samples), its gold accuracy (exact answers) with the
@@ -851,6 +852,16 @@ class ArithmeticTask:
         }
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+        if self.rm is not None and ref is not None:
+            # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
+            # the held-out problems, as best_of_n.json's n = 1 (overoptimization.png's axes)
+            prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
+            seq, attn = join(prompts, completion)
+            logp = completion_logprobs(model, seq, attn, self.cfg.horizon)[0]  # (4E, H)
+            ref_logp = completion_logprobs(ref, seq, attn, self.cfg.horizon)[0]  # (4E, H)
+            metrics["eval/sample_accuracy"] = exact.mean().item()
+            metrics["eval/sample_rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+            metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
         return metrics, "\n".join(shown)
 
     def answer(self, model, rt, n, temperature):
