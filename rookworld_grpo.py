@@ -286,13 +286,13 @@ def policy_loss(
         clipped_ratio = ratio.clamp(1 - clip_eps, high)
         unclipped = ratio.clamp(max=clip_delta) if clip_delta else ratio  # (N, T)
         per_token = -torch.min(unclipped * adv, clipped_ratio * adv)
-        clipped = (per_token != -ratio * adv).float()  # the clip or the cap holds the term
+        clipped = per_token != -ratio * adv  # (N, T) bool: the clip or the cap holds the term
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)  # (N, T)
+        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(adv)  # (N, 1) or (N, T), in adv's dtype
         per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv
     elif loss_type == "cispo":
         per_token = -ratio.clamp(max=1 + clip_eps_high).detach() * adv * logp
-        clipped = (ratio > 1 + clip_eps_high).float()
+        clipped = ratio > 1 + clip_eps_high
     elif loss_type == "reinforce":
         per_token = -adv * logp
     else:
