@@ -145,10 +145,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """Outcome advantages of (N,) rewards in contiguous groups: (r - group mean) / (group std + eps), unbiased std.
     scale="batch" divides by the std of the whole batch instead; scale="none" only subtracts the mean (Dr. GRPO)."""
     r = rewards.view(-1, group_size)  # (N/G, G)
-    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
-    adv = (r - r.mean(dim=1, keepdim=True)).masked_fill(same, 0.0)
+    same = (r == r[:, :1]).all(1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
+    adv = (r - r.mean(1, keepdim=True)).masked_fill(same, 0.0)
     if scale == "group":
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+        adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (rewards.std() + eps)
     elif scale != "none":
@@ -195,6 +195,9 @@ def policy_loss(
     max_len=None,
     num_seqs=None,
     num_tokens=None,
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
+    clip_delta=None,
 ):
     """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
     ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high, or clip_eps when None.
@@ -202,11 +205,17 @@ def policy_loss(
       dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
       dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
       gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
+      luspo:     gspo's sequence term times the sequence's length |o_i|, then the mean over sequences
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
+      sapo:      -(4 / tau) sigmoid(tau (ratio - 1)) A, a soft gate and no clip, tau = sapo_tau_pos where A > 0, else
+                 sapo_tau_neg; aggregated as grpo. At ratio 1 its gradient is the plain policy gradient's
+    clip_delta (grpo, dapo, dr_grpo): the unclipped ratio in the min is capped at clip_delta (two-sided clipping),
+    so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
-    batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
+    batch's clip_frac (the terms that a clip or the cap holds, so that they get no gradient) and ratio_mean over its
+    real tokens, over its sequences for gspo and luspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
     if num_seqs is None:  # this batch is the whole step
@@ -215,37 +224,43 @@ def policy_loss(
         num_tokens = mask.sum().clamp(min=1)
     if clip_eps_high is None:  # a symmetric clip
         clip_eps_high = clip_eps
-    if adv.dim() == 1:  # one advantage per sequence: the same for each of its tokens
-        adv = adv[:, None].expand(N, T)  # (N, T)
+    adv = adv.reshape(N, -1)  # (N, 1) one advantage per sequence, the same for each of its tokens, or (N, T)
+    seq_len = mask.sum(1).clamp(min=1)  # (N,)
     log_ratio = logp - old_logp.detach()  # (N, T)
-    if loss_type == "gspo":
-        seq_len = mask.sum(1).clamp(min=1)  # (N,)
+    if loss_type in ("gspo", "luspo"):
         ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
         seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
+        if loss_type == "luspo":  # the term times |o_i| (> 0, so inside the min): no bias towards short sequences
+            seq_adv = seq_adv * seq_len
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
         loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
         return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
+    clipped = torch.zeros_like(ratio)  # sapo (a soft gate) and reinforce never clip
     if loss_type in ("grpo", "dapo", "dr_grpo"):
         high = 1 + (clip_eps_high if loss_type == "dapo" else clip_eps)
         clipped_ratio = ratio.clamp(1 - clip_eps, high)
-        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
-        clipped = (clipped_ratio * adv < ratio * adv).float()
+        unclipped = ratio.clamp(max=clip_delta) if clip_delta else ratio  # (N, T)
+        per_token = -torch.min(unclipped * adv, clipped_ratio * adv)
+        clipped = per_token != -ratio * adv  # (N, T) bool: the clip or the cap holds the term
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(adv)  # (N, 1) or (N, T), in adv's dtype
+        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv
     elif loss_type == "cispo":
         per_token = -ratio.clamp(max=1 + clip_eps_high).detach() * adv * logp
-        clipped = (ratio > 1 + clip_eps_high).float()
+        clipped = ratio > 1 + clip_eps_high
     elif loss_type == "reinforce":
         per_token = -adv * logp
-        clipped = torch.zeros_like(ratio)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    per_token = per_token * mask  # (N, T): 0 on padding
+    if loss_type in ("grpo", "sapo"):
+        loss = (per_token.sum(1) / seq_len).sum() / num_seqs
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+        loss = per_token.sum() / (num_seqs * (max_len or T))
     else:
-        loss = (per_token * mask).sum() / num_tokens
+        loss = per_token.sum() / num_tokens
     n = mask.sum().clamp(min=1)
     clip_frac = (clipped * mask).sum() / n
     ratio_mean = (ratio * mask).sum() / n
@@ -525,11 +540,11 @@ def plot_compare(out_dir, runs):
 
 
 def resolve_clip(cfg):
-    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
-    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. --clip_eps_high 0
-    means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is given. config.json
-    records the values used, and the losses receive exactly these."""
-    gspo = cfg.loss_type == "gspo"
+    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo and luspo (a sequence ratio) the GSPO
+    paper's 3e-4 and 4e-4 (Zheng et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never
+    clip. --clip_eps_high 0 means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is
+    given. config.json records the values used, and the losses receive exactly these."""
+    gspo = cfg.loss_type in ("gspo", "luspo")
     if cfg.clip_eps is not None:
         clip_eps = cfg.clip_eps
     elif gspo:

@@ -1,5 +1,6 @@
 """
-grpo.py: the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE) on token-level tasks, one flag at a time.
+grpo.py: the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, LUSPO, CISPO, SAPO, RLOO, REINFORCE) on token-level tasks, one
+flag at a time.
 
 For every prompt q the policy samples a group of G completions o_1..o_G, a task scores them, and the rewards become
 group-relative advantages A. The policy then maximises a clipped surrogate (Shao et al. 2024, DeepSeekMath):
@@ -32,9 +33,40 @@ the optimizer step (all micro-batches and ranks together), L = --horizon, term_i
                                                          a length-normalised ratio moves little, so gspo's default
                                                          clip is the paper's [1 - 3e-4, 1 + 4e-4] (at 0.2 it would
                                                          never clip)
+    luspo      -1/N sum_i |o_i| min(s_i A_i, clip(s_i) A_i)   gspo's term times the sequence's length (Length-Unbiased
+                                                         Sequence Policy Optimization, arXiv 2602.05261; TRL's form):
+                                                         gspo's mean over sequences gives a short completion's tokens
+                                                         more weight; gspo's clip range
     cispo      -1/(sum |o_i|) sum sg(min(r_it, 1 + eps_high)) A_it log pi(o_it)   the ratio is a detached weight,
                                                          so clipped tokens still get a gradient (MiniMax-M1, 2025)
     reinforce  -1/(sum |o_i|) sum A_it log pi(o_it)     no ratio, no clip; with --adv rloo this is RLOO
+    sapo       -1/N sum_i 1/|o_i| sum_t (4/tau) sigmoid(tau (r_it - 1)) A_it   a soft gate instead of the clip (Soft
+                                                         Adaptive Policy Optimization, Gao et al. 2025, arXiv
+                                                         2511.20347, the gate f(r) of its objective): tau =
+                                                         --sapo_tau_pos where A > 0, --sapo_tau_neg otherwise. At r = 1
+                                                         the gradient is the plain policy gradient's; it fades
+                                                         smoothly as r leaves 1, faster with a larger tau (the paper's
+                                                         tau_neg > tau_pos: negative advantages destabilise more)
+Variants of the policy term, each off by default:
+    --clip_delta d            two-sided clipping (INTELLECT-2, Prime Intellect 2025; TRL's delta): in grpo, dapo and
+                              dr_grpo the unclipped ratio in the min is min(r_it, d), so a token with A < 0 and a
+                              huge ratio adds at most d |A| and no gradient (take d above 1 + eps, as TRL advises)
+    --top_entropy_quantile p  the policy term trains on the top p of the real tokens by the sampling distribution's
+                              entropy (Wang et al. 2025, "Beyond the 80/20 Rule": the high-entropy "forking" tokens,
+                              p = 0.2, carry the learning): A_it -> A_it * 1[H_it >= the (1 - p) quantile of H]
+                              (high_entropy_mask); the normalisers still count every token. The entropies are the
+                              first iteration's, whose policy is the sampler, ranked over each micro-batch of every
+                              rank (as TRL ranks them; the whole step's with --grad_accum 1); the mask stays for the
+                              later iterations. p = 1 keeps every token
+    --off_policy_mask delta   a sequence with A_i < 0 whose mean_t (log pi_old - log pi) exceeds delta leaves the policy
+                              term (off_policy_mask; DeepSeek-V3.2's off-policy sequence masking, 2025). It matters with
+                              --num_iterations > 1: in the first iteration the policy is the sampler (drift 0, up to
+                              rounding where pi_old comes from its own pass), so nothing is masked
+    --ref_sync_steps tau      TR-DPO (Gorbatovski et al. 2024): after every tau-th step the reference becomes
+    --ref_mixup alpha         alpha pi + (1 - alpha) pi_ref (sync_reference, dpo.py's; alpha 1: a copy of the policy),
+                              so the KL term holds the policy near a moving anchor. It needs a model reference
+                              (--reference init or random); ckpt.pt holds the reference as synced, so --resume
+                              continues from it. rl/kl is then the KL to that moving reference
 The KL term is beta * mean over tokens of k(d) = kl_penalty(logp, ref_logp, --kl_estimator), d = logp - ref_logp, a
 loss term rather than a reward penalty. The default k3 = exp(-d) - 1 + d (DeepSeekMath): its value estimates
 KL(pi || pi_ref), but differentiated as a loss its gradient is exactly that of KL(pi_ref || pi) (Tang & Munos 2025,
@@ -97,7 +129,10 @@ Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
                                    axis of overoptimization.png
     rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
     rl/kl, rl/beta                 mean k1 estimate of KL(pi || pi_ref) per token, and the coefficient in use
-    rl/clip_frac, rl/ratio_mean    clipped tokens and mean ratio (last iteration); per sequence for gspo
+    rl/clip_frac, rl/ratio_mean    clipped tokens (a clip or --clip_delta's cap holds the term) and mean ratio (last
+                                   iteration); per sequence for gspo and luspo
+    rl/entropy_mask_frac           share of the real tokens that --top_entropy_quantile keeps in the policy term
+    rl/off_policy_masked_frac      share of the sequences that --off_policy_mask drops (last iteration)
     rl/entropy                     mean entropy of the sampling distribution over completion tokens (nats)
     rl/completion_len, rl/truncated_frac   tokens per completion; completions without an end token
     rl/sampling_rounds             rollout rounds of the step (> 1 only with --dynamic_sampling)
@@ -181,11 +216,16 @@ class Config:
     # advantages and the policy loss
     adv: str = "auto"  # auto | group | rloo | process (auto: process for next_token, group otherwise)
     scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
-    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
-    clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
-    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | luspo | cispo | reinforce | sapo
+    clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo/luspo 3e-4
+    clip_eps_high: float = None  # upper clip of dapo, gspo, luspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
+    clip_delta: float = 0.0  # grpo, dapo, dr_grpo: cap (> 1) of the unclipped ratio in the min (INTELLECT-2; 0: off)
+    sapo_tau_pos: float = 1.0  # sapo: temperature of the soft gate on tokens with A > 0
+    sapo_tau_neg: float = 1.05  # sapo: temperature of the soft gate on tokens with A <= 0
     num_iterations: int = 1  # policy updates per batch of rollouts (the ratio uses the sampling policy's log-probs)
     mask_truncated: bool = False  # DAPO: completions without an end token within --horizon leave the loss
+    top_entropy_quantile: float = 1.0  # the policy term trains on this top share of tokens by sampling entropy (1: all)
+    off_policy_mask: float = 0.0  # num_iterations > 1: A < 0 sequences with mean old_logp - logp > this drop (0: off)
     entropy_coef: float = 0.0  # entropy bonus coefficient
 
     # KL to a frozen reference (a loss term, not a reward penalty)
@@ -193,6 +233,8 @@ class Config:
     beta_kl: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
     kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
     kl_warmup_tokens: int = 0  # beta rises linearly from 0 to beta_kl over this many generated tokens (0: no warm-up)
+    ref_sync_steps: int = 0  # TR-DPO: every this many steps the reference moves toward the policy (0: off)
+    ref_mixup: float = 0.6  # TR-DPO's alpha: the reference becomes alpha policy + (1 - alpha) reference (0: off)
 
     # optimisation
     max_steps: int = 200  # optimizer steps (batches of rollouts)
@@ -229,10 +271,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """Outcome advantages of (N,) rewards in contiguous groups: (r - group mean) / (group std + eps), unbiased std.
     scale="batch" divides by the std of the whole batch instead; scale="none" only subtracts the mean (Dr. GRPO)."""
     r = rewards.view(-1, group_size)  # (N/G, G)
-    same = (r == r[:, :1]).all(dim=1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
-    adv = (r - r.mean(dim=1, keepdim=True)).masked_fill(same, 0.0)
+    same = (r == r[:, :1]).all(1, keepdim=True)  # no spread: exactly 0 (a float mean can be off by rounding)
+    adv = (r - r.mean(1, keepdim=True)).masked_fill(same, 0.0)
     if scale == "group":
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+        adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (rewards.std() + eps)
     elif scale != "none":
@@ -244,7 +286,7 @@ def rloo_advantages(rewards, group_size):
     """REINFORCE leave-one-out (Ahmadian et al. 2024): each (N,) reward minus the mean of the other G-1 rewards of
     its group, which equals G/(G-1) * (r - group mean)."""
     r = rewards.view(-1, group_size)  # (N/G, G)
-    others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    others = (r.sum(1, keepdim=True) - r) / (group_size - 1)
     return (r - others).flatten()  # (N,)
 
 
@@ -287,6 +329,9 @@ def policy_loss(
     max_len=None,
     num_seqs=None,
     num_tokens=None,
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
+    clip_delta=None,
 ):
     """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
     ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high, or clip_eps when None.
@@ -294,11 +339,17 @@ def policy_loss(
       dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
       dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
       gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
+      luspo:     gspo's sequence term times the sequence's length |o_i|, then the mean over sequences
       cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
       reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
+      sapo:      -(4 / tau) sigmoid(tau (ratio - 1)) A, a soft gate and no clip, tau = sapo_tau_pos where A > 0, else
+                 sapo_tau_neg; aggregated as grpo. At ratio 1 its gradient is the plain policy gradient's
+    clip_delta (grpo, dapo, dr_grpo): the unclipped ratio in the min is capped at clip_delta (two-sided clipping),
+    so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
-    batch's clip_frac and ratio_mean over its real tokens, over its sequences for gspo (weigh them accordingly)."""
+    batch's clip_frac (the terms that a clip or the cap holds, so that they get no gradient) and ratio_mean over its
+    real tokens, over its sequences for gspo and luspo (weigh them accordingly)."""
     mask = mask.float()
     N, T = logp.shape
     if num_seqs is None:  # this batch is the whole step
@@ -307,41 +358,80 @@ def policy_loss(
         num_tokens = mask.sum().clamp(min=1)
     if clip_eps_high is None:  # a symmetric clip
         clip_eps_high = clip_eps
-    if adv.dim() == 1:  # one advantage per sequence: the same for each of its tokens
-        adv = adv[:, None].expand(N, T)  # (N, T)
+    adv = adv.reshape(N, -1)  # (N, 1) one advantage per sequence, the same for each of its tokens, or (N, T)
+    seq_len = mask.sum(1).clamp(min=1)  # (N,)
     log_ratio = logp - old_logp.detach()  # (N, T)
-    if loss_type == "gspo":
-        seq_len = mask.sum(1).clamp(min=1)  # (N,)
+    if loss_type in ("gspo", "luspo"):
         ratio = ((log_ratio * mask).sum(1) / seq_len).exp()  # (N,)
         seq_adv = (adv * mask).sum(1) / seq_len  # (N,)
+        if loss_type == "luspo":  # the term times |o_i| (> 0, so inside the min): no bias towards short sequences
+            seq_adv = seq_adv * seq_len
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
         loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
         return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
+    clipped = torch.zeros_like(ratio)  # sapo (a soft gate) and reinforce never clip
     if loss_type in ("grpo", "dapo", "dr_grpo"):
         high = 1 + (clip_eps_high if loss_type == "dapo" else clip_eps)
         clipped_ratio = ratio.clamp(1 - clip_eps, high)
-        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
-        clipped = (clipped_ratio * adv < ratio * adv).float()
+        unclipped = ratio.clamp(max=clip_delta) if clip_delta else ratio  # (N, T)
+        per_token = -torch.min(unclipped * adv, clipped_ratio * adv)
+        clipped = per_token != -ratio * adv  # (N, T) bool: the clip or the cap holds the term
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(adv)  # (N, 1) or (N, T), in adv's dtype
+        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv
     elif loss_type == "cispo":
         per_token = -ratio.clamp(max=1 + clip_eps_high).detach() * adv * logp
-        clipped = (ratio > 1 + clip_eps_high).float()
+        clipped = ratio > 1 + clip_eps_high
     elif loss_type == "reinforce":
         per_token = -adv * logp
-        clipped = torch.zeros_like(ratio)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    per_token = per_token * mask  # (N, T): 0 on padding
+    if loss_type in ("grpo", "sapo"):
+        loss = (per_token.sum(1) / seq_len).sum() / num_seqs
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_seqs * (max_len or T))
+        loss = per_token.sum() / (num_seqs * (max_len or T))
     else:
-        loss = (per_token * mask).sum() / num_tokens
+        loss = per_token.sum() / num_tokens
     n = mask.sum().clamp(min=1)
     clip_frac = (clipped * mask).sum() / n
     ratio_mean = (ratio * mask).sum() / n
     return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
+
+
+def high_entropy_mask(entropy, mask, quantile):
+    """(N, T) float: 1.0 on the real tokens whose entropy is at or above the (1 - quantile) quantile of all real
+    tokens' entropies, else 0.0 ("Beyond the 80/20 Rule", Wang et al. 2025: the policy gradient of the top 20% of
+    tokens by entropy, the "forking" tokens, does the learning). quantile 1 keeps every real token (the 0 quantile is
+    their least entropy); without a real token nothing is kept (the quantile of no value is NaN)."""
+    real = mask > 0
+    threshold = torch.nanquantile(entropy.float().where(real, math.nan), 1 - quantile)  # padding left out as NaN
+    return ((entropy >= threshold) & real).float()
+
+
+def off_policy_mask(adv, logp, old_logp, mask, threshold):
+    """(N, 1) float: 0.0 for a sequence whose advantage is negative and whose mean over its real tokens of
+    old_logp - logp (a k1 estimate of KL(sampler || policy) per token) exceeds threshold, else 1.0 (DeepSeek-V3.2,
+    2025, "Off-Policy Sequence Masking": negative samples far off-policy mislead and destabilise the update, while
+    the policy learns most from its own mistakes). adv is (N,) or (N, T): a sequence's sign is that of its sum over
+    its real tokens."""
+    seq_adv = (adv.reshape(len(mask), -1) * mask).sum(1)  # (N,)
+    drift = ((old_logp - logp) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
+    drop = (seq_adv < 0) & (drift > threshold)
+    return (~drop).float()[:, None]
+
+
+@torch.no_grad()
+def sync_reference(ref, policy, alpha):
+    """TR-DPO's reference update (Gorbatovski et al. 2024), in place: every reference weight becomes
+    alpha * policy + (1 - alpha) * ref; alpha = 1 copies the policy (the hard update), 0 leaves ref as it is.
+    parameters() lists a tied weight once. Under FSDP2 each policy weight is gathered whole: every rank calls it."""
+    for r, p in zip(ref.parameters(), policy.parameters()):
+        if hasattr(p, "full_tensor"):  # a DTensor shard of FSDP2
+            p = p.full_tensor()
+        r.lerp_(p, alpha)  # r + alpha (p - r), exact at alpha = 0 and 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -376,6 +466,8 @@ def training_step(run, step):
         beta = cfg.beta_kl * warm
     losses, grad_norm = update_policy(run, batch, adv, beta)
     run.tokens += int(all_reduce(batch["mask"].sum(), rt).item())
+    if cfg.ref_sync_steps and (step + 1) % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows the policy
+        sync_reference(run.ref, run.raw, cfg.ref_mixup)
 
     metrics = rollout_metrics(run.task, first, batch, G, rt)
     metrics.update(losses)  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean
@@ -559,9 +651,10 @@ def gather_rows(x, rt):
 def update_policy(run, batch, adv, beta):
     """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over --grad_accum
     micro-batches of whole groups. The loss is policy_loss + beta * KL term - entropy_coef * entropy; every normaliser
-    counts the whole step (all micro-batches and ranks), so the micro-batch losses add up to the step's loss. Returns
-    the last iteration's loss metrics by name, over every rank (rl/kl: the k1 estimate, whatever --kl_estimator), and
-    its gradient norm."""
+    counts the whole step (all micro-batches and ranks), so the micro-batch losses add up to the step's loss.
+    --top_entropy_quantile and --off_policy_mask set the advantage of the tokens they drop to 0 (high_entropy_mask,
+    off_policy_mask), as TRL multiplies its per-token loss by their masks. Returns the last iteration's loss metrics by
+    name, over every rank (rl/kl: the k1 estimate, whatever --kl_estimator), and its gradient norm."""
     cfg = run.cfg
     rt = run.rt
     H = cfg.horizon
@@ -574,11 +667,13 @@ def update_policy(run, batch, adv, beta):
     n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
     n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)  # the whole step's sequences
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
+    adv = adv.reshape(N, -1)  # (N, 1) per sequence, or (N, H) per token
+    keep = mask.clone()  # the tokens the policy term trains on: every real token, or the top quantile by entropy
 
     def token_mean(x, m):  # a micro-batch's share of a token mean over the whole step
         return (x * m).sum() / n_tokens
 
-    for _ in range(cfg.num_iterations):
+    for iteration in range(cfg.num_iterations):
         sums = {}  # this rank's share of each metric, summed over the micro-batches
         for i in range(0, N, n_micro):
             rows = slice(i, i + n_micro)
@@ -588,10 +683,20 @@ def update_policy(run, batch, adv, beta):
             with rt.autocast():  # under the sampling distribution, as old_logp
                 logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
             old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
+            # The first iteration's policy is the sampler (no update yet): its entropies are the sampling
+            # distribution's, ranked over this micro-batch on every rank (as TRL), and the mask stays for later ones
+            if iteration == 0 and cfg.top_entropy_quantile < 1:
+                every_rank = high_entropy_mask(
+                    gather_rows(entropies.detach(), rt), gather_rows(m, rt), cfg.top_entropy_quantile
+                )
+                keep[rows] = every_rank.view(rt.world_size, -1, H)[rt.rank]
+            # (n, 1): 0.0 drops a sequence too far off-policy with A < 0; --off_policy_mask 0 (off): no threshold
+            on_policy = off_policy_mask(adv[rows], logp, old_logp, m, cfg.off_policy_mask or math.inf)
+            # a dropped token's advantage is 0: it leaves the policy term, but the normalisers still count it
             pg_loss, stats = policy_loss(
                 logp,
                 old_logp,
-                adv[rows],
+                adv[rows] * keep[rows] * on_policy,
                 m,
                 cfg.loss_type,
                 clip_eps=cfg.clip_eps,
@@ -599,6 +704,9 @@ def update_policy(run, batch, adv, beta):
                 max_len=H,
                 num_seqs=n_seqs,
                 num_tokens=n_tokens,
+                sapo_tau_pos=cfg.sapo_tau_pos,
+                sapo_tau_neg=cfg.sapo_tau_neg,
+                clip_delta=cfg.clip_delta,
             )
             # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
             ref_logp = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
@@ -607,8 +715,8 @@ def update_policy(run, batch, adv, beta):
             loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
             with torch.no_grad():
-                # the stats' part of the step: its tokens, or for gspo (per-sequence stats) its sequences
-                part = n_micro / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
+                # the stats' part of the step: its tokens, or for gspo and luspo (per-sequence stats) its sequences
+                part = n_micro / n_seqs if cfg.loss_type in ("gspo", "luspo") else m.sum() / n_tokens
                 shares = {
                     "train/loss": loss,
                     "rl/pg_loss": pg_loss,
@@ -616,6 +724,8 @@ def update_policy(run, batch, adv, beta):
                     "rl/entropy": entropy,
                     "rl/clip_frac": stats["clip_frac"] * part,
                     "rl/ratio_mean": stats["ratio_mean"] * part,
+                    "rl/entropy_mask_frac": token_mean(keep[rows], m),  # the real tokens kept
+                    "rl/off_policy_masked_frac": (1 - on_policy).sum() / n_seqs,
                 }
                 for name, value in shares.items():
                     sums[name] = sums.get(name, 0.0) + value.float()
@@ -1125,11 +1235,11 @@ def plot_overoptimization(out_dir, kl_key):
 
 
 def resolve_clip(cfg):
-    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo the GSPO paper's 3e-4 and 4e-4 (Zheng
-    et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never clip. --clip_eps_high 0
-    means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is given. config.json
-    records the values used, and the losses receive exactly these."""
-    gspo = cfg.loss_type == "gspo"
+    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo and luspo (a sequence ratio) the GSPO
+    paper's 3e-4 and 4e-4 (Zheng et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never
+    clip. --clip_eps_high 0 means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is
+    given. config.json records the values used, and the losses receive exactly these."""
+    gspo = cfg.loss_type in ("gspo", "luspo")
     if cfg.clip_eps is not None:
         clip_eps = cfg.clip_eps
     elif gspo:
@@ -1149,21 +1259,25 @@ def validate(cfg):
     """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
     positive = ["horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "eval_size"]
     positive += ["log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "max_sampling_rounds"]
-    positive += ["context_len", "max_prompt_len", "digits", "lr", "clip_eps"]
+    positive += ["context_len", "max_prompt_len", "digits", "lr", "clip_eps", "sapo_tau_pos", "sapo_tau_neg"]
+    positive += ["temperature"]  # temperature 0 (greedy) would make a group's completions identical
     for name in positive:
         value = getattr(cfg, name)
         check(value > 0, f"--{name} must be positive (got {value})")
     zero_ok = ["min_lr", "beta_kl", "kl_warmup_tokens", "entropy_coef", "clip_eps_high", "grad_clip", "weight_decay"]
-    zero_ok += ["warmup_steps", "top_k"]
+    zero_ok += ["warmup_steps", "top_k", "clip_delta", "off_policy_mask", "ref_sync_steps"]
     for name in zero_ok:
         value = getattr(cfg, name)
         check(value >= 0, f"--{name} must be >= 0 (got {value})")
     check(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO compares the completions of a group (at least 2)")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
-    check(cfg.temperature > 0, "--temperature must be > 0: greedy completions of a group are identical")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(cfg.kl_estimator != "k1", "--kl_estimator k1: zero expected gradient as a loss term (it belongs in a reward)")
+    check(
+        0 < cfg.top_entropy_quantile <= 1, f"--top_entropy_quantile must be in (0, 1] (got {cfg.top_entropy_quantile})"
+    )
+    check(0 <= cfg.ref_mixup <= 1, f"--ref_mixup must be in [0, 1] (got {cfg.ref_mixup})")
     choices = {
         "task": ["next_token", "arithmetic", "reward_model"],
         "tokenizer": ["gpt2", "char"],
@@ -1171,7 +1285,7 @@ def validate(cfg):
         "adv": ["auto", "group", "rloo", "process"],
         "scale_rewards": ["group", "batch", "none"],
         "kl_estimator": ["k2", "k3"],
-        "loss_type": ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"],
+        "loss_type": ["grpo", "dapo", "dr_grpo", "gspo", "luspo", "cispo", "reinforce", "sapo"],
         "reference": ["auto", "bigram", "random", "init", "none"],
     }
     for name, allowed in choices.items():
@@ -1253,8 +1367,11 @@ def setup(cfg):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
             run.ref = GPT(model.config)
         if run.reference == "init":
-            run.ref.load_state_dict(ckpt["reference"] if cfg.resume else model.state_dict())
+            run.ref.load_state_dict(model.state_dict())
+        if cfg.resume and ckpt["reference"]:  # as it was saved (--ref_sync_steps moves it); older runs: None
+            run.ref.load_state_dict(ckpt["reference"])
         run.ref.to(rt.device).eval().requires_grad_(False)
+    check(not cfg.ref_sync_steps or isinstance(run.ref, GPT), "--ref_sync_steps: use --reference init or random")
 
     run.policy = wrap_model(model, rt, cfg.compile)
     run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
@@ -1294,7 +1411,8 @@ def weights_checksum(model):
 
 
 def save(run, step):
-    """ckpt.pt (SPEC section 4) and this script's extras: tokens generated, the first evaluation, the init reference."""
+    """ckpt.pt (SPEC section 4) and this script's extras: tokens generated, the first evaluation, the reference when
+    a resume cannot rebuild it (init's weights, or as --ref_sync_steps left it)."""
     model_sd, optim_sd = training_state(run.raw, run.optimizer, run.rt)
     rngs = all_rng_states(run.rt)
     if run.rt.master:
@@ -1310,7 +1428,7 @@ def save(run, step):
             "scaler": run.scaler.state_dict(),
             "tokens": run.tokens,
             "first_eval": run.first_eval,
-            "reference": run.ref.state_dict() if run.reference == "init" else None,  # a resume reloads it
+            "reference": run.ref.state_dict() if isinstance(run.ref, GPT) else None,  # as it is now: synced or not
             "rm_checksum": run.rm_checksum,  # a resume checks --reward_model against it
         }
         save_checkpoint(run.ckpt_path, ckpt)

@@ -29,7 +29,7 @@ def check_normaliser(rt):
     mask[N // 2 :, 2:] = 0.0  # rank 1's sequences are short: 2 tokens each against rank 0's 6
     rows = slice(rt.rank * N // 2, (rt.rank + 1) * N // 2)
     errors = []
-    for loss_type in ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce"):
+    for loss_type in ("grpo", "dapo", "dr_grpo", "gspo", "luspo", "cispo", "reinforce", "sapo"):
         whole = logp.clone().requires_grad_()
         loss, _ = grpo.policy_loss(whole, old_logp, adv, mask, loss_type, 0.2, 0.28, max_len=T)
         loss.backward()

@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 import char_grpo as cg
 
 FUNCTIONS = ("group_advantages", "process_advantages", "rloo_advantages", "kl_penalty", "policy_loss")
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo", "luspo", "cispo", "reinforce", "sapo")
 FAST = settings(max_examples=60, deadline=None)
 
 
@@ -189,6 +189,8 @@ def test_with_ratio_one_every_objective_has_the_reinforce_gradient(loss_type):
         "dapo": per_token.sum() / mask.sum(),
         "dr_grpo": per_token.sum() / (N * T),
         "gspo": (per_token / lengths).sum() / N,  # d s_i / d logp_t = s_i / |o_i| at s_i = 1
+        "luspo": per_token.sum() / N,  # gspo's times |o_i|: every token of the step weighs A / N
+        "sapo": (per_token / lengths).sum() / N,  # the gate's slope at r = 1 is 1, whatever tau
         "cispo": per_token.sum() / mask.sum(),
         "reinforce": per_token.sum() / mask.sum(),
     }[loss_type]
