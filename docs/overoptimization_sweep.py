@@ -3,12 +3,13 @@
     python docs/overoptimization_sweep.py docs/overoptimization.png out/sweep/*
 
 Each argument after the figure is a run folder of `grpo.py` or `ppo.py --task arithmetic --reward_model RM`; runs are
-grouped by script and --beta_kl, seeds averaged. The figure has Gao et al. (2022) Fig. 1's axes: the gold reward
-(exact answers) and the proxy (the reward model's score) against sqrt(KL to the initial policy), for best-of-n of
-the initial policy (squares, best_of_n.json, held-out problems) and for RL (lines: each step's rollouts, seeds
-averaged, then a moving mean over 10 steps). The table, printed as markdown, is of the greedy evaluations on the
-held-out problems: gold accuracy at step 0, at the peak of the seeds' mean and at the end, each as the mean over
-seeds +- its standard error; the rollouts' KL at the peak; the proxy score of the greedy answers at the end.
+grouped by script and --beta_kl, seeds averaged. Everything is measured on the held-out problems, on
+answers sampled at temperature 1. The figure has Gao et al. (2022) Fig. 1's axes: the gold reward (exact answers)
+and the proxy (the reward model's score) against sqrt(KL to the initial policy), for best-of-n of the initial policy
+(squares, best_of_n.json) and for RL (a dot for each evaluation: eval/sample_accuracy, eval/sample_rm_score and
+eval/sample_kl, the mean of the seeds). The table, printed as markdown: gold at step 0, at the peak of the seeds' mean
+and at the end, the KL at the peak, the proxy at the peak and at the end, each the mean of the seeds +- its standard
+error; and the greedy answers' gold accuracy (eval/accuracy) at step 0 and at the end.
 """
 
 import json
@@ -24,16 +25,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def read_run(folder):
+    """(script, --beta_kl, {step: eval row}) of a run folder."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
+    evals = {}
     with open(os.path.join(folder, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        for line in f:
+            row = json.loads(line)
+            if "eval/sample_accuracy" in row:
+                evals[row["step"]] = row
     script = "PPO" if "ppo_epochs" in config else "GRPO"
-    kl_key = "rl/kl" if script == "PPO" else "rl/rollout_kl"
-    return script, config, rows, kl_key
+    return script, config["beta_kl"], evals
 
 
 def mean_se(values):
+    """The mean of the seeds' values and its standard error (nan for one seed)."""
     m = sum(values) / len(values)
     if len(values) < 2:
         return m, float("nan")
@@ -41,77 +47,72 @@ def mean_se(values):
     return m, math.sqrt(var / len(values))
 
 
-def smooth(values, width=10):
-    out = []
-    for i in range(len(values)):
-        window = values[max(0, i - width + 1) : i + 1]
-        out.append(sum(window) / len(window))
-    return out
+def over_seeds(seeds, key, step):
+    """mean_se of one metric at one step over the seeds' runs."""
+    return mean_se([evals[step][key] for evals in seeds])
+
+
+def cell(m_se):
+    return f"{m_se[0]:.3f} +- {m_se[1]:.3f}"
 
 
 def main(figure, folders):
-    groups = defaultdict(list)  # (script, beta_kl) -> [(config, rows, kl_key)]
+    groups = defaultdict(list)  # (script, beta_kl) -> [{step: eval row}], one a seed
     best_of_n = None
     for folder in folders:
-        script, config, rows, kl_key = read_run(folder)
-        groups[(script, config["beta_kl"])].append((config, rows, kl_key))
+        script, beta, evals = read_run(folder)
+        groups[(script, beta)].append(evals)
         path = os.path.join(folder, "best_of_n.json")
         if best_of_n is None and os.path.exists(path):
             with open(path) as f:
                 best_of_n = json.load(f)
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex="col")
-    print("| run | --beta_kl | seeds | held-out problems | gold at step 0 | gold at peak (step) | KL at peak | "
-          "gold at end | proxy at end |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex="col", sharey="row")
+    print(
+        "| run | --beta_kl | seeds | held-out problems | gold at step 0 | gold at its peak (step) | KL at the peak | "
+        "gold at the end | proxy at the peak | proxy at the end | greedy gold at 0 / end |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for column, script in enumerate(["GRPO", "PPO"]):
         betas = sorted(beta for s, beta in groups if s == script)
-        colors = plt.cm.viridis([i / max(1, len(betas) - 1) * 0.85 for i in range(len(betas))])
+        colors = plt.cm.viridis([0.85 * i / max(1, len(betas) - 1) for i in range(len(betas))])
         for beta, color in zip(betas, colors):
-            runs = groups[(script, beta)]
-            # the rollouts of every step, averaged over seeds
-            per_step = defaultdict(list)
-            evals = defaultdict(list)
-            for config, rows, kl_key in runs:
-                for r in rows:
-                    if "rl/gold_reward" in r and kl_key in r:
-                        per_step[r["step"]].append((r[kl_key], r["rl/gold_reward"], r["rl/reward_mean"]))
-                    if "eval/accuracy" in r:
-                        evals[r["step"]].append((r["eval/accuracy"], r["eval/rm_score"], r["eval/n_problems"]))
-            steps = sorted(s for s in per_step if len(per_step[s]) == len(runs))
-            kl = smooth([sum(v[0] for v in per_step[s]) / len(runs) for s in steps])
-            gold = smooth([sum(v[1] for v in per_step[s]) / len(runs) for s in steps])
-            proxy = smooth([sum(v[2] for v in per_step[s]) / len(runs) for s in steps])
+            seeds = groups[(script, beta)]
+            steps = sorted(set.intersection(*[set(evals) for evals in seeds]))  # evaluated in every seed
+            kl = [over_seeds(seeds, "eval/sample_kl", s)[0] for s in steps]
+            gold = [over_seeds(seeds, "eval/sample_accuracy", s)[0] for s in steps]
+            proxy = [over_seeds(seeds, "eval/sample_rm_score", s)[0] for s in steps]
             x = [math.sqrt(max(k, 0.0)) for k in kl]
-            label = f"beta_kl {beta:g}"
-            axes[0, column].plot(x, gold, color=color, label=label)
-            axes[1, column].plot(x, proxy, color=color, label=label)
-            # the table: greedy evaluations on the held-out problems
-            eval_steps = sorted(s for s in evals if len(evals[s]) == len(runs))
-            accuracy = {s: mean_se([e[0] for e in evals[s]]) for s in eval_steps}
-            peak = max(eval_steps, key=lambda s: accuracy[s][0])
-            end = eval_steps[-1]
-            kl_peak = sum(v[0] for v in per_step[peak]) / len(runs) if peak in per_step else float("nan")
-            proxy_end = mean_se([e[1] for e in evals[end]])
-            n_problems = evals[end][0][2]
-
-            def cell(m_se):
-                return f"{m_se[0]:.3f} +- {m_se[1]:.3f}"
-
-            print(
-                f"| {script} | {beta:g} | {len(runs)} | {n_problems} | {cell(accuracy[eval_steps[0]])} | "
-                f"{cell(accuracy[peak])} ({peak}) | {kl_peak:.2f} | {cell(accuracy[end])} | {cell(proxy_end)} |"
-            )
-        for row, key, name in [(0, "gold_accuracy", "gold reward (exact answer)"), (1, "proxy_score", "proxy")]:
-            ax = axes[row, column]
+            label = f"--beta_kl {beta:g}"
+            axes[0, column].plot(x, gold, "o-", markersize=3, color=color, label=label)
+            axes[1, column].plot(x, proxy, "o-", markersize=3, color=color, label=label)
+            peak = steps[gold.index(max(gold))]  # the step of the seeds' mean's peak
+            end = steps[-1]
+            columns = [
+                script,
+                f"{beta:g}",
+                str(len(seeds)),
+                f"{seeds[0][end]['eval/n_problems']:.0f}",
+                cell(over_seeds(seeds, "eval/sample_accuracy", 0)),
+                f"{cell(over_seeds(seeds, 'eval/sample_accuracy', peak))} ({peak})",
+                f"{over_seeds(seeds, 'eval/sample_kl', peak)[0]:.2f}",
+                cell(over_seeds(seeds, "eval/sample_accuracy", end)),
+                cell(over_seeds(seeds, "eval/sample_rm_score", peak)),
+                cell(over_seeds(seeds, "eval/sample_rm_score", end)),
+                f"{over_seeds(seeds, 'eval/accuracy', 0)[0]:.3f} / {cell(over_seeds(seeds, 'eval/accuracy', end))}",
+            ]
+            print("| " + " | ".join(columns) + " |")
+        for row, key in [(0, "gold_accuracy"), (1, "proxy_score")]:
             if best_of_n:
                 bon_x = [math.sqrt(b["kl_bon"]) for b in best_of_n]
-                ax.plot(bon_x, [b[key] for b in best_of_n], "s--", color="tab:red", label="best-of-n (n = 1, 2, 4, ..)")
-            ax.set_ylabel(name)
-            ax.grid(alpha=0.3)
-        axes[0, column].set_title(f"{script} on the verifier, by --beta_kl (mean of the seeds)")
-        axes[1, column].set_xlabel("sqrt(KL to the initial policy per completion, nats)")
+                label = "best-of-n, n = " + ", ".join(str(b["n"]) for b in best_of_n)
+                axes[row, column].plot(bon_x, [b[key] for b in best_of_n], "s--", color="tab:red", label=label)
+            axes[row, column].grid(alpha=0.3)
+        axes[0, column].set_title(f"{script} on the verifier (mean of the seeds)")
+        axes[1, column].set_xlabel("sqrt(KL to the initial policy, nats per answer)")
         axes[0, column].legend(fontsize=8)
+    axes[0, 0].set_ylabel("gold: exact answers, held-out")
+    axes[1, 0].set_ylabel("proxy: the verifier's score")
     fig.tight_layout()
     fig.savefig(figure, dpi=100)
 

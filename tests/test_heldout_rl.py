@@ -245,3 +245,54 @@ def test_resume_refuses_another_reward_model(tmp_path, script):
     ok = run_script(script, "--resume", "--out_dir", out, "--max_steps", "4", "--reward_model", same)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 4
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_sampled_evaluation_is_gold_proxy_and_kl_of_the_policys_own_answers(module, tmp_path, monkeypatch):
+    """With a reward model and a reference, each evaluation also samples four answers a held-out problem at
+    temperature 1: eval/sample_accuracy is the checker's share of exact answers among them, eval/sample_rm_score the
+    reward model's mean score of each (prompt + answer) alone, eval/sample_kl the mean over answers of
+    sum_t log pi(o_t) - log pi_ref(o_t), each recomputed here from full-vocabulary log-softmaxes, one answer at a
+    time. A reference equal to the policy gives a KL of 0."""
+    rm_path = reward_checkpoint(tmp_path / "rm.pt", "orm")
+    task = arithmetic_task(module, tmp_path, digits=1, eval_size=40, reward_model=str(rm_path))
+    policy = tiny_policy(module)
+    torch.manual_seed(1)
+    ref = module.GPT(policy.config)  # other weights
+    sampled = []
+    real = module.sample_completions
+
+    def recording(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
+        completion, mask = real(model, prompts, horizon, temperature, top_k, eos_id, rt, generator)
+        if temperature > 0:
+            sampled.extend(zip(prompts, completion.tolist(), mask.tolist()))
+        return completion, mask
+
+    monkeypatch.setattr(module, "sample_completions", recording)
+    metrics, _ = task.evaluate(policy, ref, task_runtime(module), task.tok, 5)
+    E = len(task.eval_problems)
+    assert len(sampled) == 4 * E
+    answers = dict(task.eval_problems)  # prompt -> the right answer, with its newline
+    exact = []
+    scores = []
+    kls = []
+    with torch.no_grad():
+        for prompt, completion, mask in sampled:
+            n = int(sum(mask))
+            answer = completion[:n]
+            text = task.tok.decode(answer)
+            exact.append(float(text == answers[task.tok.decode(prompt)]))
+            ids = torch.tensor([prompt + answer])
+            scores.append(task.rm(ids)[0, -1].item())
+            logp = 0.0
+            for model, sign in [(policy, 1.0), (ref, -1.0)]:
+                logits = model(ids[:, :-1])[0].double().log_softmax(-1)[0]  # (T - 1, V)
+                for t in range(len(prompt), len(prompt) + n):
+                    logp += sign * logits[t - 1, ids[0, t]].item()
+            kls.append(logp)
+    assert metrics["eval/sample_accuracy"] == pytest.approx(sum(exact) / len(exact), abs=1e-6)
+    assert metrics["eval/sample_rm_score"] == pytest.approx(sum(scores) / len(scores), abs=1e-4)
+    assert metrics["eval/sample_kl"] == pytest.approx(sum(kls) / len(kls), abs=1e-4)
+    assert abs(metrics["eval/sample_kl"]) > 1e-3  # the two models differ
+    same, _ = task.evaluate(policy, policy, task_runtime(module), task.tok, 5)
+    assert same["eval/sample_kl"] == pytest.approx(0.0, abs=1e-5)
