@@ -327,8 +327,8 @@ def ppo_step(run, step):
         torch.cuda.reset_peak_memory_stats(rt.device)
     n_seqs = cfg.batch_size * rt.world_size  # completions of the step, all ranks
     lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    lr_scales = [1.0, (cfg.value_lr or cfg.lr) / cfg.lr]  # the policy's optimizer, then a separate value model's
-    for opt, scale in zip(run.optimizers, lr_scales):
+    # the policy's optimizer, then a separate value model's (at --value_lr, its minimum scaled alike)
+    for opt, scale in zip(run.optimizers, [1.0, (cfg.value_lr or cfg.lr) / cfg.lr]):
         for group in opt.param_groups:
             group["lr"] = lr * scale
 
@@ -341,10 +341,11 @@ def ppo_step(run, step):
 
     # 3. per-token rewards: the task's reward where it is earned (a sequence's score less --missing_eos_penalty when
     # it has no end token), minus kl_coef * k1 at every token
+    truncated = batch["truncated"].float()  # (N,)
     kl = (batch["old_logp"] - batch["ref_logp"]) * mask  # (N, H) k1
     penalty = 0.0
     if scores.dim() == 1:  # a sequence reward; a dense one (next_token) has no end token to miss
-        penalty = cfg.missing_eos_penalty * batch["truncated"].float()  # (N,)
+        penalty = cfg.missing_eos_penalty * truncated  # (N,)
     kl_coef = 0.0  # no reference: no penalty
     if run.ref is not None:
         kl_coef = run.kl_ctl.value
@@ -366,21 +367,21 @@ def ppo_step(run, step):
         run.kl_ctl.update(mean_seq_kl, n_seqs)
 
     # metrics over every rank's rollouts; the task's rewards before the missing-EOS penalty
-    _, residual_var = global_moments(returns - old_values, mask, rt)
-    returns_mean, returns_var = global_moments(returns, mask, rt)
+    _, residual_var = global_moments(returns - old_values, rt, mask)
+    returns_mean, returns_var = global_moments(returns, rt, mask)
     if returns_var > 0:
         metrics["train/explained_variance"] = 1 - residual_var / returns_var
     if run.ref is not None:
         metrics["rl/kl"] = mean_seq_kl
-    reward_mask = mask if scores.dim() == 2 else torch.ones_like(scores)  # per token (next_token) or per sequence
-    reward_mean, reward_var = global_moments(scores, reward_mask, rt)
+    reward_mask = mask if scores.dim() == 2 else None  # per token (next_token) or per sequence
+    reward_mean, reward_var = global_moments(scores, rt, reward_mask)
     correct = run.task.correct(batch["completion"], mask, batch["info"], scores)  # (N,) or None
     if correct is not None:
-        metrics["rl/accuracy"] = global_moments(correct, torch.ones_like(correct), rt)[0]
+        metrics["rl/accuracy"] = global_moments(correct, rt)[0]
     if cfg.task == "arithmetic" and cfg.reward_model:  # it learns from a proxy reward: measure the gold one too
         gold = run.task.gold(batch["completion"], mask, batch["info"])  # (N,)
-        metrics["rl/gold_reward"] = global_moments(gold, torch.ones_like(gold), rt)[0]
-    n_tokens, n_truncated = all_reduce(torch.stack([mask.sum(), batch["truncated"].float().sum()]), rt)
+        metrics["rl/gold_reward"] = global_moments(gold, rt)[0]
+    n_tokens, n_truncated = all_reduce(torch.stack([mask.sum(), truncated.sum()]), rt)
     run.tokens += int(n_tokens.item())
     if run.task.eos_id is not None:  # next_token has no end token: every completion runs the whole horizon
         metrics["rl/truncated_frac"] = (n_truncated / n_seqs).item()
@@ -391,10 +392,10 @@ def ppo_step(run, step):
             "rl/reward_std": math.sqrt(reward_var),
             "rl/kl_coef": kl_coef,
             "rl/returns_mean": returns_mean,
-            "rl/value_mean": global_moments(old_values, mask, rt)[0],
+            "rl/value_mean": global_moments(old_values, rt, mask)[0],
             "rl/completion_len": (n_tokens / n_seqs).item(),
             "rl/tokens": run.tokens,
-            "perf/rollout_tokens_per_s": cfg.batch_size * cfg.horizon * rt.world_size / max(t_rollout, 1e-9),
+            "perf/rollout_tokens_per_s": n_seqs * cfg.horizon / max(t_rollout, 1e-9),
             "perf/rollout_ms": 1000 * t_rollout,
             "perf/step_ms": 1000 * (time.time() - t0),
             "perf/peak_mem_mb": peak_memory_mb(rt),
@@ -430,18 +431,18 @@ def rollout(run):
     task = run.task
     actor = run.actor
     H = cfg.horizon
-    T = cfg.temperature
     n_micro = cfg.batch_size // cfg.num_minibatches // cfg.grad_accum  # rows per forward pass
     prompts, info = task.sample(cfg.batch_size)
     if isinstance(info, torch.Tensor):  # next_token's (N, H) true tokens
         info = info.to(rt.device)
     with rt.autocast():  # the actor has no dropout: it samples in train mode as in eval mode
-        completion, mask = sample_completions(actor, prompts, H, T, cfg.top_k or None, task.eos_id, rt)  # (N, H) x2
-        truncated = torch.zeros(len(prompts), dtype=torch.bool, device=rt.device)
+        # the completions and their masks, (N, H) each
+        completion, mask = sample_completions(actor, prompts, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt)
+        truncated = torch.zeros_like(mask[:, 0], dtype=torch.bool)
         if task.eos_id is not None:
             truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
         seq, attn = join(prompts, completion)
-        parts = defaultdict(list)  # batch key -> one (n, H) or (n,) tensor per micro-batch
+        parts = []  # per micro-batch: old_logp, old_values, ref_logp and scores, (n, H) or (n,) each
         for i in range(0, len(prompts), n_micro):
             rows = slice(i, i + n_micro)
             s = seq[rows]
@@ -452,14 +453,12 @@ def rollout(run):
             if isinstance(run.ref, BigramReference):
                 ref_logp = run.ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
             elif run.ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
-                ref_logp = completion_logprobs(run.ref, s, a, H, temperature=T)[0]
+                ref_logp = completion_logprobs(run.ref, s, a, H, temperature=cfg.temperature)[0]
             info_part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
             scores = task.rewards(prompts[rows], completion[rows], mask[rows], info_part, logits)  # (n,) or (n, H)
-            parts["old_logp"].append(logp)
-            parts["old_values"].append(values.float())
-            parts["ref_logp"].append(ref_logp.float())
-            parts["scores"].append(scores.float())
-    batch = {key: torch.cat(tensors) for key, tensors in parts.items()}  # old_logp, old_values, ref_logp, scores
+            parts.append([logp, values, ref_logp, scores])
+    keys = ["old_logp", "old_values", "ref_logp", "scores"]  # zip(*parts): each key's tensors, one per micro-batch
+    batch = {key: torch.cat(tensors).float() for key, tensors in zip(keys, zip(*parts))}
     batch.update(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
     return batch
 
@@ -505,8 +504,16 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
     top_k. The logits stay inside the model's linear_logprobs. A PolicyWithValueHead (--value_model shared) returns
     its values (N, H) too, read at the same positions."""
     mask = None if attn is None else attn[:, :-1]
-    dist = dict(entropy=entropy, temperature=temperature, top_k=top_k)
-    return model(seq[:, :-1], targets=seq[:, -H:], attention_mask=mask, keep_last=H, output="logprobs", **dist)
+    return model(
+        seq[:, :-1],
+        targets=seq[:, -H:],
+        attention_mask=mask,
+        keep_last=H,
+        output="logprobs",
+        entropy=entropy,
+        temperature=temperature,
+        top_k=top_k,
+    )
 
 
 def completion_logits(model, seq, attn, H):
@@ -524,9 +531,8 @@ def ppo_update(run, batch):
     N = cfg.batch_size
     n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
     n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
-    models = [m for m in run.wrapped if m is not None]  # the actor, then a separate value model
     sums = defaultdict(float)  # metric name -> sum over the updates of the step, all ranks
-    grad_norms = []  # one (len(models),) tensor per update
+    grad_norms = []  # one tensor per update: the gradient norm of each trained model
     for _ in range(cfg.ppo_epochs):
         epoch_sums = defaultdict(float)  # metric name -> sum over this epoch's micro-batches, this rank
         perm = torch.randperm(N).to(rt.device)
@@ -534,15 +540,15 @@ def ppo_update(run, batch):
             idx = perm[start : start + n_minibatch]
             n_tokens = all_reduce(batch["mask"][idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
             for j in range(0, n_minibatch, n_micro):
-                for m in models:  # gradients are averaged over ranks only on the minibatch's last micro-batch
+                for m in run.wrapped:  # gradients are averaged over ranks only on the minibatch's last micro-batch
                     grad_sync(m, j + n_micro >= n_minibatch)
                 loss, terms = ppo_loss(run, batch, idx[j : j + n_micro], n_tokens)
                 run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                 for name, value in terms.items():
-                    epoch_sums[name] += value
+                    epoch_sums[name] += value.detach()
             for opt in run.optimizers:
                 run.scaler.unscale_(opt)
-            grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in models]))
+            grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in run.wrapped]))
             for opt in run.optimizers:
                 run.scaler.step(opt)
                 opt.zero_grad(set_to_none=True)
@@ -555,10 +561,9 @@ def ppo_update(run, batch):
             break
     n_updates = len(grad_norms)  # --num_minibatches per epoch run (fewer epochs after an early stop)
     metrics = {name: (total / n_updates).item() for name, total in sums.items()}
-    grad_norms = torch.stack(grad_norms)  # (updates, models): the policy's column, then a separate value model's
-    metrics["train/grad_norm"] = grad_norms[:, 0].mean().item()
-    if len(models) == 2:
-        metrics["train/value_grad_norm"] = grad_norms[:, 1].mean().item()
+    # (updates, models) -> one row per model: the policy's norms, then a separate value model's
+    for name, norms in zip(["train/grad_norm", "train/value_grad_norm"], torch.stack(grad_norms).T):
+        metrics[name] = norms.mean().item()
     metrics["train/epochs"] = n_updates // cfg.num_minibatches
     return metrics
 
@@ -566,9 +571,12 @@ def ppo_update(run, batch):
 def ppo_loss(run, batch, rows, n_tokens):
     """ALGO LOGIC 5: L = L_clip + c_V L_V - entropy_coef H on the batch's rows (a micro-batch), each term a share of
     the minibatch's token mean (n_tokens: its real tokens on every rank), through the wrapped models. Returns the loss
-    and its terms by metric name (detached: ppo_update sums them)."""
+    and its terms by metric name (ppo_update detaches and sums them)."""
     cfg = run.cfg
-    actor, critic = run.wrapped
+    actor = run.wrapped[0]
+    critic = None  # --value_model shared: the actor's forward pass gives the values too
+    if run.critic is not None:
+        critic = run.wrapped[1]
     mask = batch["mask"][rows]
     attn = None if batch["attn"] is None else batch["attn"][rows]
     with run.rt.autocast():  # (n, H) each, under the sampling distribution, as old_logp
@@ -579,7 +587,7 @@ def ppo_loss(run, batch, rows, n_tokens):
     returns = batch["returns"][rows]
     pg_loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.clip_eps, cfg.dual_clip or None, n_tokens)
     v_loss = value_loss(values.float(), old_values, returns, mask, cfg.clip_eps_value, n_tokens)
-    if cfg.entropy_coef <= 0:
+    if not cfg.entropy_coef:
         entropies = entropies.detach()  # no bonus: the entropy is only logged
     entropy = masked_mean(entropies, mask, n_tokens)
     # vf_coef weighs L_V against L_clip in the gradient of parameters both train (the shared trunk). A separate value
@@ -590,21 +598,23 @@ def ppo_loss(run, batch, rows, n_tokens):
         vf_coef = cfg.vf_coef
     loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
     terms = {
-        "train/policy_loss": pg_loss.detach(),
-        "train/value_loss": v_loss.detach(),
-        "train/entropy": entropy.detach(),
+        "train/policy_loss": pg_loss,
+        "train/value_loss": v_loss,
+        "train/entropy": entropy,
         "train/approx_kl": stats["approx_kl"],
         "train/clipfrac": stats["clip_frac"],
-        "train/loss": loss.detach(),
+        "train/loss": loss,
     }
     if cfg.dual_clip:
         terms["train/dual_clipfrac"] = stats["dual_clip_frac"]
     return loss, terms
 
 
-def global_moments(x, mask, rt):
-    """Mean and unbiased variance of x over the real positions of every rank's batch (never empty: every completion
-    has a first token)."""
+def global_moments(x, rt, mask=None):
+    """Mean and unbiased variance of x over the real positions (mask None: every position) of every rank's batch
+    (never empty: every completion has a first token)."""
+    if mask is None:
+        mask = torch.ones_like(x)
     sums = torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double()
     count, total, total_sq = all_reduce(sums, rt)  # one collective for the three sums
     mean = total / count
@@ -624,8 +634,8 @@ class PolicyWithValueHead(nn.Module):
         self.policy = policy
         self.config = policy.config
         self.value_head = nn.Linear(policy.config.n_embd, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        for p in self.value_head.parameters():
+            nn.init.zeros_(p)
 
     def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, output="logits", **dist):
         """(logits (B, T, V), values (B, T)); with targets and output="logprobs", (log p(targets), entropy or None,
@@ -636,10 +646,7 @@ class PolicyWithValueHead(nn.Module):
         if targets is None or output != "logprobs":
             return self.policy.lm_head(h), values
         logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **dist)
-        logp = logp.view(targets.shape)
-        if ent is not None:
-            ent = ent.view(targets.shape)
-        return logp, ent, values
+        return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1159,7 +1166,7 @@ def validate(cfg):
     if cfg.value_init == "reward_model":  # a shared value head sits on the policy's trunk: no body of its own
         check(cfg.value_model == "separate", "--value_init reward_model needs --value_model separate")
         check(cfg.reward_model, "--value_init reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-    check(not (cfg.adaptive_kl and cfg.reference == "none"), "--adaptive_kl needs a reference (--reference none)")
+    check(not cfg.adaptive_kl or cfg.reference != "none", "--adaptive_kl needs a reference (--reference none)")
     n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)  # arithmetic only, like --digits
     check(not cfg.best_of or n_values and cfg.reward_model, "--best_of n,n,..: answers ranked by a --reward_model")
 
@@ -1191,10 +1198,10 @@ def setup(cfg):
         else:
             tok = CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
         model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
-    if text is not None and isinstance(tok, CharTokenizer):
-        unknown = sorted(set(text) - set(tok.chars))
-        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
+        if isinstance(tok, CharTokenizer):
+            unknown = sorted(set(text) - set(tok.chars))
+            check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
         run.task = NextTokenTask(cfg, tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
@@ -1216,6 +1223,7 @@ def setup(cfg):
     # the value model: --value_model shared puts a zero-initialised value head on the policy (the actor; no critic);
     # separate keeps the policy as the actor and builds a GPT body with a scalar head, from the policy (the head at
     # zero, so the first values are 0 and the first advantages plain returns) or from --reward_model
+    longest = prompt_len + cfg.horizon  # (a resumed run may ask for a longer --horizon than the value model holds)
     actor = model
     critic = None
     if cfg.value_model == "shared":
@@ -1223,19 +1231,18 @@ def setup(cfg):
     elif ckpt is not None:
         critic = RewardModel(GPTConfig(**ckpt["value_model_config"]))
     elif cfg.value_init == "reward_model":
-        critic, _ = frozen_reward_model(cfg, tok, rt, prompt_len + cfg.horizon)  # its tokenizer and block_size checked
+        critic, _ = frozen_reward_model(cfg, tok, rt, longest)  # its tokenizer and block_size checked
         critic.train()  # loaded frozen, as a reward; unfrozen here: its body and head start the value model
         critic.requires_grad_(True)
     else:
         critic = RewardModel(model.config)
         critic.body.load_state_dict(model.state_dict())
-        nn.init.zeros_(critic.head.weight)
-        nn.init.zeros_(critic.head.bias)
+        for p in critic.head.parameters():
+            nn.init.zeros_(p)
     value_model = actor.value_head if critic is None else critic  # what ckpt.pt's value_model holds
     if ckpt is not None:
         value_model.load_state_dict(ckpt["value_model"])
     trained = [m.to(rt.device) for m in (actor, critic) if m is not None]
-    longest = prompt_len + cfg.horizon  # (a resumed run may ask for a longer --horizon than the value model holds)
     size = model.config.block_size
     if critic is not None:
         size = min(size, critic.body.config.block_size)
@@ -1245,10 +1252,10 @@ def setup(cfg):
     # after a resume (a copy of rank 0's starting weights, or a fixed seed). A policy from scratch on text is noise:
     # there the text's bigram model is the reference.
     run.reference = cfg.reference
-    if cfg.reference == "auto" and cfg.task == "next_token" and cfg.init_from == "scratch":
-        run.reference = "bigram"
-    elif cfg.reference == "auto":
+    if run.reference == "auto":
         run.reference = "init"
+        if cfg.task == "next_token" and cfg.init_from == "scratch":
+            run.reference = "bigram"
     run.ref = None
     if run.reference == "bigram":
         run.ref = BigramReference(run.task.train_ids.to(rt.device), model.config.vocab_size)
@@ -1264,19 +1271,13 @@ def setup(cfg):
     run.tok = tok
     run.actor = actor
     run.critic = critic
-    wrapped_actor = wrap_model(actor, rt, cfg.compile)
-    wrapped_critic = None
-    if critic is not None:
-        wrapped_critic = wrap_model(critic, rt, cfg.compile)
-    run.wrapped = (wrapped_actor, wrapped_critic)
-    lrs = [cfg.lr, cfg.value_lr or cfg.lr]  # peak learning rates of the actor and the critic
-    run.optimizers = [make_optimizer(m, lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m, lr in zip(trained, lrs)]
+    run.wrapped = [wrap_model(m, rt, cfg.compile) for m in trained]  # the actor, then a separate value model
+    # the actor's, then a separate value model's; ppo_step sets their learning rates (--lr, --value_lr) every step
+    run.optimizers = [make_optimizer(m, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m in trained]
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
-    init_kl_coef = cfg.beta_kl
+    run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
     if ckpt is not None:
-        init_kl_coef = ckpt["kl_coef"]  # where --adaptive_kl had moved it
-    run.kl_ctl = AdaptiveKLController(init_kl_coef, cfg.target_kl, cfg.kl_horizon)
-    if ckpt is not None:
+        run.kl_ctl.value = ckpt["kl_coef"]  # where --adaptive_kl had moved it
         for m, opt, key in zip(trained, run.optimizers, ("optimizer", "value_optimizer")):
             load_optimizer_state(m, opt, ckpt[key], rt)
         restore_rng(ckpt, rt)
@@ -1298,6 +1299,12 @@ def weights_checksum(model):
     return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 
+def strip_prefix(state, prefix):
+    """The entries of a dict whose key starts with prefix, keyed without it: a submodule's part of a state dict,
+    or the eval/ metrics under their short names."""
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+
 def save(run, step):
     """ckpt.pt: the policy under its own keys (any script can --init_from it) and its optimizer, the value model
     (the shared head; or a GPT body and head, its config and optimizer), the reference of --reference init, every
@@ -1312,8 +1319,8 @@ def save(run, step):
         "reference": run.ref.state_dict() if run.reference == "init" else None,  # a resume reloads it
     }
     if run.critic is None:  # the shared value head is saved apart from the policy's keys
-        model_sd = {k.removeprefix("policy."): v for k, v in actor_sd.items() if k.startswith("policy.")}
-        value_sd = {k.removeprefix("value_head."): v for k, v in actor_sd.items() if k.startswith("value_head.")}
+        model_sd = strip_prefix(actor_sd, "policy.")
+        value_sd = strip_prefix(actor_sd, "value_head.")
     else:
         model_sd = actor_sd
         value_sd, value_optim_sd = training_state(run.critic, run.optimizers[1], rt)
@@ -1376,8 +1383,8 @@ def main():
             "steps": cfg.max_steps,
             "tokens": run.tokens,
             "wall_time_s": time.time() - t_start,
-            "before": {k.removeprefix("eval/"): v for k, v in run.first_eval.items()},
-            "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
+            "before": strip_prefix(run.first_eval, "eval/"),  # eval/accuracy: accuracy
+            "after": strip_prefix(last_eval, "eval/"),
         }
         with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
