@@ -453,7 +453,7 @@ def training_step(run, step):
         group["lr"] = lr
 
     # 1-3. rollouts: G completions per prompt, their log-probs (sampling policy, reference) and rewards
-    batch, first, rounds = sample_batch(run)
+    batch, rounds = sample_batch(run)
     t_rollout = time.time() - t0
 
     # 4. advantages, (N,) per sequence or (N, H) per token
@@ -465,24 +465,28 @@ def training_step(run, step):
         warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
         beta = cfg.beta_kl * warm
     losses, grad_norm = update_policy(run, batch, adv, beta)
-    run.tokens += int(all_reduce(batch["mask"].sum(), rt).item())
+    run.tokens += int(all_reduce(batch["mask"].sum(), rt))
     if cfg.ref_sync_steps and (step + 1) % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows the policy
         sync_reference(run.ref, run.raw, cfg.ref_mixup)
 
-    metrics = rollout_metrics(run.task, first, batch, G, rt)
-    metrics.update(losses)  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean
+    metrics = rollout_metrics(run.task, rounds[0], batch, G, rt)
+    sampled = len(rounds) * batch["mask"].numel() * rt.world_size  # token positions sampled, every round and rank
+    metrics.update(
+        {
+            **losses,  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean, rl/..._frac
+            "rl/beta": beta,
+            "rl/sampling_rounds": len(rounds),
+            "rl/tokens": run.tokens,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "perf/rollout_ms": 1000 * t_rollout,
+            "perf/rollout_tokens_per_s": sampled / max(t_rollout, 1e-9),
+            "perf/peak_mem_mb": peak_memory_mb(rt),
+            "perf/step_ms": 1000 * (time.time() - t0),
+        }
+    )
     if run.ref is None:
         metrics["rl/kl"] = None  # no reference, no KL
-    metrics["rl/beta"] = beta
-    metrics["rl/sampling_rounds"] = rounds
-    metrics["rl/tokens"] = run.tokens
-    metrics["train/lr"] = lr
-    metrics["train/grad_norm"] = grad_norm.item()
-    metrics["perf/rollout_ms"] = 1000 * t_rollout
-    sampled = rounds * batch["mask"].numel() * rt.world_size  # token positions sampled, every round and rank
-    metrics["perf/rollout_tokens_per_s"] = sampled / max(t_rollout, 1e-9)
-    metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
-    metrics["perf/step_ms"] = 1000 * (time.time() - t0)
     return metrics
 
 
@@ -490,20 +494,22 @@ def sample_batch(run):
     """ALGO LOGIC 1-3: a batch of --batch_size groups (collect). --dynamic_sampling (DAPO) samples more rounds until
     every rank has that many groups whose rewards differ, or --max_sampling_rounds were sampled; the batch is then
     the groups with signal in the order sampled, topped up with zero-advantage groups, so every rank keeps the same
-    batch shape. Returns (batch, the first round, the number of rounds)."""
+    batch shape. Returns (batch, the rounds: collect's batches in the order sampled; the first one's rewards are the
+    step's rl/ metrics)."""
     cfg = run.cfg
     G = cfg.group_size
-    rounds = [collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size)]
-    while cfg.dynamic_sampling:
+    rounds = []
+    while True:
+        rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
+        if not cfg.dynamic_sampling:
+            return rounds[0], rounds
         zero = torch.cat([zero_std_groups(r["rewards"], G) for r in rounds])  # (groups so far,)
         # every rank samples as many rounds (FSDP's forward passes are collective)
         short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max").item()
         if not short or len(rounds) == cfg.max_sampling_rounds:
-            groups = torch.argsort(zero.int(), stable=True)[: cfg.batch_size]  # with signal first, each in order
-            rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # (B*G,)
-            return take_rows(rounds, rows), rounds[0], len(rounds)
-        rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
-    return rounds[0], rounds[0], 1
+            # (B*G,) the rows of the groups with signal first, then the others, each in the order sampled
+            rows = torch.argsort(zero.repeat_interleave(G).int(), stable=True)[: cfg.batch_size * G]
+            return take_rows(rounds, rows), rounds
 
 
 # The batch that collect returns, one row per completion: N = n_prompts * G rows, a group's G rows contiguous
@@ -563,11 +569,16 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
             part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
             rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
-    batch = dict(prompts=rows, completion=completion, mask=mask, truncated=truncated, info=info)
-    batch["old_logp"] = torch.cat(old_logp) if old_logp else None
-    batch["ref_logp"] = torch.cat(ref_logp) if ref_logp else None
-    batch["rewards"] = torch.cat(rewards).float()
-    return batch
+    return dict(
+        prompts=rows,
+        completion=completion,
+        mask=mask,
+        truncated=truncated,
+        info=info,
+        old_logp=torch.cat(old_logp) if old_logp else None,
+        ref_logp=torch.cat(ref_logp) if ref_logp else None,
+        rewards=torch.cat(rewards).float(),
+    )
 
 
 def join(prompts, completion):
@@ -584,8 +595,16 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
     each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
     logits (the sampling distribution). The logits stay inside the model's linear_logprobs."""
     # log-probs at the last H positions, under linear_logprobs' sampling distribution
-    options = dict(keep_last=H, output="logprobs", entropy=entropy, temperature=temperature, top_k=top_k)
-    return model(seq[:, :-1], seq[:, -H:], None if attn is None else attn[:, :-1], **options)
+    return model(
+        seq[:, :-1],
+        seq[:, -H:],
+        None if attn is None else attn[:, :-1],
+        keep_last=H,
+        output="logprobs",
+        entropy=entropy,
+        temperature=temperature,
+        top_k=top_k,
+    )
 
 
 def completion_logits(model, seq, attn, H):
@@ -658,14 +677,13 @@ def update_policy(run, batch, adv, beta):
     cfg = run.cfg
     rt = run.rt
     H = cfg.horizon
-    top_k = cfg.top_k or None
     seq, attn = join(batch["prompts"], batch["completion"])
     mask = batch["mask"]
     if cfg.mask_truncated:  # DAPO's overlong filtering: completions without an end token leave the loss
         mask = mask * ~batch["truncated"][:, None]
-    N = len(batch["prompts"])
+    N = len(mask)
     n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
-    n_seqs = all_reduce(torch.tensor(float(N), device=rt.device), rt)  # the whole step's sequences
+    n_seqs = N * rt.world_size  # the whole step's sequences (every rank holds N)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
     adv = adv.reshape(N, -1)  # (N, 1) per sequence, or (N, H) per token
     keep = mask.clone()  # the tokens the policy term trains on: every real token, or the top quantile by entropy
@@ -681,7 +699,9 @@ def update_policy(run, batch, adv, beta):
             grad_sync(run.policy, i + n_micro >= N)
             a = None if attn is None else attn[rows]
             with rt.autocast():  # under the sampling distribution, as old_logp
-                logp, entropies = completion_logprobs(run.policy, seq[rows], a, H, True, cfg.temperature, top_k)
+                logp, entropies = completion_logprobs(
+                    run.policy, seq[rows], a, H, True, cfg.temperature, cfg.top_k or None
+                )
             old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
             # The first iteration's policy is the sampler (no update yet): its entropies are the sampling
             # distribution's, ranked over this micro-batch on every rank (as TRL), and the mask stays for later ones
@@ -720,7 +740,7 @@ def update_policy(run, batch, adv, beta):
                 shares = {
                     "train/loss": loss,
                     "rl/pg_loss": pg_loss,
-                    "rl/kl": token_mean(kl_penalty(logp, ref_logp, "k1"), m),  # whatever --kl_estimator
+                    "rl/kl": token_mean(logp - ref_logp, m),  # k1, whatever --kl_estimator
                     "rl/entropy": entropy,
                     "rl/clip_frac": stats["clip_frac"] * part,
                     "rl/ratio_mean": stats["ratio_mean"] * part,
@@ -1257,15 +1277,47 @@ def resolve_clip(cfg):
 
 def validate(cfg):
     """Impossible settings: one line naming the flag, exit code 2, before anything is loaded or written."""
-    positive = ["horizon", "batch_size", "max_steps", "num_iterations", "grad_accum", "eval_every", "eval_size"]
-    positive += ["log_every", "save_every", "n_layer", "n_head", "n_embd", "block_size", "max_sampling_rounds"]
-    positive += ["context_len", "max_prompt_len", "digits", "lr", "clip_eps", "sapo_tau_pos", "sapo_tau_neg"]
-    positive += ["temperature"]  # temperature 0 (greedy) would make a group's completions identical
+    positive = [
+        "horizon",
+        "batch_size",
+        "max_steps",
+        "num_iterations",
+        "grad_accum",
+        "eval_every",
+        "eval_size",
+        "log_every",
+        "save_every",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "max_sampling_rounds",
+        "context_len",
+        "max_prompt_len",
+        "digits",
+        "lr",
+        "clip_eps",
+        "sapo_tau_pos",
+        "sapo_tau_neg",
+        "temperature",  # temperature 0 (greedy) would make a group's completions identical
+    ]
     for name in positive:
         value = getattr(cfg, name)
         check(value > 0, f"--{name} must be positive (got {value})")
-    zero_ok = ["min_lr", "beta_kl", "kl_warmup_tokens", "entropy_coef", "clip_eps_high", "grad_clip", "weight_decay"]
-    zero_ok += ["warmup_steps", "top_k", "clip_delta", "off_policy_mask", "ref_sync_steps"]
+    zero_ok = [
+        "min_lr",
+        "beta_kl",
+        "kl_warmup_tokens",
+        "entropy_coef",
+        "clip_eps_high",
+        "grad_clip",
+        "weight_decay",
+        "warmup_steps",
+        "top_k",
+        "clip_delta",
+        "off_policy_mask",
+        "ref_sync_steps",
+    ]
     for name in zero_ok:
         value = getattr(cfg, name)
         check(value >= 0, f"--{name} must be >= 0 (got {value})")
@@ -1304,11 +1356,9 @@ def setup(cfg):
     the frozen reference; optimizer and loss scaler, restored on --resume. Returns the run's state as a namespace."""
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "grpo", rt)
-    run = SimpleNamespace(cfg=cfg, rt=rt, out_dir=out_dir, stop=GracefulExit(), start_step=0, tokens=0, first_eval=None)
-    run.ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    source = run.ckpt_path if cfg.resume else cfg.init_from
-    model = None
-    spec = None  # no tokenizer yet: a new model
+    stop = GracefulExit()
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    source = ckpt_path if cfg.resume else cfg.init_from
     ckpt = None
     if source != "scratch":
         model, spec, ckpt = load_model(source)
@@ -1322,71 +1372,90 @@ def setup(cfg):
         else:
             path = download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
-    if spec is None:  # a new model
+    if source == "scratch":  # a new model
         chars = sorted(set(text)) if text is not None else ARITHMETIC_CHARS
-        run.tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(chars)
-        model = GPT(GPTConfig(cfg.block_size, run.tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+        tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(chars)
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
     else:
-        run.tok = get_tokenizer(spec)
-    if text is not None and isinstance(run.tok, CharTokenizer):
-        unknown = sorted(set(text) - set(run.tok.chars))
+        tok = get_tokenizer(spec)
+    if text is not None and isinstance(tok, CharTokenizer):
+        unknown = sorted(set(text) - set(tok.chars))
         check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
-        run.task = NextTokenTask(cfg, run.tok, text, path)
+        task = NextTokenTask(cfg, tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        run.task = ArithmeticTask(cfg, run.tok, rt, out_dir)
+        task = ArithmeticTask(cfg, tok, rt, out_dir)
         prompt_len = 2 * cfg.digits + 2  # "a*b=" with the longest operands
     else:
-        run.task = RewardModelTask(cfg, run.tok, rt)
+        task = RewardModelTask(cfg, tok, rt)
         prompt_len = cfg.max_prompt_len
     # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
     # check has no checksum, and is refused when a reward model is used)
-    run.rm_checksum = weights_checksum(run.task.rm) if run.task.rm is not None else None
-    same = not cfg.resume or ckpt.get("rm_checksum") == run.rm_checksum
+    rm_checksum = weights_checksum(task.rm) if task.rm is not None else None
+    same = not cfg.resume or ckpt.get("rm_checksum") == rm_checksum
     check(same, f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on")
     longest = prompt_len + cfg.horizon
     block_size = model.config.block_size
     check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
-    run.raw = model.to(rt.device)
-    run.adv_kind = cfg.adv
+    model.to(rt.device)
+    adv_kind = cfg.adv
     if cfg.adv == "auto":  # per-token rewards (next_token): process supervision
-        run.adv_kind = "process" if cfg.task == "next_token" else "group"
-    run.reference = cfg.reference
-    if cfg.reference == "auto":  # a model trained from scratch on text has no sensible initial policy
+        adv_kind = "process" if cfg.task == "next_token" else "group"
+    reference = cfg.reference
+    if reference == "auto":  # a model trained from scratch on text has no sensible initial policy
         text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
-        run.reference = "bigram" if text_from_scratch else "init"
+        reference = "bigram" if text_from_scratch else "init"
 
     # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
     broadcast_weights(model, rt)
-    run.ref = None
-    if run.reference == "bigram":
-        run.ref = BigramReference(run.task.train_ids.to(rt.device), model.config.vocab_size)
-    elif run.reference in ("random", "init"):
+    ref = None
+    if reference == "bigram":
+        ref = BigramReference(task.train_ids.to(rt.device), model.config.vocab_size)
+    elif reference in ("random", "init"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
-            run.ref = GPT(model.config)
-        if run.reference == "init":
-            run.ref.load_state_dict(model.state_dict())
+            ref = GPT(model.config)
+        if reference == "init":
+            ref.load_state_dict(model.state_dict())
         if cfg.resume and ckpt["reference"]:  # as it was saved (--ref_sync_steps moves it); older runs: None
-            run.ref.load_state_dict(ckpt["reference"])
-        run.ref.to(rt.device).eval().requires_grad_(False)
-    check(not cfg.ref_sync_steps or isinstance(run.ref, GPT), "--ref_sync_steps: use --reference init or random")
+            ref.load_state_dict(ckpt["reference"])
+        ref.to(rt.device).eval().requires_grad_(False)
+    check(not cfg.ref_sync_steps or isinstance(ref, GPT), "--ref_sync_steps: use --reference init or random")
 
-    run.policy = wrap_model(model, rt, cfg.compile)
-    run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
-    run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    policy = wrap_model(model, rt, cfg.compile)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    run = SimpleNamespace(
+        cfg=cfg,
+        rt=rt,
+        out_dir=out_dir,
+        ckpt_path=ckpt_path,
+        stop=stop,
+        tok=tok,
+        task=task,
+        raw=model,  # the policy itself; policy is its wrapper (DDP, FSDP, compiled) for the training passes
+        ref=ref,
+        policy=policy,
+        optimizer=optimizer,
+        scaler=scaler,
+        adv_kind=adv_kind,
+        rm_checksum=rm_checksum,
+        start_step=0,
+        tokens=0,
+        first_eval=None,
+    )
     if cfg.resume:  # (a ckpt.pt given to --init_from gives its weights, not its state)
-        load_optimizer_state(model, run.optimizer, ckpt["optimizer"], rt)
+        load_optimizer_state(model, optimizer, ckpt["optimizer"], rt)
         # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
-        run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
+        scaler.load_state_dict(ckpt.get("scaler") or scaler.state_dict())
         restore_rng(ckpt, rt)
         run.start_step = ckpt["step"]
         run.tokens = ckpt["tokens"]
         run.first_eval = ckpt["first_eval"]
     if rt.master:
-        sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {run.tok.vocab_size}, {rt.world_size} x {rt.device}"
-        print(f"{sizes}, {cfg.task}, loss {cfg.loss_type}, adv {run.adv_kind}, ref {run.reference}, out_dir {out_dir}")
+        sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {tok.vocab_size}, {rt.world_size} x {rt.device}"
+        print(f"{sizes}, {cfg.task}, loss {cfg.loss_type}, adv {adv_kind}, ref {reference}, out_dir {out_dir}")
     return run
 
 
@@ -1444,9 +1513,9 @@ def write_results(run, last_eval, wall_time_s):
         "steps": cfg.max_steps,
         "tokens": run.tokens,
         "wall_time_s": wall_time_s,
-        "before": {k.removeprefix("eval/"): v for k, v in run.first_eval.items()},  # eval/accuracy: accuracy
-        "after": {k.removeprefix("eval/"): v for k, v in last_eval.items()},
     }
+    for name, metrics in (("before", run.first_eval), ("after", last_eval)):
+        results[name] = {k.removeprefix("eval/"): v for k, v in metrics.items()}  # eval/accuracy: accuracy
     with open(os.path.join(run.out_dir, "final_results.json"), "w") as f:
         json.dump(results, f, indent=2)
     summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
@@ -1460,28 +1529,29 @@ def main():
     cfg = resolve_clip(parse_config(Config))
     validate(cfg)
     run = setup(cfg)
-    save_config(cfg, run.out_dir, run.rt)  # every input is checked: from here on the run folder is written
-    logger = Logger(cfg, run.out_dir, run.rt, cfg.max_steps, run.start_step)
+    rt = run.rt
+    save_config(cfg, run.out_dir, rt)  # every input is checked: from here on the run folder is written
+    logger = Logger(cfg, run.out_dir, rt, cfg.max_steps, run.start_step)
     t_start = time.time()
     for step in range(run.start_step, cfg.max_steps):
         if step % cfg.eval_every == 0:
             evaluate_policy(run, step, logger)
         metrics = training_step(run, step)
-        stop_requested = run.stop.requested(step + 1, run.rt)
-        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, run.rt)
+        stop_requested = run.stop.requested(step + 1, rt)
+        stop_if_not_finite(metrics["train/loss"], step, run.ckpt_path, rt)
         logger.bar.update(1)
         logger.bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}")
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or stop_requested:
             save(run, step + 1)
         if stop_requested:
-            run.stop.exit(step + 1, run.out_dir, run.rt)
+            run.stop.exit(step + 1, run.out_dir, rt)
     last_eval = evaluate_policy(run, cfg.max_steps, logger)
     save(run, cfg.max_steps)
     logger.close()
-    if run.rt.master:
+    if rt.master:
         write_results(run, last_eval, time.time() - t_start)
-    cleanup(run.rt)
+    cleanup(rt)
 
 
 # ----------------------------------------------------------------------------------------------------------
