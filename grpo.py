@@ -141,8 +141,10 @@ Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
     train/loss, train/lr, train/grad_norm
     eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
                                    format_rate, n_problems (distinct held-out problems), and rm_score with
-                                   --reward_model (the learned reward of the same greedy answers); reward_model:
-                                   rm_score, kl (per sequence, k1), completion_len
+                                   --reward_model (the learned reward of the same greedy answers), and of four
+                                   answers a problem sampled at temperature 1 (as best-of-n's): sample_accuracy,
+                                   sample_rm_score and sample_kl (to the reference, k1 summed over each answer);
+                                   reward_model: rm_score, kl (per sequence, k1), completion_len
     perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
 """
 
