@@ -74,6 +74,19 @@ def text_file(tmp_path):
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "4"]
 
 
+def metrics(out_dir):
+    """The rows of a run's metrics.jsonl without their perf/ keys (timings differ between runs that match)."""
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def run_main(module, monkeypatch, *args):
+    """module.main() with these flags in this process (no interpreter start; its functions can be wrapped). The
+    autouse restore_signal_handlers fixture puts back the signal handlers main() installs."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, args)])
+    module.main()
+
+
 def run_script(script, *args, timeout=300, env=None, cwd=None):
     """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -7,17 +7,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_script, torchrun
+from conftest import ROOT, metrics, run_script, torchrun
 
 import char_grpo as cg
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--context_len", "8"]
 SMALL_RUN = [*TINY, "--horizon", "4", "--batch_size", "4", "--group_size", "4", "--eval_size", "16"]
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def run_in_process(argv, monkeypatch):

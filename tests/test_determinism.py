@@ -5,12 +5,11 @@ on the process (the hash seed of str, set iteration order, object addresses) sho
 The data of the runs that read JSONL or RookWorld lines holds a few malformed lines: they are skipped with a count
 on stderr and the run goes on (the other half of the bad-input matrix's "all lines malformed" case)."""
 
-import json
 import random
 
 import pytest
 import torch
-from conftest import BPE_AVAILABLE, bpe_checkpoint, char_checkpoint, hh_file, run_script, synthetic_text
+from conftest import BPE_AVAILABLE, bpe_checkpoint, char_checkpoint, hh_file, metrics, run_script, synthetic_text
 
 MODEL = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "32", "--device", "cpu"]
 BAD_LINES = 'not json\n{"rejected": "no chosen field"}\n'
@@ -57,12 +56,6 @@ def run_args(script, f):
 
 SKIP_COUNT = {"dpo": "skipped 2 malformed line(s)", "reward_model": "skipped 2 malformed line(s)"}
 SKIP_COUNT["rookworld_grpo"] = "skipped 1 line(s) in neither format"
-
-
-def metrics(out_dir):
-    """metrics.jsonl without the wall-clock fields (perf/: timings, throughput, memory)."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, needs_bpe, run_script, torchrun
+from conftest import ROOT, metrics, needs_bpe, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -622,11 +622,6 @@ def train_in_process(out_dir, *args):
     rt = dpo.setup_runtime(cfg)
     results = dpo.train(cfg, dpo.prepare_out_dir(cfg, "dpo", rt), rt)
     return results, metrics(out_dir)
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def close(rows_a, rows_b, tol=1e-5):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BPE_AVAILABLE, ROOT, TINY, char_checkpoint, hh_file, synthetic_text, torchrun
+from conftest import BPE_AVAILABLE, ROOT, TINY, char_checkpoint, hh_file, metrics, synthetic_text, torchrun
 
 import char_grpo
 import dpo
@@ -171,12 +171,6 @@ class Run:
         """stderr without tqdm's progress bars."""
         lines = self.stderr.read_text().replace("\r", "\n").splitlines()
         return "\n".join(line for line in lines if line.strip() and not re.match(r"\s*\d+%\|", line))
-
-
-def metrics(out_dir):
-    """metrics.jsonl without timings (perf/ varies between runs); every line must be valid JSON."""
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def ckpt_step(path):

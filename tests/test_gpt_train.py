@@ -10,17 +10,11 @@ import zlib
 
 import pytest
 import torch
-from conftest import ROOT, TINY, needs_bpe, run_script, torchrun
+from conftest import ROOT, TINY, metrics, needs_bpe, run_script, torchrun
 
 import gpt
 
 RUN = [*TINY, "--eval_iters", "2", "--log_every", "1", "--num_samples", "1", "--sample_tokens", "8"]
-
-
-def metrics(out_dir):
-    """metrics.jsonl without timings (perf/ varies between runs)."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def assert_ok(proc):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, run_script
+from conftest import TINY, metrics, run_script
 
 import gpt
 
@@ -20,11 +20,6 @@ SIZES = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32)
 def model(seed=0, **variant):
     torch.manual_seed(seed)
     return gpt.make_model({**SIZES, **variant}).eval()
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def assert_ok(proc):

@@ -6,13 +6,11 @@ import json
 import math
 import random
 import re
-import signal
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, hh_file, needs_bpe, run_script, torchrun
+from conftest import ROOT, char_checkpoint, hh_file, metrics, needs_bpe, run_main, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,22 +31,6 @@ def orm_checkpoint(path, seed):
     ckpt["reward_task"] = "orm"
     torch.save(ckpt, path)
     return path
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-
-
-def main_in_process(monkeypatch, *args):
-    """grpo.main() with these flags in this process (no interpreter start; its functions can be wrapped)."""
-    monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, args)])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # main() installs its own
-    try:
-        grpo.main()
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
 
 
 def record(monkeypatch):
@@ -174,7 +156,7 @@ def test_gspo_logged_clip_frac_weighs_micro_batches_by_their_sequences(tmp_path,
     out = tmp_path / "run"
     args = ["--task", "arithmetic", "--init_from", init, "--loss_type", "gspo", "--horizon", "4", "--batch_size", "4"]
     args += ["--group_size", "4", "--grad_accum", "2", "--num_iterations", "2", "--lr", "1e-2", "--warmup_steps", "0"]
-    main_in_process(monkeypatch, *args, "--max_steps", "1", "--eval_size", "4", "--out_dir", out)
+    run_main(grpo, monkeypatch, *args, "--max_steps", "1", "--eval_size", "4", "--out_dir", out)
     last = seen["losses"][-2:]  # the second iteration's two micro-batches
     frac = [stats["clip_frac"].item() for *_, stats in last]
     tokens = [mask.sum().item() for _, _, mask, _ in last]
@@ -351,7 +333,7 @@ def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, 
     seen = record(monkeypatch)
     out = tmp_path / "run"
     args = ["--data", text_file, *NEXT, "--temperature", "0.5", "--reference", "none", "--max_steps", "1"]
-    main_in_process(monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
+    run_main(grpo, monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
     config, weights, batch = seen["batches"][0]
     logq = torch.log_softmax(completion_logits(config, weights, batch) / 0.5, -1)  # (N, H, V)
     entropy = -(logq.exp() * logq).sum(-1)  # (N, H)
@@ -370,8 +352,8 @@ def test_old_logprobs_are_those_of_the_top_k_sampler_and_the_first_update_has_ra
     exactly (the training pass scores tokens under the same distribution), so nothing clips."""
     seen = record(monkeypatch)
     args = ["--data", text_file, *NEXT, "--temperature", "0.7", "--top_k", "3", "--num_iterations", "2"]
-    main_in_process(
-        monkeypatch, *args, "--reference", "init", "--max_steps", "1", "--eval_size", "4", "--out_dir", tmp_path
+    run_main(
+        grpo, monkeypatch, *args, "--reference", "init", "--max_steps", "1", "--eval_size", "4", "--out_dir", tmp_path
     )
     config, weights, batch = seen["batches"][0]
     z = completion_logits(config, weights, batch) / 0.7  # (N, H, V)
@@ -421,14 +403,14 @@ def test_float16_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, tex
     args = ["--data", text_file, *NEXT, "--device", "cpu", "--dtype", "float16", "--max_steps", "3"]
     monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "2")
     with pytest.raises(SystemExit) as exit_info:
-        main_in_process(monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
+        run_main(grpo, monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
     assert exit_info.value.code == 143
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["scaler"]["scale"] == 2.0**16 and ckpt["scaler"]["_growth_tracker"] == 2
     ckpt["scaler"]["scale"] = 2.0**10
     torch.save(ckpt, out / "ckpt.pt")
     monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
-    main_in_process(monkeypatch, "--resume", "--out_dir", out)
+    run_main(grpo, monkeypatch, "--resume", "--out_dir", out)
     resumed = torch.load(out / "ckpt.pt", weights_only=True)
     assert resumed["step"] == 3 and resumed["scaler"]["scale"] == 2.0**10 and resumed["scaler"]["_growth_tracker"] == 3
 
@@ -560,7 +542,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle, monk
     """Impossible settings end with exit code 2 and one line naming the setting; nothing is trained. (main() runs in
     this process, which spares an interpreter start per case; the next test runs one case as a real process.)"""
     with pytest.raises(SystemExit) as exit_info:
-        main_in_process(monkeypatch, "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", *args)
+        run_main(grpo, monkeypatch, "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", *args)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run" / "ckpt.pt").exists()

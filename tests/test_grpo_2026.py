@@ -5,12 +5,10 @@ end to end (in this process: no interpreter start), its bad values, and an exact
 
 import json
 import math
-import signal
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, torchrun
+from conftest import ROOT, char_checkpoint, metrics, run_main, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -215,22 +213,6 @@ def test_sync_reference_is_alpha_policy_plus_one_minus_alpha_reference(alpha, se
 # ------------------------------------------------------------------------------------------- flags end to end
 
 
-def main_in_process(monkeypatch, *args):
-    """grpo.main() with these flags in this process (its functions can be wrapped)."""
-    monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, args)])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # main() installs its own
-    try:
-        grpo.main()
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-
-
 def train_rows(out_dir):
     return [r for r in metrics(out_dir) if "train/loss" in r]
 
@@ -271,7 +253,7 @@ def test_sapo_and_luspo_runs_pass_their_settings_to_policy_loss(tmp_path, monkey
         "--sapo_tau_neg",
         "3",
     ]
-    main_in_process(monkeypatch, *args, "--max_steps", "1", "--out_dir", out)
+    run_main(grpo, monkeypatch, *args, "--max_steps", "1", "--out_dir", out)
     assert all(a[4] == loss_type and kw["sapo_tau_pos"] == 2 and kw["sapo_tau_neg"] == 3 for a, kw, _ in losses)
     assert len(losses) == 1 and math.isfinite(train_rows(out)[0]["train/loss"])
     config = json.loads((out / "config.json").read_text())
@@ -282,7 +264,7 @@ def test_sapo_and_luspo_runs_pass_their_settings_to_policy_loss(tmp_path, monkey
 def test_clip_delta_run_passes_the_cap(tmp_path, monkeypatch):
     losses = spy(monkeypatch, "policy_loss")
     args = [*arithmetic_args(tmp_path, monkeypatch), "--loss_type", "dapo", "--clip_delta", "1.5"]
-    main_in_process(monkeypatch, *args, "--num_iterations", "2", "--max_steps", "1", "--out_dir", tmp_path / "run")
+    run_main(grpo, monkeypatch, *args, "--num_iterations", "2", "--max_steps", "1", "--out_dir", tmp_path / "run")
     assert len(losses) == 2 and all(kw["clip_delta"] == 1.5 for _, kw, _ in losses)
 
 
@@ -307,7 +289,7 @@ def test_top_entropy_quantile_ranks_the_sampling_distributions_entropy(tmp_path,
     out = tmp_path / "run"
     args = ["--data", text_file, *NEXT, "--temperature", "0.5", "--reference", "none", "--max_steps", "1"]
     args += ["--top_entropy_quantile", "0.25", "--num_iterations", "2", "--grad_accum", "2"]
-    main_in_process(monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
+    run_main(grpo, monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
     config, weights, batch = sampled[0]
     model = grpo.GPT(config).double()
     model.load_state_dict(weights)
@@ -336,7 +318,7 @@ def test_without_the_flags_every_real_token_and_sequence_trains(tmp_path, text_f
     losses = spy(monkeypatch, "policy_loss")
     out = tmp_path / "run"
     args = ["--data", text_file, *NEXT, "--reference", "none", "--max_steps", "1", "--num_iterations", "2"]
-    main_in_process(monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
+    run_main(grpo, monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
     assert not masks and all(torch.equal(a[2], advantages[0][2]) for a, _, _ in losses)
     row = train_rows(out)[0]
     assert row["rl/entropy_mask_frac"] == 1.0 and row["rl/off_policy_masked_frac"] == 0.0
@@ -352,7 +334,7 @@ def test_off_policy_mask_drops_drifted_negative_sequences_after_the_first_iterat
     losses = spy(monkeypatch, "policy_loss")
     out = tmp_path / "run"
     args = [*arithmetic_args(tmp_path, monkeypatch), "--off_policy_mask", "1e-3", "--num_iterations", "3"]
-    main_in_process(monkeypatch, *args, "--max_steps", "1", "--out_dir", out)
+    run_main(grpo, monkeypatch, *args, "--max_steps", "1", "--out_dir", out)
     assert len(masks) == len(losses) == 3 and all(a[4] == 1e-3 for a, _, _ in masks)
     adv = advantages[0][2][:, None]  # (16, 1)
     for (a, _, dropped), (b, _, _) in zip(masks, losses):
@@ -372,13 +354,13 @@ def test_ref_sync_steps_moves_the_reference_and_the_kl_follows(tmp_path, monkeyp
     without the sync. --ref_mixup 0.5: the reference after one step is the mean of the initial and the new policy."""
     base = [*arithmetic_args(tmp_path, monkeypatch), "--reference", "init", "--beta_kl", "0.1", "--max_steps", "2"]
     for name, extra in [("plain", []), ("copy", ["--ref_sync_steps", "1", "--ref_mixup", "1"])]:
-        main_in_process(monkeypatch, *base, *extra, "--out_dir", tmp_path / name)
+        run_main(grpo, monkeypatch, *base, *extra, "--out_dir", tmp_path / name)
     ckpt = torch.load(tmp_path / "copy" / "ckpt.pt", weights_only=True)
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in ckpt["reference"].items())
     assert abs(train_rows(tmp_path / "copy")[1]["rl/kl"]) < 1e-5
     assert abs(train_rows(tmp_path / "plain")[1]["rl/kl"]) > 1e-4
     base[base.index("--max_steps") + 1] = "1"
-    main_in_process(monkeypatch, *base, "--ref_sync_steps", "1", "--ref_mixup", "0.5", "--out_dir", tmp_path / "half")
+    run_main(grpo, monkeypatch, *base, "--ref_sync_steps", "1", "--ref_mixup", "0.5", "--out_dir", tmp_path / "half")
     ckpt = torch.load(tmp_path / "half" / "ckpt.pt", weights_only=True)
     init = torch.load(tmp_path / "init.pt", weights_only=True)["model"]
     for k, v in ckpt["reference"].items():
@@ -392,16 +374,16 @@ def test_resume_with_ref_sync_steps_matches_the_uninterrupted_run(tmp_path, monk
     that reference)."""
     args = [*arithmetic_args(tmp_path, monkeypatch), "--reference", "init", "--beta_kl", "0.1"]
     args += ["--ref_sync_steps", "2", "--ref_mixup", "0.5", "--max_steps", "6", "--eval_every", "3"]
-    main_in_process(monkeypatch, *args, "--out_dir", tmp_path / "full")
+    run_main(grpo, monkeypatch, *args, "--out_dir", tmp_path / "full")
     monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "3")
     with pytest.raises(SystemExit) as exit_info:
-        main_in_process(monkeypatch, *args, "--out_dir", tmp_path / "part")
+        run_main(grpo, monkeypatch, *args, "--out_dir", tmp_path / "part")
     assert exit_info.value.code == 143
     saved = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["reference"]
     init = torch.load(tmp_path / "init.pt", weights_only=True)["model"]
     assert any(not torch.equal(v, init[k]) for k, v in saved.items())  # synced after step 2: not the initial one
     monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
-    main_in_process(monkeypatch, "--resume", "--out_dir", tmp_path / "part")
+    run_main(grpo, monkeypatch, "--resume", "--out_dir", tmp_path / "part")
     assert metrics(tmp_path / "part") == metrics(tmp_path / "full")
 
 
@@ -443,7 +425,7 @@ def test_every_new_flag_under_two_gloo_ranks(tmp_path, parallel):
 )
 def test_bad_values_of_the_new_flags_exit_2_with_one_line(tmp_path, text_file, args, needle, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main_in_process(monkeypatch, "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", *args)
+        run_main(grpo, monkeypatch, "--data", text_file, *NEXT, "--out_dir", tmp_path / "run", *args)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run" / "ckpt.pt").exists()

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, hh_file, run_script, torchrun
+from conftest import ROOT, char_checkpoint, hh_file, metrics, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,11 +22,6 @@ import ppo
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "32", "--tokenizer", "char"]
 NEXT = [*TINY, "--context_len", "8", "--horizon", "4", "--batch_size", "8", "--num_minibatches", "2"]
 FAST = settings(max_examples=40, deadline=None)
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def prefix_mask(lengths, T):

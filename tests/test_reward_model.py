@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BPE_AVAILABLE, ROOT, needs_bpe, run_script, torchrun
+from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_script, torchrun
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,12 +24,6 @@ import reward_model as rm
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "96", "--max_len", "96"]
 PREF = [*TINY, "--tokenizer", "char", "--batch_size", "4", "--eval_size", "9", "--eval_every", "3", "--save_every", "3"]
-
-
-def metrics(out_dir):
-    """metrics.jsonl without timings (perf/ varies between runs)."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def assert_ok(proc):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import chess
 import pytest
 import torch
-from conftest import BPE_AVAILABLE, ROOT, needs_bpe, run_script, torchrun
+from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,11 +23,6 @@ STOCKFISH = shutil.which("stockfish") or ("/usr/games/stockfish" if os.path.exis
 needs_stockfish = pytest.mark.skipif(STOCKFISH is None, reason="Stockfish is not installed")
 VAL_FILE = ROOT.parent / "shared" / "data" / "rookworld_val_500.txt"
 START = chess.STARTING_FEN
-
-
-def metrics(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 # --------------------------------------------------------------------------------------- the environment (A:)
