@@ -1,0 +1,92 @@
+"""What the experiment scripts share: run a project script into a run folder, read what it wrote, and print a
+markdown table of means +- standard errors over seeds.
+
+Every experiment script takes the same flags: --quick (a few steps and one seed: checks that the experiment still
+runs, not its numbers), --out DIR (where its runs go; a run whose folder already holds final_results.json is not run
+again, so an interrupted experiment continues where it stopped) and --seeds (which seeds to run).
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(name, description, seeds=(1, 2, 3)):
+    """The flags every experiment takes; --out defaults to out/experiments/NAME."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a few steps and one seed: does it still run?")
+    parser.add_argument("--out", default=f"out/experiments/{name}", help="folder of this experiment's runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(seeds), help="seeds to run")
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds = args.seeds[:1]
+    return args
+
+
+def run(script, flags, out_dir):
+    """python SCRIPT FLAGS --out_dir OUT_DIR from the repository root, unless OUT_DIR already holds a finished run.
+    Returns OUT_DIR. A failed run stops the experiment with the run's last lines."""
+    out_dir = str(out_dir)
+    if os.path.exists(os.path.join(out_dir, "final_results.json")):
+        return out_dir
+    cmd = [sys.executable, str(ROOT / script), *map(str, flags), "--out_dir", out_dir]
+    print("$", " ".join(cmd[1:]), flush=True)
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        sys.exit(f"{script} failed (exit {proc.returncode}):\n{tail}")
+    print(f"  done in {time.time() - start:.0f} s", flush=True)
+    return out_dir
+
+
+def final_results(out_dir):
+    with open(os.path.join(out_dir, "final_results.json")) as f:
+        return json.load(f)
+
+
+def metrics(out_dir):
+    """The rows of a run's metrics.jsonl, each a dict with its "step"."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last(out_dir, name):
+    """The last logged value of a metric (None if the run never logged it)."""
+    values = [row[name] for row in metrics(out_dir) if name in row]
+    return values[-1] if values else None
+
+
+def mean_se(values):
+    """Mean and standard error of the mean (0 for a single value)."""
+    values = [float(v) for v in values]
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))
+
+
+def fmt(values, digits=3):
+    """ "0.635 +- 0.009" over seeds (just the value for one seed)."""
+    mean, se = mean_se(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} +- {se:.{digits}f}"
+
+
+def print_table(header, rows):
+    """A markdown table, as the docs pages show it."""
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---" for _ in header) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print(flush=True)
