@@ -9,7 +9,6 @@ two processes, 200 steps, every other setting at its default; the metrics at ste
 """
 
 import torch.distributed.run
-
 from common import fmt, metrics, parse_args, print_table, run
 
 args = parse_args("grpo_headline", __doc__, seeds=(1337,))  # grpo.py's default seed, as the table was measured
