@@ -34,18 +34,8 @@ Commands:
     python char_grpo.py --device cuda --n_layer 6 --n_embd 384 --batch_size 64 --max_steps 2000   # one GPU
     torchrun --standalone --nproc_per_node=8 char_grpo.py --batch_size 32 --max_steps 2000          # 8 GPUs
 
-Metrics (metrics.jsonl; rl/ over every rank's rollouts):
-    rl/reward_mean, rl/reward_std   mean and std of the per-character rewards of the step's rollouts
-    rl/char_match                   fraction of rollout characters equal to the true continuation
-    rl/zero_std_frac                fraction of groups whose rewards are all equal (no learning signal)
-    rl/kl, rl/beta                  mean --kl_estimator value (estimates KL(pi || pi_ref)), and its coefficient
-    rl/clip_frac, rl/ratio_mean     fraction of clipped tokens and mean policy ratio (last iteration)
-    rl/entropy                      mean entropy of the sampling distribution over rollout positions (nats)
-    rl/tokens                       characters generated (GRPO) or trained on (supervised) so far, all ranks
-    train/loss, train/lr, train/grad_norm
-    eval/next_char_acc, eval/bpc    teacher-forced next-character accuracy and bits per character on val
-    eval/greedy_match               fraction of greedy --horizon rollouts matching the true val continuation
-    perf/tokens_per_s, perf/rollout_ms, perf/step_ms
+docs/char_grpo.md holds the implementation details, every flag and logged metric, and the results (GRPO against
+the supervised baseline).
 """
 
 import argparse
@@ -137,7 +127,7 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). grpo.py and rookworld_grpo.py carry
+# ALGO LOGIC: pure functions, tensors in and tensors out. grpo.py and rookworld_grpo.py carry
 # copies; tests/test_grpo_math.py checks them against hand-derived values and against each other.
 
 
@@ -199,19 +189,10 @@ def policy_loss(
     sapo_tau_neg=1.05,
     clip_delta=None,
 ):
-    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high, or clip_eps when None.
-      grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
-      dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
-      dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
-      gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
-      luspo:     gspo's sequence term times the sequence's length |o_i|, then the mean over sequences
-      cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
-      reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-      sapo:      -(4 / tau) sigmoid(tau (ratio - 1)) A, a soft gate and no clip, tau = sapo_tau_pos where A > 0, else
-                 sapo_tau_neg; aggregated as grpo. At ratio 1 its gradient is the plain policy gradient's
-    clip_delta (grpo, dapo, dr_grpo): the unclipped ratio in the min is capped at clip_delta (two-sided clipping),
-    so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
+    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token. loss_type is
+    one of grpo.py's loss table (its module docstring; docs/grpo.md): ratio = exp(logp - old_logp) (old_logp carries
+    no gradient), clip_eps_high None means a symmetric clip. clip_delta (grpo, dapo, dr_grpo) caps the unclipped
+    ratio in the min, so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac (the terms that a clip or the cap holds, so that they get no gradient) and ratio_mean over its
@@ -670,7 +651,8 @@ def build_run(cfg, out_dir, rt):
 
 
 def save_char_run(cfg, run, rt, step):
-    """ckpt.pt (SPEC section 4, plus tokens, the loss scale and an "init" reference); rank 0 writes it."""
+    """ckpt.pt (the format every script shares, plus tokens, the loss scale and an "init" reference); rank 0 writes
+    it."""
     model_sd, optim_sd = training_state(run.raw, run.optimizer, rt)  # under FSDP every rank gathers
     rngs = all_rng_states(rt)
     ckpt = dict(

@@ -1,6 +1,6 @@
 """
 grpo.py: the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, LUSPO, CISPO, SAPO, RLOO, REINFORCE) on token-level tasks, one
-flag at a time.
+flag at a time. Formulas, implementation details, every flag and metric, and results: docs/grpo.md.
 
 For every prompt q the policy samples a group of G completions o_1..o_G, a task scores them, and the rewards become
 group-relative advantages A. The policy then maximises a clipped surrogate (Shao et al. 2024, DeepSeekMath):
@@ -8,144 +8,65 @@ group-relative advantages A. The policy then maximises a clipped surrogate (Shao
     J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * mean_t k(d_it) + c_H * H(pi)
     r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)     (pi_old: the policy that sampled; --num_iterations > 1
                                                               reuses one batch of rollouts for several updates)
-Rollouts are sampled from softmax(logits / --temperature) restricted to the --top_k largest logits, and every
-log-prob of a completion token (pi and pi_old in r, the entropy H) is taken under that same distribution, so the
-first update on a batch starts from r = 1; the reference's log-probs use the same temperature over the whole
-vocabulary (as TRL does), so the KL stays finite (the bigram reference is a fixed table, used as it is). With
---top_k that KL has a floor of -log pi_ref(top-k set) per token even where pi = pi_ref: it is the KL between the
-truncated sampler and the full reference, and k3, whose unbiasedness needs pi_ref's support inside pi's, reads it
-too low, so rl/kl logs the k1 estimate, unbiased whatever the supports.
-Advantages (--adv):
-    group     A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std; --scale_rewards batch divides by the batch's
-              std (all ranks' rewards) instead, none only subtracts the mean (Dr. GRPO)
-    rloo      A_i = R_i - mean of the other G - 1 rewards (Ahmadian et al. 2024): G/(G-1) times the centred reward
-    process   per-token rewards normalised by their group's mean and std, A_t = sum of those from t on (DeepSeekMath
-              process supervision; the next_token task, whose rewards are per token)
-Loss types (--loss_type): what differs is the clip and, above all, the normaliser. N sequences of |o_i| tokens in
-the optimizer step (all micro-batches and ranks together), L = --horizon, term_it the clipped token term above:
-    grpo       -1/N sum_i 1/|o_i| sum_t term_it        each sequence weighs the same, so a token of a long
-                                                         completion weighs less (the length bias of Dr. GRPO)
+Every log-prob of a completion token (pi, pi_old, the entropy H) is taken under the sampling distribution,
+softmax(logits / --temperature) over the --top_k largest logits, so the first update on a batch starts from r = 1;
+the reference is scored at the same temperature over the whole vocabulary (as TRL), so the KL stays finite.
+Advantages (--adv): group  A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std (--scale_rewards batch: the
+batch's std; none: no division, Dr. GRPO) | rloo  A_i = R_i - mean of the other G - 1 rewards (Ahmadian et al.
+2024) | process  per-token rewards normalised by their group's mean and std, A_t = their sum from t on (next_token).
+Loss types (--loss_type): N sequences of |o_i| tokens in the optimizer step (all micro-batches and ranks), L =
+--horizon, term_it the clipped token term above:
+    grpo       -1/N sum_i 1/|o_i| sum_t term_it        each sequence weighs the same: a token of a long completion
+                                                         weighs less (the length bias of Dr. GRPO)
     dapo       -1/(sum_i |o_i|) sum_i,t term_it         clip [1 - eps, 1 + eps_high] (Yu et al. 2025); every token
                                                          of the step weighs the same
-    dr_grpo    -1/(N L) sum_i,t term_it                 a constant normaliser: no length bias (Liu et al. 2025);
+    dr_grpo    -1/(N L) sum_i,t term_it                 a constant normaliser, no length bias (Liu et al. 2025);
                                                          pair it with --scale_rewards none
-    gspo       -1/N sum_i min(s_i A_i, clip(s_i) A_i)   sequence ratio s_i = exp(mean_t log r_it) (Zheng et al. 2025);
-                                                         a length-normalised ratio moves little, so gspo's default
-                                                         clip is the paper's [1 - 3e-4, 1 + 4e-4] (at 0.2 it would
-                                                         never clip)
-    luspo      -1/N sum_i |o_i| min(s_i A_i, clip(s_i) A_i)   gspo's term times the sequence's length (Length-Unbiased
-                                                         Sequence Policy Optimization, arXiv 2602.05261; TRL's form):
-                                                         gspo's mean over sequences gives a short completion's tokens
-                                                         more weight; gspo's clip range
+    gspo       -1/N sum_i min(s_i A_i, clip(s_i) A_i)   sequence ratio s_i = exp(mean_t log r_it) (Zheng et al.
+                                                         2025); default clip the paper's [1 - 3e-4, 1 + 4e-4]: a
+                                                         length-normalised ratio would never leave 1 +- 0.2
+    luspo      -1/N sum_i |o_i| min(s_i A_i, clip(s_i) A_i)   gspo's term times the length (arXiv 2602.05261, TRL's
+                                                         form): no extra weight on a short completion's tokens
     cispo      -1/(sum |o_i|) sum sg(min(r_it, 1 + eps_high)) A_it log pi(o_it)   the ratio is a detached weight,
                                                          so clipped tokens still get a gradient (MiniMax-M1, 2025)
     reinforce  -1/(sum |o_i|) sum A_it log pi(o_it)     no ratio, no clip; with --adv rloo this is RLOO
-    sapo       -1/N sum_i 1/|o_i| sum_t (4/tau) sigmoid(tau (r_it - 1)) A_it   a soft gate instead of the clip (Soft
-                                                         Adaptive Policy Optimization, Gao et al. 2025, arXiv
-                                                         2511.20347, the gate f(r) of its objective): tau =
-                                                         --sapo_tau_pos where A > 0, --sapo_tau_neg otherwise. At r = 1
-                                                         the gradient is the plain policy gradient's; it fades
-                                                         smoothly as r leaves 1, faster with a larger tau (the paper's
-                                                         tau_neg > tau_pos: negative advantages destabilise more)
+    sapo       -1/N sum_i 1/|o_i| sum_t (4/tau) sigmoid(tau (r_it - 1)) A_it   a soft gate, no clip (Gao et al.
+                                                         2025, arXiv 2511.20347): tau = --sapo_tau_pos where A > 0,
+                                                         else --sapo_tau_neg; at r = 1 the plain policy gradient
 Variants of the policy term, each off by default:
-    --clip_delta d            two-sided clipping (INTELLECT-2, Prime Intellect 2025; TRL's delta): in grpo, dapo and
-                              dr_grpo the unclipped ratio in the min is min(r_it, d), so a token with A < 0 and a
-                              huge ratio adds at most d |A| and no gradient (take d above 1 + eps, as TRL advises)
-    --top_entropy_quantile p  the policy term trains on the top p of the real tokens by the sampling distribution's
-                              entropy (Wang et al. 2025, "Beyond the 80/20 Rule": the high-entropy "forking" tokens,
-                              p = 0.2, carry the learning): A_it -> A_it * 1[H_it >= the (1 - p) quantile of H]
-                              (high_entropy_mask); the normalisers still count every token. The entropies are the
-                              first iteration's, whose policy is the sampler, ranked over each micro-batch of every
-                              rank (as TRL ranks them; the whole step's with --grad_accum 1); the mask stays for the
-                              later iterations. p = 1 keeps every token
-    --off_policy_mask delta   a sequence with A_i < 0 whose mean_t (log pi_old - log pi) exceeds delta leaves the policy
-                              term (off_policy_mask; DeepSeek-V3.2's off-policy sequence masking, 2025). It matters with
-                              --num_iterations > 1: in the first iteration the policy is the sampler (drift 0, up to
-                              rounding where pi_old comes from its own pass), so nothing is masked
-    --ref_sync_steps tau      TR-DPO (Gorbatovski et al. 2024): after every tau-th step the reference becomes
-    --ref_mixup alpha         alpha pi + (1 - alpha) pi_ref (sync_reference, dpo.py's; alpha 1: a copy of the policy),
-                              so the KL term holds the policy near a moving anchor. It needs a model reference
-                              (--reference init or random); ckpt.pt holds the reference as synced, so --resume
-                              continues from it. rl/kl is then the KL to that moving reference
+    --clip_delta d            grpo, dapo, dr_grpo: the unclipped ratio in the min is min(r_it, d) (INTELLECT-2's
+                              two-sided clip), so a token with A < 0 and a huge ratio adds at most d |A|
+    --top_entropy_quantile p  A_it -> A_it * 1[H_it >= the (1 - p) quantile of H] (Wang et al. 2025, "Beyond the
+                              80/20 Rule"); the normalisers still count every token
+    --off_policy_mask delta   a sequence with A_i < 0 and mean_t (log pi_old - log pi) > delta leaves the policy term
+                              (DeepSeek-V3.2's off-policy sequence masking; it acts with --num_iterations > 1)
+    --ref_sync_steps tau      TR-DPO (Gorbatovski et al. 2024): every tau steps the reference becomes
+    --ref_mixup alpha         alpha pi + (1 - alpha) pi_ref, a moving anchor for the KL term
 The KL term is beta * mean over tokens of k(d) = kl_penalty(logp, ref_logp, --kl_estimator), d = logp - ref_logp, a
-loss term rather than a reward penalty. The default k3 = exp(-d) - 1 + d (DeepSeekMath): its value estimates
-KL(pi || pi_ref), but differentiated as a loss its gradient is exactly that of KL(pi_ref || pi) (Tang & Munos 2025,
-"On a few pitfalls in KL divergence gradient estimation for RL"); k2 = d^2 / 2 has the gradient of KL(pi || pi_ref)
-on-policy. k1 = d is refused: as a loss term its expected gradient is zero on-policy (E_pi[grad log pi] = 0); k1
-belongs in the reward, as in ppo.py.
+loss term rather than a reward penalty. The default k3 = exp(-d) - 1 + d (DeepSeekMath) estimates KL(pi || pi_ref),
+but its gradient as a loss is that of KL(pi_ref || pi) (Tang & Munos 2025); k2 = d^2 / 2 has the gradient of
+KL(pi || pi_ref) on-policy; k1 = d is refused (its expected gradient on-policy is zero; it belongs in the reward).
+Tasks (--task): next_token (a generated token scores 1 if it equals the true continuation of tiny Shakespeare or
+--data), arithmetic (1.0 for the exact answer and a newline; held out of training iff
+zlib.crc32(prompt.encode()) % 10 == 0; --reward_model trains on a learned reward and logs the exact-answer reward
+beside it), reward_model (a reward_model.py checkpoint scores completions of HH-RLHF prompts).
 
-Tasks (--task):
-    next_token    dense reward on real text (char_grpo.py's task): each generated token scores 1 if it equals
-                  the true continuation at the same offset (`--reward_mode plus1`; `pm1`: +1 / -1), plus
-                  `--partial_logprob w` times log p(true token | rollout prefix) at temperature 1 (a score of the
-                  true text, not a log-prob of a sampled token); tiny Shakespeare or `--data FILE`
-    arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
-                  by a newline, --format_reward for another well-formed integer followed by a newline, 0 otherwise;
-                  start from `python gpt.py --data arithmetic` (--init_from: a model from scratch cannot do
-                  arithmetic, every group scores alike); greedy exact match on a fixed set of distinct held-out
-                  problems (SPEC section 8: crc32 of the prompt is 0 mod 10; training never draws one) is reported
-                  before and after training. With --reward_model (reward_model.py --task orm or prm on the same
-                  tokenizer) the policy is trained on that learned reward instead, scored at the last token of
-                  prompt + completion, and the exact-answer reward is only measured (rl/gold_reward): RLHF with a
-                  known gold reward. The run folder then also holds overoptimization.png, the proxy and the gold
-                  reward against sqrt(KL to the initial policy per completion, rl/rollout_kl) (Gao et al. 2022's
-                  axes); --best_of 1,2,4,8,16,32 adds best-of-n of the initial policy to it (best_of_n.json: for
-                  each n, the reward model's favourite of n answers at temperature 1 to each held-out problem, its
-                  gold accuracy and proxy score, at KL_bon = log n - (n - 1)/n)
-    reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
-                  through `datasets`, or --data_path .jsonl/.jsonl.gz); the reference is the starting policy
 Where we depart from the papers, on purpose:
-  - the KL coefficient can warm up linearly over --kl_warmup_tokens generated tokens, and the reference is a choice
+  - beta can warm up linearly over --kl_warmup_tokens generated tokens, and the reference is a choice
     (--reference bigram|random|init|none): a model trained from scratch has no sensible "initial" policy;
-  - --dynamic_sampling (DAPO) samples at most --max_sampling_rounds rounds; if the batch is still short of groups
-    with signal, it is topped up with zero-advantage groups, so every rank keeps the same batch shape;
-  - --mask_truncated (DAPO's overlong filtering) drops completions that never reached the end token from the loss.
+  - --dynamic_sampling (DAPO) samples at most --max_sampling_rounds rounds, then tops the batch up with
+    zero-advantage groups, so every rank keeps the same batch shape;
+  - --mask_truncated (DAPO's overlong filtering) drops completions that never reached the end token from the loss;
+  - a model from scratch reads characters (--tokenizer char): over GPT-2's 50,257 tokens a random policy never
+    matches the next token, so every next_token group scores alike and the gradient is zero.
 The model and the losses are hand-written on purpose: reading them is the point.
-
-A model from scratch (--init_from scratch) reads characters by default, because a random policy over GPT-2's 50,257
-BPE tokens almost never matches the true next token: every group of the next_token task then scores all zeros, no
-advantage is non-zero and the gradient is zero (measured: rl/zero_std_frac 1 at --horizon 70). Over 65 characters a
-random policy matches about 1 in 65, so every group has signal from the first step, and a step is about 15x cheaper
-(the output layer is 65 wide). Its result on 2 CPU processes is in the README: held-out next-character accuracy
-0.028 -> 0.147 in 200 steps, reached by writing spaces (15% of the text), the cheap optimum of this reward for a
-model this small. --tokenizer gpt2 is for --init_from gpt2-sized models, or the other tasks.
 
 Commands:
     python grpo.py                                                        # next_token on tiny Shakespeare, CPU
-    python gpt.py --data arithmetic --digits 1 --out_dir out/arith                 # a warm start, then
-    python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --loss_type dapo --clip_eps_high 0.28
-    python reward_model.py --task orm --init_from out/arith/ckpt.pt --digits 1 --out_dir out/orm   # a learned reward
-    python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt  # RLHF, gold known
-    python grpo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt --best_of 1,2,4,8,16
+    python gpt.py --data arithmetic --digits 2 --out_dir out/arith                 # a warm start, then
+    python grpo.py --task arithmetic --digits 2 --init_from out/arith/ckpt.pt --loss_type dapo --clip_eps_high 0.28
     python grpo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --device cuda
     torchrun --standalone --nproc_per_node=8 grpo.py --horizon 70         # 8 GPUs, one process each
-
-Metrics (metrics.jsonl; rl/ values cover every rank's rollouts):
-    rl/reward_mean, rl/reward_std  rewards of the step's first sampling round (per sequence; per token for next_token)
-    rl/accuracy                    the same rollouts: arithmetic exact answers; next_token tokens equal to the truth
-    rl/gold_reward                 arithmetic with --reward_model: the exact-answer reward of the same rollouts
-    rl/rollout_kl                  arithmetic with --reward_model: k1 summed over each completion of those rollouts
-                                   (every token, whatever --mask_truncated or --dynamic_sampling), mean: the KL
-                                   axis of overoptimization.png
-    rl/zero_std_frac               groups of the first sampling round whose rewards are all equal (no signal)
-    rl/kl, rl/beta                 mean k1 estimate of KL(pi || pi_ref) per token, and the coefficient in use
-    rl/clip_frac, rl/ratio_mean    clipped tokens (a clip or --clip_delta's cap holds the term) and mean ratio (last
-                                   iteration); per sequence for gspo and luspo
-    rl/entropy_mask_frac           share of the real tokens that --top_entropy_quantile keeps in the policy term
-    rl/off_policy_masked_frac      share of the sequences that --off_policy_mask drops (last iteration)
-    rl/entropy                     mean entropy of the sampling distribution over completion tokens (nats)
-    rl/completion_len, rl/truncated_frac   tokens per completion; completions without an end token
-    rl/sampling_rounds             rollout rounds of the step (> 1 only with --dynamic_sampling)
-    rl/tokens                      completion tokens generated so far, all ranks
-    rl/pg_loss                     the policy-gradient part of the loss (train/loss adds the KL and entropy terms)
-    train/loss, train/lr, train/grad_norm
-    eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
-                                   format_rate, n_problems (distinct held-out problems), and rm_score with
-                                   --reward_model (the learned reward of the same greedy answers), and of four
-                                   answers a problem sampled at temperature 1 (as best-of-n's): sample_accuracy,
-                                   sample_rm_score and sample_kl (to the reference, k1 summed over each answer);
-                                   reward_model: rm_score, kl (per sequence, k1), completion_len
-    perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
 """
 
 import argparse
@@ -200,7 +121,7 @@ class Config:
     best_of: str = ""  # arithmetic with --reward_model: n values (e.g. 1,2,4,8,16,32) for best_of_n.json at step 0
 
     # a new model (--init_from scratch)
-    tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE; see the docstring)
+    tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE, for pretrained models)
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
     n_embd: int = 128  # embedding width (scratch only)
@@ -218,7 +139,7 @@ class Config:
     # advantages and the policy loss
     adv: str = "auto"  # auto | group | rloo | process (auto: process for next_token, group otherwise)
     scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
-    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | luspo | cispo | reinforce | sapo
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | luspo | cispo | reinforce | sapo (the docstring's table)
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo/luspo 3e-4
     clip_eps_high: float = None  # upper clip of dapo, gspo, luspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
     clip_delta: float = 0.0  # grpo, dapo, dr_grpo: cap (> 1) of the unclipped ratio in the min (INTELLECT-2; 0: off)
@@ -265,8 +186,8 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). char_grpo.py and rookworld_grpo.py carry
-# copies; tests/test_grpo_math.py checks them against hand-derived values and against each other.
+# ALGO LOGIC: pure functions, tensors in and tensors out. char_grpo.py and rookworld_grpo.py carry copies;
+# tests/test_grpo_math.py checks them against hand-derived values and against each other.
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
@@ -335,19 +256,10 @@ def policy_loss(
     sapo_tau_neg=1.05,
     clip_delta=None,
 ):
-    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high, or clip_eps when None.
-      grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
-      dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
-      dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
-      gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
-      luspo:     gspo's sequence term times the sequence's length |o_i|, then the mean over sequences
-      cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
-      reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-      sapo:      -(4 / tau) sigmoid(tau (ratio - 1)) A, a soft gate and no clip, tau = sapo_tau_pos where A > 0, else
-                 sapo_tau_neg; aggregated as grpo. At ratio 1 its gradient is the plain policy gradient's
-    clip_delta (grpo, dapo, dr_grpo): the unclipped ratio in the min is capped at clip_delta (two-sided clipping),
-    so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
+    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token. loss_type is
+    one of grpo.py's loss table (its module docstring; docs/grpo.md): ratio = exp(logp - old_logp) (old_logp carries
+    no gradient), clip_eps_high None means a symmetric clip. clip_delta (grpo, dapo, dr_grpo) caps the unclipped
+    ratio in the min, so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac (the terms that a clip or the cap holds, so that they get no gradient) and ratio_mean over its
@@ -443,7 +355,7 @@ def sync_reference(ref, policy, alpha):
 
 def training_step(run, step):
     """One optimizer step, as the algorithm reads: rollouts -> rewards -> advantages -> loss -> update. Returns its
-    metrics (the docstring's list)."""
+    metrics (docs/grpo.md lists them)."""
     cfg = run.cfg
     rt = run.rt
     G = cfg.group_size
@@ -1482,8 +1394,8 @@ def weights_checksum(model):
 
 
 def save(run, step):
-    """ckpt.pt (SPEC section 4) and this script's extras: tokens generated, the first evaluation, the reference when
-    a resume cannot rebuild it (init's weights, or as --ref_sync_steps left it)."""
+    """ckpt.pt (the format every script shares) and this script's extras: tokens generated, the first evaluation,
+    the reference when a resume cannot rebuild it (init's weights, or as --ref_sync_steps left it)."""
     model_sd, optim_sd = training_state(run.raw, run.optimizer, run.rt)
     rngs = all_rng_states(run.rt)
     if run.rt.master:

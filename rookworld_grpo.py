@@ -242,19 +242,10 @@ def policy_loss(
     sapo_tau_neg=1.05,
     clip_delta=None,
 ):
-    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token.
-    ratio = exp(logp - old_logp) (old_logp carries no gradient); A = adv; eps_h = clip_eps_high, or clip_eps when None.
-      grpo:      -min(ratio A, clip(ratio, 1-eps, 1+eps) A), mean over each sequence's tokens, then over sequences
-      dapo:      the same with clip(ratio, 1-eps, 1+eps_h), summed over all tokens / all tokens of the batch
-      dr_grpo:   the grpo token term summed over all tokens / (N * max_len) (no length bias)
-      gspo:      sequence ratio s = exp(mean_t(logp - old_logp)), -min(s A, clip(s, 1-eps, 1+eps_h) A) per sequence
-      luspo:     gspo's sequence term times the sequence's length |o_i|, then the mean over sequences
-      cispo:     -stopgrad(min(ratio, 1+eps_h)) A logp, token mean over the batch
-      reinforce: -A logp, token mean over the batch (with rloo_advantages this is RLOO)
-      sapo:      -(4 / tau) sigmoid(tau (ratio - 1)) A, a soft gate and no clip, tau = sapo_tau_pos where A > 0, else
-                 sapo_tau_neg; aggregated as grpo. At ratio 1 its gradient is the plain policy gradient's
-    clip_delta (grpo, dapo, dr_grpo): the unclipped ratio in the min is capped at clip_delta (two-sided clipping),
-    so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
+    """Policy-gradient loss of (N, T) token log-probs; adv is (N,) per sequence or (N, T) per token. loss_type is
+    one of grpo.py's loss table (its module docstring; docs/grpo.md): ratio = exp(logp - old_logp) (old_logp carries
+    no gradient), clip_eps_high None means a symmetric clip. clip_delta (grpo, dapo, dr_grpo) caps the unclipped
+    ratio in the min, so a token with A < 0 and a huge ratio cannot blow up the loss; None or 0: no cap.
     num_seqs and num_tokens are the global counts when a batch is split over micro-batches or ranks (default:
     this batch's), so the summed micro-batch losses equal the loss of the whole batch. Returns (loss, stats): this
     batch's clip_frac (the terms that a clip or the cap holds, so that they get no gradient) and ratio_mean over its

@@ -1,0 +1,49 @@
+"""Reruns the table "grpo.py: the headline command" of docs/grpo.md: the next_token task on tiny Shakespeare, a
+4-layer, 128-wide character model from scratch, 16 prompts x 8 completions of 70 characters per rank and step on
+two processes, 200 steps, every other setting at its default; the metrics at steps 0, 25, 100 and 200.
+
+    python experiments/grpo_headline.py   # torchrun --standalone --nproc_per_node=2 grpo.py --horizon 70 --device cpu
+    python experiments/grpo_headline.py --seeds 1 2 3   # mean +- s.e. over three seeds
+
+--quick runs a one-layer model for 4 steps in one process.
+"""
+
+import torch.distributed.run
+from common import fmt, metrics, parse_args, print_table, run
+
+args = parse_args("grpo_headline", __doc__, seeds=(1337,))  # grpo.py's default seed, as the table was measured
+
+if args.quick:
+    script = "grpo.py"
+    flags = ["--horizon", 8, "--batch_size", 2, "--group_size", 4, "--max_steps", 4, "--eval_every", 2]
+    flags += ["--eval_size", 8, "--n_layer", 1, "--n_head", 2, "--n_embd", 32, "--device", "cpu"]
+    steps = [0, 2, 4]
+else:
+    script = torch.distributed.run.__file__  # torchrun, as a script
+    flags = ["--standalone", "--nproc_per_node=2", "grpo.py", "--horizon", 70, "--device", "cpu"]
+    steps = [0, 25, 100, 200]
+
+runs = [run(script, [*flags, "--seed", seed], f"{args.out}/seed{seed}") for seed in args.seeds]
+
+
+def at(out_dir, names, step):
+    """The value of the first of names logged at the last step <= step (rl/ metrics end at step max_steps - 1)."""
+    for name in names:
+        values = [row[name] for row in metrics(out_dir) if name in row and row["step"] <= step]
+        if values:
+            return values[-1]
+    raise KeyError(f"{names} not logged in {out_dir}")
+
+
+ROWS = [
+    ("rl/reward_mean (matched characters per position)", ["rl/reward_mean"]),
+    ("rl/zero_std_frac (groups without signal)", ["rl/zero_std_frac"]),
+    ("eval/next_token_acc", ["eval/next_token_acc"]),
+    ("eval/greedy_match", ["eval/greedy_match"]),
+    ("eval/val_loss (nats per character)", ["eval/val_loss", "eval/loss"]),
+    ("rl/entropy (nats)", ["rl/entropy"]),
+]
+table = []
+for label, names in ROWS:
+    table.append([label] + [fmt([at(out, names, step) for out in runs]) for step in steps])
+print_table(["step"] + [str(step) for step in steps], table)
