@@ -305,8 +305,9 @@ def grpo_step(cfg, run, rt):
                 num_seqs=n_seqs,
                 num_tokens=n_tokens,
             )
-            kl = (kl_penalty(logp, batch["ref_logp"][rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
-            loss = pg_loss + beta * kl
+            kl_term = (kl_penalty(logp, batch["ref_logp"][rows], cfg.kl_estimator) * mask[rows]).sum() / n_tokens
+            loss = pg_loss + beta * kl_term
+            k1 = ((logp - batch["ref_logp"][rows]) * mask[rows]).sum() / n_tokens  # logged, whatever --kl_estimator
             run.scaler.scale(loss * rt.world_size).backward()
             # the stats' share of the step: its tokens, or for gspo (per-sequence stats) its sequences
             if cfg.loss_type == "gspo":
@@ -315,7 +316,7 @@ def grpo_step(cfg, run, rt):
                 share = mask[rows].sum() / n_tokens
             micro = {
                 "loss": loss,
-                "rl/kl": kl,
+                "rl/kl": k1,
                 "rl/entropy": (entropy * mask[rows]).sum() / n_tokens,  # this share of the sampler's mean entropy
                 "rl/clip_frac": stats["clip_frac"] * share,
                 "rl/ratio_mean": stats["ratio_mean"] * share,
@@ -336,7 +337,7 @@ def grpo_step(cfg, run, rt):
         "rl/reward_mean": rewards.mean().item(),
         "rl/reward_std": rewards.std().item(),
         "rl/beta": beta,
-        "rl/char_match": match.mean().item(),
+        "rl/accuracy": match.mean().item(),
         "rl/zero_std_frac": (groups == groups[:, :1]).all(2).all(1).float().mean().item(),
     }
     train_loss = totals.pop("loss")
@@ -498,7 +499,7 @@ def evaluate_chars(cfg, run, rt, step):
             f.write(f"--- step {step} (context|sample)\n{text}\n")
     acc = (logits.argmax(-1) == x[:, 1:]).float().mean().item()
     greedy_match = (greedy == x[:, C:]).float().mean().item()
-    return {"eval/next_char_acc": acc, "eval/bpc": nll.item() / math.log(2), "eval/greedy_match": greedy_match}
+    return {"eval/next_token_acc": acc, "eval/bpc": nll.item() / math.log(2), "eval/greedy_match": greedy_match}
 
 
 def plot_compare(out_dir, runs):
@@ -507,7 +508,7 @@ def plot_compare(out_dir, runs):
     from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
     fig = Figure(figsize=(10, 3.5), layout="tight")
-    for ax, key in zip(fig.subplots(1, 2), ("eval/next_char_acc", "eval/greedy_match")):
+    for ax, key in zip(fig.subplots(1, 2), ("eval/next_token_acc", "eval/greedy_match")):
         for name, folder in runs.items():
             rows = [r for r in read_metrics(os.path.join(folder, "metrics.jsonl")) if key in r]
             ax.plot([r["rl/tokens"] for r in rows], [r[key] for r in rows], marker=".", label=name)
@@ -703,7 +704,7 @@ def train(cfg, out_dir, rt):
         stop_if_not_finite(train_loss, step, run.ckpt_path, rt)
         dt = time.time() - t0
         logger.bar.update(1)
-        logger.bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{last_eval.get('eval/next_char_acc', 0):.3f}")
+        logger.bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{last_eval.get('eval/next_token_acc', 0):.3f}")
         metrics.update({"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm.item()})
         metrics.update({"rl/tokens": run.tokens, "perf/tokens_per_s": n_global / dt, "perf/step_ms": 1000 * dt})
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
@@ -715,7 +716,7 @@ def train(cfg, out_dir, rt):
     logger.close()
     results = {"mode": "supervised" if cfg.supervised else "grpo", "steps": cfg.max_steps, "tokens": run.tokens}
     results["wall_time_s"] = time.time() - t_start
-    for name, value in last_eval.items():  # next_char_acc, bpc, greedy_match
+    for name, value in last_eval.items():  # next_token_acc, bpc, greedy_match
         results[name.removeprefix("eval/")] = value
     if rt.master:
         Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))

@@ -769,7 +769,7 @@ class NextTokenTask:
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
         acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
         match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        metrics = {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}
+        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
         return metrics, text
 
 
@@ -1032,7 +1032,7 @@ class RewardModelTask:
             shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
         metrics = {
             "eval/rm_score": scores.mean().item(),
-            "eval/kl": kl.mean().item(),
+            "eval/completion_kl": kl.mean().item(),
             "eval/completion_len": mask.sum(1).mean().item(),
         }
         return metrics, "\n\n".join(shown)

@@ -372,9 +372,9 @@ def ppo_step(run, step):
     _, residual_var = global_moments(returns - old_values, rt, mask)
     returns_mean, returns_var = global_moments(returns, rt, mask)
     if returns_var > 0:
-        metrics["train/explained_variance"] = 1 - residual_var / returns_var
+        metrics["rl/explained_variance"] = 1 - residual_var / returns_var
     if run.ref is not None:
-        metrics["rl/kl"] = mean_seq_kl
+        metrics["rl/rollout_kl"] = mean_seq_kl  # k1 summed over each completion, mean over completions
     reward_mask = mask if scores.dim() == 2 else None  # per token (next_token) or per sequence
     reward_mean, reward_var = global_moments(scores, rt, reward_mask)
     correct = run.task.correct(batch["completion"], mask, batch["info"], scores)  # (N,) or None
@@ -387,12 +387,14 @@ def ppo_step(run, step):
     run.tokens += int(n_tokens.item())
     if run.task.eos_id is not None:  # next_token has no end token: every completion runs the whole horizon
         metrics["rl/truncated_frac"] = (n_truncated / n_seqs).item()
+    if run.ref is not None:
+        metrics["rl/kl"] = mean_seq_kl * n_seqs / max(n_tokens.item(), 1)  # k1, mean over completion tokens
     metrics.update(
         {
             "train/lr": lr,
             "rl/reward_mean": reward_mean,
             "rl/reward_std": math.sqrt(reward_var),
-            "rl/kl_coef": kl_coef,
+            "rl/beta": kl_coef,
             "rl/returns_mean": returns_mean,
             "rl/value_mean": global_moments(old_values, rt, mask)[0],
             "rl/completion_len": (n_tokens / n_seqs).item(),
@@ -558,7 +560,7 @@ def ppo_update(run, batch):
         for name, value in epoch_sums.items():
             all_reduce(value, rt)  # in place: shares of global means, whose sum over ranks is the mean
             sums[name] += value
-        epoch_kl = epoch_sums["train/approx_kl"].item() / cfg.num_minibatches  # all ranks, mean over its minibatches
+        epoch_kl = epoch_sums["rl/approx_kl"].item() / cfg.num_minibatches  # all ranks, mean over its minibatches
         if cfg.target_kl_stop and epoch_kl > cfg.target_kl_stop:
             break
     n_updates = len(grad_norms)  # --num_minibatches per epoch run (fewer epochs after an early stop)
@@ -600,15 +602,15 @@ def ppo_loss(run, batch, rows, n_tokens):
         vf_coef = cfg.vf_coef
     loss = pg_loss + vf_coef * v_loss - cfg.entropy_coef * entropy
     terms = {
-        "train/policy_loss": pg_loss,
-        "train/value_loss": v_loss,
-        "train/entropy": entropy,
-        "train/approx_kl": stats["approx_kl"],
-        "train/clipfrac": stats["clip_frac"],
+        "rl/pg_loss": pg_loss,
+        "rl/value_loss": v_loss,
+        "rl/entropy": entropy,
+        "rl/approx_kl": stats["approx_kl"],
+        "rl/clip_frac": stats["clip_frac"],
         "train/loss": loss,
     }
     if cfg.dual_clip:
-        terms["train/dual_clipfrac"] = stats["dual_clip_frac"]
+        terms["rl/dual_clip_frac"] = stats["dual_clip_frac"]
     return loss, terms
 
 
@@ -705,7 +707,7 @@ class NextTokenTask:
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
         acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
         match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        metrics = {"eval/next_token_acc": acc.item(), "eval/loss": nll.item(), "eval/greedy_match": match.item()}
+        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
         return metrics, text
 
 
@@ -1003,7 +1005,7 @@ class RewardModelTask:
             shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
         metrics = {
             "eval/rm_score": scores.mean().item(),
-            "eval/kl": kl.mean().item(),
+            "eval/completion_kl": kl.mean().item(),
             "eval/completion_len": mask.sum(1).mean().item(),
         }
         return metrics, "\n\n".join(shown)
@@ -1393,7 +1395,7 @@ def main():
         summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
         print(f"{cfg.task} (ppo, {cfg.value_model} value model): {summary}; {results['wall_time_s']:.0f} s")
         if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
-            plot_overoptimization(run.out_dir, "rl/kl")
+            plot_overoptimization(run.out_dir, "rl/rollout_kl")
     cleanup(rt)
 
 

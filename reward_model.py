@@ -297,7 +297,7 @@ def batch_loss(model, batch, cfg, rt):
         d = r_c - r_r  # (B,)
         terms = d.new_tensor(len(batch))
         values = {
-            "accuracy": (d > 0).float() + 0.5 * (d == 0).float(),  # ties count one half
+            "reward_acc": (d > 0).float() + 0.5 * (d == 0).float(),  # ties count one half
             "margin": d,
             "chosen": r_c,
             "chosen_sq": r_c**2,  # the squares give summarize() the std
@@ -315,7 +315,7 @@ def batch_loss(model, batch, cfg, rt):
             y = last_token_rewards(labels, lengths)  # (B,) outcome labels
             right = r[y == 1]  # the rewards of right answers
             wrong = r[y == 0]  # and of wrong ones
-            values = {"accuracy": ((r > 0) == (y == 1)).float()}
+            values = {"label_acc": ((r > 0) == (y == 1)).float()}
             values["accuracy_correct"] = (right > 0).float()
             values["accuracy_wrong"] = (wrong <= 0).float()
             values["reward_correct"] = right

@@ -520,9 +520,9 @@ def rl_step(run, step):
     # metrics: the loss terms of the last iteration (optimize_policy names them), then every rank's rollouts
     metrics = {name: total.item() for name, total in totals.items()}
     if run.ref is None:
-        metrics["rl/kl"] = None  # no reference, no KL
+        metrics["rl/exact_kl"] = None  # no reference, no KL
     else:
-        metrics["rl/kl"] = (totals["rl/kl"] / n_tokens).item()  # per token
+        metrics["rl/exact_kl"] = (totals["rl/exact_kl"] / n_tokens).item()  # per token
     if not cfg.value_head:
         metrics["rl/value_loss"] = None
     # per task (P:, A:); a task without rollouts in this step gives 0 / 0 = NaN, dropped below
@@ -548,12 +548,12 @@ def rl_step(run, step):
     metrics["rl/tokens"] = run.tokens
     metrics["train/lr"] = lr
     metrics["train/grad_norm"] = grad_norm.item()
-    metrics["perf/rollout_tokens_per_s"] = mask.sum().item() * rt.world_size / max(t_rollout, 1e-9)
+    metrics["perf/rollout_tokens_per_s"] = mask.numel() * rt.world_size / max(t_rollout, 1e-9)  # positions sampled
     metrics["perf/rollout_ms"] = 1000 * t_rollout
     metrics["perf/step_ms"] = 1000 * (time.time() - t0)
     metrics["perf/peak_mem_mb"] = peak_memory_mb(rt)
     if cfg.adaptive_kl:  # after the update and its metrics, which used this step's beta
-        run.kl_ctl.update(totals["rl/kl"].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
+        run.kl_ctl.update(totals["rl/exact_kl"].item() / n_seqs.item(), int(n_seqs.item()))  # KL per completion
     return {k: v for k, v in metrics.items() if v is None or math.isfinite(v)}, stop_requested  # NaN: a task unseen
 
 
@@ -684,7 +684,7 @@ def optimize_policy(run, batch, n_seqs, n_tokens):
     --grad_accum micro-batches of whole groups. The loss is policy_loss + beta * KL - entropy_coef * entropy +
     vf_coef * value loss, with beta run.kl_ctl's; every normaliser counts the whole step (all micro-batches and
     ranks), so the micro-batch losses add up to the step's loss. Returns the last iteration's sums over every rank,
-    by metric name (train/loss, rl/kl: here the KL summed over the step's tokens, rl/entropy, rl/clip_frac,
+    by metric name (train/loss, rl/exact_kl: here the KL summed over the step's tokens, rl/entropy, rl/clip_frac,
     rl/ratio_mean, rl/pg_loss, rl/value_loss), and its gradient norm."""
     cfg = run.cfg
     rt = run.rt
@@ -720,7 +720,7 @@ def optimize_policy(run, batch, n_seqs, n_tokens):
             share = len(m) / n_seqs if cfg.loss_type == "gspo" else m.sum() / n_tokens
             shares = {
                 "train/loss": loss,
-                "rl/kl": kl_sum,  # summed over the step's tokens: rl_step divides
+                "rl/exact_kl": kl_sum,  # summed over the step's tokens: rl_step divides
                 "rl/entropy": entropy,
                 "rl/clip_frac": stats["clip_frac"] * share,
                 "rl/ratio_mean": stats["ratio_mean"] * share,

@@ -152,7 +152,7 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_
     keys = {"rl/reward_mean", "rl/kl", "rl/tokens"}
     assert all(k in r for r in a if "train/loss" in r for k in keys)
     results = json.loads((full / "final_results.json").read_text())
-    assert results["tokens"] == 6 * 4 * 4 * 4 and 0 <= results["next_char_acc"] <= 1
+    assert results["tokens"] == 6 * 4 * 4 * 4 and 0 <= results["next_token_acc"] <= 1
 
 
 @pytest.mark.slow
@@ -250,7 +250,7 @@ def test_two_process_gloo_run(tmp_path, text_file):
         match = torch.cat([s["match"][step] for s in seen])
         assert logged[step]["rl/reward_mean"] == pytest.approx(rewards.mean().item(), abs=1e-6)
         assert logged[step]["rl/reward_std"] == pytest.approx(rewards.std().item(), abs=1e-6)
-        assert logged[step]["rl/char_match"] == pytest.approx(match.mean().item(), abs=1e-6)
+        assert logged[step]["rl/accuracy"] == pytest.approx(match.mean().item(), abs=1e-6)
 
 
 @pytest.mark.slow

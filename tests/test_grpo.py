@@ -458,7 +458,7 @@ def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "final_results.json").read_text())
-    assert results["before"]["kl"] == pytest.approx(0.0, abs=1e-5)
+    assert results["before"]["completion_kl"] == pytest.approx(0.0, abs=1e-5)
     assert np.isfinite(results["after"]["rm_score"]) and results["after"]["completion_len"] == 8
 
 

@@ -328,12 +328,12 @@ def truncated_logprobs(logits, temperature, top_k):
 
 @pytest.mark.slow
 def test_logged_entropy_is_that_of_the_tempered_sampling_distribution(tmp_path, monkeypatch, text_file):
-    """At --temperature 0.5 train/entropy (one update, before it changes the policy) is the mean entropy of
+    """At --temperature 0.5 rl/entropy (one update, before it changes the policy) is the mean entropy of
     softmax(logits / 0.5) at the completion positions, not that of softmax(logits)."""
     seen = first_step(tmp_path, monkeypatch, text_file, "--temperature", "0.5")
     logq = torch.log_softmax(seen["logits"] / 0.5, -1)  # (N, H, V)
     entropy = -(logq.exp() * logq).sum(-1)  # (N, H); next_token: every completion token is real
-    assert seen["metrics"]["train/entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
+    assert seen["metrics"]["rl/entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -384,11 +384,12 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     assert run_script("ppo.py", "--resume", "--out_dir", part).returncode == 0
     assert metrics(part) == metrics(full)
     rows = [r for r in metrics(full) if "train/loss" in r]
-    names = ("train/policy_loss", "train/value_loss", "train/entropy", "train/approx_kl", "train/clipfrac")
-    names += ("train/explained_variance", "rl/kl_coef", "rl/reward_mean", "rl/reward_std", "rl/returns_mean")
-    assert all(name in rows[0] for name in (*names, "rl/value_mean", "rl/kl", "rl/accuracy", "train/value_grad_norm"))
+    names = ("rl/pg_loss", "rl/value_loss", "rl/entropy", "rl/approx_kl", "rl/clip_frac")
+    names += ("rl/explained_variance", "rl/beta", "rl/reward_mean", "rl/reward_std", "rl/returns_mean", "rl/kl")
+    names += ("rl/value_mean", "rl/rollout_kl", "rl/accuracy", "train/value_grad_norm")
+    assert all(name in rows[0] for name in names)
     assert rows[0]["rl/value_mean"] == 0.0  # the value head starts at zero
-    coefs = [r["rl/kl_coef"] for r in rows]  # KL far above the target: the coefficient grows by 1 + 0.2 * 8 / 20
+    coefs = [r["rl/beta"] for r in rows]  # KL far above the target: the coefficient grows by 1 + 0.2 * 8 / 20
     assert coefs == pytest.approx([0.05 * 1.08**i for i in range(4)])
     ckpt = torch.load(full / "ckpt.pt", weights_only=True)
     assert ckpt["kl_coef"] == pytest.approx(0.05 * 1.08**4) and ckpt["tokens"] == 4 * 8 * 4
@@ -396,7 +397,7 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     model, spec, _ = gpt.load_model(str(full / "ckpt.pt"))  # any script can start from the policy
     assert spec["type"] == "char" and isinstance(model, gpt.GPT)
     results = json.loads((full / "final_results.json").read_text())
-    assert set(results["before"]) == set(results["after"]) == {"next_token_acc", "loss", "greedy_match"}
+    assert set(results["before"]) == set(results["after"]) == {"next_token_acc", "val_loss", "greedy_match"}
 
 
 @pytest.mark.slow
@@ -450,10 +451,10 @@ def test_reward_model_task_with_the_value_model_initialised_from_the_reward_mode
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "final_results.json").read_text())
-    assert results["before"]["kl"] == pytest.approx(0.0, abs=1e-5)
+    assert results["before"]["completion_kl"] == pytest.approx(0.0, abs=1e-5)
     assert np.isfinite(results["after"]["rm_score"]) and results["after"]["completion_len"] == 8
     first = [r for r in metrics(out) if "train/loss" in r][0]
-    assert first["rl/value_mean"] != 0.0 and math.isfinite(first["train/explained_variance"])
+    assert first["rl/value_mean"] != 0.0 and math.isfinite(first["rl/explained_variance"])
 
 
 @pytest.mark.slow
@@ -489,7 +490,7 @@ def test_two_process_gloo_runs(tmp_path, text_file, parallel):
     assert set(ckpt["value_model"]) == {"weight", "bias"} and "value_optimizer" not in ckpt
     assert set(ckpt["reference"]) == set(ckpt["model"])  # the starting policy, for an exact resume
     assert len(rows) == 2 and all(0 <= r["rl/accuracy"] <= 1 and 1 <= r["rl/completion_len"] <= 4 for r in rows)
-    assert all(0 <= r["rl/truncated_frac"] <= 1 and 0 <= r["train/dual_clipfrac"] <= 1 for r in rows)
+    assert all(0 <= r["rl/truncated_frac"] <= 1 and 0 <= r["rl/dual_clip_frac"] <= 1 for r in rows)
     assert [r["train/epochs"] for r in rows] == [1, 1]
     results = json.loads((out / "final_results.json").read_text())
     assert {"accuracy", "format_rate"} <= set(results["after"]) and results["value_model"] == "shared"

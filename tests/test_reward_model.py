@@ -425,11 +425,11 @@ def test_preference_run_writes_the_run_folder_and_a_loadable_checkpoint(pref_run
     n_train, n_val = map(int, re.search(r"kept (\d+) train and (\d+) held-out", summary[0]).groups())
     results = json.loads((out / "final_results.json").read_text())
     assert n_train + n_val == 200 and results["train_examples"] == n_train and results["eval_examples"] == 9
-    assert 0 <= results["accuracy"] <= 1
+    assert 0 <= results["reward_acc"] <= 1
     rows = metrics(out)
-    keys = {"train/loss", "train/accuracy", "train/margin", "train/chosen_mean", "train/rejected_std", "train/epoch"}
+    keys = {"train/loss", "train/reward_acc", "train/margin", "train/chosen_mean", "train/rejected_std", "train/epoch"}
     assert all(keys <= set(r) for r in rows if "train/loss" in r)
-    assert {r["step"] for r in rows if "eval/accuracy" in r} == {0, 3, 6}
+    assert {r["step"] for r in rows if "eval/reward_acc" in r} == {0, 3, 6}
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 6 and ckpt["reward_task"] == "preference" and set(ckpt["reward_head"]) == {"weight", "bias"}
     policy = rm.GPT(rm.GPTConfig(**ckpt["model_config"]))
@@ -597,7 +597,7 @@ def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
     results = json.loads((out / "final_results.json").read_text())
     keys = ("step_accuracy", "first_error_accuracy", "auc")
     if task == "orm":
-        keys = ("accuracy", "reward_correct", "reward_wrong", "accuracy_correct", "accuracy_wrong", "auc")
+        keys = ("label_acc", "reward_correct", "reward_wrong", "accuracy_correct", "accuracy_wrong", "auc")
     assert all(k in results for k in keys) and 0 <= results[keys[0]] <= 1 and results["eval_examples"] == 40
     assert 0 < results["eval_problems"] <= 40 and 0 <= results["auc"] <= 1
     assert torch.load(out / "ckpt.pt", weights_only=True)["reward_task"] == task
@@ -669,7 +669,7 @@ def test_preference_model_learns_the_marker_to_over_90_percent_held_out(tmp_path
     code, _, err = run_main(monkeypatch, "--data_path", path, *args, "--warmup_steps", "10", "--out_dir", out)
     assert code == 0, err[-5:]
     results = json.loads((out / "final_results.json").read_text())
-    assert results["eval_examples"] == 100 and results["accuracy"] > 0.9 and results["margin"] > 1, results
+    assert results["eval_examples"] == 100 and results["reward_acc"] > 0.9 and results["margin"] > 1, results
 
 
 @pytest.mark.parametrize(

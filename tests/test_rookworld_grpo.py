@@ -447,7 +447,7 @@ def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft)
     assert metrics(full) == metrics(part)
     rows = metrics(full)
     train = [r for r in rows if "train/loss" in r]
-    assert len(train) == 2 and all("rl/reward_p" in r and "rl/reward_a" in r and "rl/kl" in r for r in train)
+    assert len(train) == 2 and all("rl/reward_p" in r and "rl/reward_a" in r and "rl/exact_kl" in r for r in train)
     evals = [r for r in rows if "eval/p_best_acc" in r]
     assert len(evals) == 2 and all("eval/a_fen_acc" in r and "eval/a_line_acc" in r for r in evals)
     samples = (full / "samples.txt").read_text()
@@ -530,7 +530,7 @@ def test_every_completion_logprob_is_of_the_sampling_distribution(
     positions; the sampling policy's old log-probs are exactly those (ratio exactly 1, also with more updates per
     batch); the entropy is that distribution's, and the KL is the exact forward/symmetric KL to the reference, the
     same model at the same temperature over the whole vocabulary (0 without top_k: the policy is the reference).
-    With one update per batch the logged rl/entropy, rl/kl and rl/ratio_mean are those values."""
+    With one update per batch the logged rl/entropy, rl/exact_kl and rl/ratio_mean are those values."""
     data, init = sft
     args = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "1"]
     args += ["--temperature", temperature, "--top_k", top_k, "--kl_type", kl_type, "--num_iterations", iterations]
@@ -560,7 +560,7 @@ def test_every_completion_logprob_is_of_the_sampling_distribution(
     if iterations == 1:
         assert train[0]["rl/ratio_mean"] == 1.0 and train[0]["rl/clip_frac"] == 0.0
         assert train[0]["rl/entropy"] == pytest.approx(oracle_entropy[mask].mean().item(), rel=1e-4)
-        assert train[0]["rl/kl"] == pytest.approx(oracle_kl[mask].mean().item(), rel=1e-4, abs=1e-5)
+        assert train[0]["rl/exact_kl"] == pytest.approx(oracle_kl[mask].mean().item(), rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.slow
