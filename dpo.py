@@ -61,7 +61,6 @@ on held-out problems only.
 Commands:
     python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
     python dpo.py --init_from out/sft/ckpt.pt --data_path hh.jsonl.gz --lr 2e-4 --max_steps 40   # CPU, ~5 min
-    python dpo.py --init_from gpt2 --device cuda --batch_size 32 --max_len 512 --max_steps 2000   # one GPU, hub
     torchrun --standalone --nproc_per_node=8 dpo.py --init_from gpt2-medium --loss_type ipo --beta 0.5 --parallel fsdp
     python dpo.py --data arithmetic --init_from out/arith/ckpt.pt --lr 3e-4 --sft_weight 1   # a gpt.py arithmetic SFT
 

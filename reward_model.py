@@ -49,9 +49,7 @@ score(model, tok, texts, device) gives the rewards of texts, and `--score TEXT` 
 
 Commands:
     python reward_model.py --data_path hh.jsonl.gz --init_from out/sft/ckpt.pt   # HH-RLHF pairs, an SFT model, CPU
-    python reward_model.py --init_from gpt2 --device cuda --lr 1e-5 --max_len 512 --batch_size 32  # one GPU
     torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
-    python reward_model.py --task orm --init_from out/arith/ckpt.pt   # ORM from a `gpt.py --data arithmetic` model
     python reward_model.py --task orm --samples_from out/arith/ckpt.pt  # a verifier of that policy's own answers
     python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
 From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
