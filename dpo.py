@@ -24,98 +24,47 @@ With s = sigmoid, eps = --label_smoothing, x = beta * h, the losses (`--loss_typ
     orpo       -avg_c - lambda log s(log odds_c - log odds_r), odds = p/(1-p), p = exp(avg)    ORPO, Hong et al. 2024
     kto        chosen w_d (1 - s(beta (a - z0))), rejected w_u (1 - s(beta (z0 - b)))        KTO, Ethayarajh et al. 2024
 `--sft_weight w` adds w times the chosen response's mean token NLL to any of them (RPO, Pang et al. 2024).
-AOT (distributional alignment by optimal transport) makes the sorted (quantile) values of the policy's margins
-dominate the reference's, or those of the chosen log-ratios dominate the rejected ones': a pair's loss depends on the
-other pairs of its batch.
+`--f_divergence` (f-DPO, Wang et al. 2023) puts beta f'(u), u = pi/pi_ref, in place of the log-ratio before the
+losses built on h alone (sigmoid, robust, hinge, ipo, exo_pair, discopop, sigmoid_norm; others are refused):
 
-Three options change what the losses see, as TRL 1.16 has them:
-  - `--f_divergence` (f-DPO, Wang et al. 2023, "Beyond reverse KL", Table 1): with an f-divergence in place of DPO's
-    reverse KL the implicit reward is beta f'(u), u = pi/pi_ref, so a and b become f'(e^a) and f'(e^b) before the
-    losses built on h alone (sigmoid, robust, hinge, ipo, exo_pair, discopop, sigmoid_norm; others are refused):
-    reverse_kl log u (DPO), forward_kl 1 - 1/u, js log(2u/(1+u)), alpha (u^(alpha-1) - 1)/(alpha-1) with
-    alpha = --f_alpha in (0, 1) (the paper's 1 - alpha; 0 would be forward KL, 1 reverse KL). The rewards are beta f'.
-  - `--ld_alpha` (LD-DPO, Liu et al. 2024): a response's log-prob is that of its first l tokens, l the shorter
-    response's length in the pair, plus ld_alpha times that of the rest, for policy and reference alike, where the
-    token log-probs are summed (pair_logprobs), so every loss sees it. 1 is off (plain sums); at 0 the tokens past l
-    are dropped, and so from the token counts (ipo, sigmoid_norm, simpo, orpo, --sft_weight divide by them).
-  - `--ref_sync_steps tau --ref_mixup alpha` (TR-DPO, Gorbatovski et al. 2024): after every tau-th step the
-    reference becomes alpha policy + (1 - alpha) reference (sync_reference; alpha 1: a copy of the policy). ckpt.pt then
-    holds the synced reference, and --resume checks it by its checksum. The reference must be the starting policy's
-    copy (no --reference) and computed live (no --precompute_ref). 0 (either): off.
-IPO comes in two conventions: TRL averages each log-ratio over the response's tokens (|y| = its token count; its
-source says the IPO authors confirmed that this form reproduces the paper), rlhf-book and OpenRLHF sum them. We
-average, as TRL does; ipo's implicit rewards are then beta * a/|y_c| and beta * b/|y_r|, so their margin is beta h'.
+    reverse_kl  f'(u) = log u                            DPO itself (the default)
+    forward_kl  f'(u) = 1 - 1/u
+    js          f'(u) = log(2u / (1 + u))
+    alpha       f'(u) = (u^(alpha-1) - 1) / (alpha - 1)    alpha = --f_alpha in (0, 1)
+`--ld_alpha` (LD-DPO, Liu et al. 2024) weighs the tokens of the longer response past the shorter one's length by
+ld_alpha; `--ref_sync_steps tau --ref_mixup alpha` (TR-DPO, Gorbatovski et al. 2024) moves the reference to
+alpha policy + (1 - alpha) reference after every tau-th step (sync_reference).
 
 Where we depart from the papers or from TRL, on purpose:
+  - ipo averages each log-ratio over the response's tokens, as TRL does (its authors confirmed the form with the
+    IPO authors); rlhf-book and OpenRLHF sum them;
   - bco_pair's delta is the mean reward of all earlier steps (0 at the first; TRL includes the current
     micro-batch), so the loss does not depend on how a batch is split over micro-batches and ranks;
   - kto is trained on the pairs, unpaired: every chosen response is desirable, every rejected one undesirable; its
-    reference point z0 is the mean log-ratio of mismatched rows (the prompt of pair i with the responses of pair i+1
-    of the rank's batch), averaged over all ranks, clamped at 0 and detached;
+    reference point z0 is the mean log-ratio of mismatched rows (the prompt of pair i with the responses of pair i+1),
+    averaged over all ranks, clamped at 0 and detached;
   - reward accuracy counts ties as 1/2, so the reference itself scores 0.5;
   - simpo and orpo train without the reference; it is still loaded for eval/logratio_* and --judge;
   - aot and aot_unpaired sort the pairs of one micro-batch of one rank (TRL: of one device's batch), so unlike the
     other losses they change with --grad_accum and the number of ranks;
   - label smoothing applies to sigmoid_norm, aot and aot_unpaired as to sigmoid (TRL smooths aot, not sigmoid_norm).
-Sequences are right-padded; chosen and rejected rows go through the policy in one forward pass; log-probs are summed
-over response tokens only. A pair longer than --max_len loses the start of its prompt, the same tokens for both
-responses (truncate_pair), so the two are always compared on one context; --max_len unset (0) is the models'
-block_size. The loss is the sum over pairs divided by the number of pairs of the whole step (all micro-batches and
-ranks), so it does not depend on how the batch is split.
+A pair longer than --max_len loses the start of its prompt, the same tokens for both responses (truncate_pair). The
+loss is the sum over pairs divided by the number of pairs of the whole step (all micro-batches and ranks).
 The model and the losses are hand-written on purpose: reading them is the point.
 
-Data: HH-RLHF dialogues {"chosen": ..., "rejected": ...} split into (prompt, chosen response, rejected response) at
-the last "\\n\\nAssistant:", from the hub (`--data`, its train and test splits) or a local `--data_path`
-.jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's, so an SFT checkpoint never saw them.
-
-`--data arithmetic` (--digits, --ops as grpo.py's): RLHF with a known gold reward. Before training, the starting policy
-(an SFT model of `gpt.py --data arithmetic`; a newline ends each answer) samples --pair_samples answers (temperature
-1, 2 * --digits + 2 tokens, cut after the first newline) to each of --pair_prompts training problems (drawn with
-random.Random(--seed), none of them held out); arithmetic_reward, the gold checker, picks a right answer as chosen
-and a wrong one as rejected (the first of each). With `--judge PATH` a reward_model.py checkpoint ranks them
-instead: chosen is the answer it scores highest, rejected the lowest, and the run reports how often that agrees with
-gold (chosen right, rejected wrong). Problems whose answers all score the same (all right, all wrong, a tie) give
-no pair.
-SPEC section 8 decides which problems are held out, in every script: those whose prompt's crc32 is 0 mod 10
-(held_out). No training pair is one; the held-out problems are the distinct ones among --eval_size held-out draws of
-random.Random(1234) (draw_problem; eval/n_problems says how many: 1 digit has only 37 of 300). Held-out pairs come the
-same way from them, and eval/accuracy is the share of them whose greedy answer is exactly right. Rank 0 builds the
-pairs and shares them with the other ranks; they are written to pairs.jsonl in the run folder (prompt, answer, chosen,
-rejected, split) before training, and --resume reads them back. A BPE policy gets <|endoftext|> after both responses
-(encode_pair), as in HH.
+Data: HH-RLHF dialogues split at the last "\\n\\nAssistant:", from the hub (`--data`) or a local `--data_path`
+.jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's. `--data arithmetic`: the starting policy samples
+answers to training problems and the exact-answer checker (or a reward_model.py checkpoint, `--judge`) picks chosen
+and rejected; a problem is held out iff zlib.crc32(prompt) % 10 == 0, and eval/accuracy counts greedy exact answers
+on held-out problems only.
 
 Commands:
     python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
     python dpo.py --init_from out/sft/ckpt.pt --data_path hh.jsonl.gz --lr 2e-4 --max_steps 40   # CPU, ~5 min
-    python dpo.py --init_from gpt2 --device cuda --batch_size 32 --max_len 512 --max_steps 2000   # one GPU, hub
     torchrun --standalone --nproc_per_node=8 dpo.py --init_from gpt2-medium --loss_type ipo --beta 0.5 --parallel fsdp
-    python gpt.py --data arithmetic --tokenizer char --digits 1 --n_layer 2 --n_head 2 --n_embd 64 --block_size 32 \\
-        --batch_size 32 --max_steps 400 --eval_every 400 --eval_iters 2 --lr 3e-3 --warmup_steps 10 --out_dir out/arith1
-    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --lr 3e-4 --sft_weight 1   # CPU, ~20 s
-    python reward_model.py --task orm --init_from out/arith1/ckpt.pt --out_dir out/orm   # a judge, then judged pairs:
-    python dpo.py --data arithmetic --init_from out/arith1/ckpt.pt --lr 3e-4 --sft_weight 1 \\
-        --judge out/orm/ckpt.pt
+    python dpo.py --data arithmetic --init_from out/arith/ckpt.pt --lr 3e-4 --sft_weight 1   # a gpt.py arithmetic SFT
 
-Metrics (metrics.jsonl; train/ on the step's pairs, eval/ on the held-out pairs; all ranks together):
-    train/loss, eval/loss                   the --loss_type loss, mean over pairs (with the --sft_weight term)
-    */reward_acc                            fraction of pairs whose chosen reward beats the rejected (ties 1/2)
-    */margin                                mean chosen reward - rejected reward
-    */chosen_reward, */rejected_reward      mean implicit rewards beta * (log pi - log pi_ref), summed over the
-                                            response (ipo: averaged over it; simpo: beta * mean token log-prob;
-                                            orpo: lambda * the same)
-    */chosen_logp, */rejected_logp          mean summed response log-probs under the policy (DPO can lower both)
-    eval/logratio_acc, eval/logratio_margin DPO's accuracy (h > 0, ties 1/2) and mean h in nats, for every loss type,
-                                            so runs of different losses compare
-    eval/accuracy                           arithmetic: share of held-out problems answered exactly right (greedy)
-    eval/n_problems                         arithmetic: how many distinct held-out problems eval/accuracy counts
-    eval/win_rate                           --judge: share of held-out prompts whose greedy policy response the
-                                            reward model scores above the reference's (ties 1/2); at the end
-    train/kto_kl, train/bco_delta           kto's reference point z0; bco_pair's reward shift delta
-    train/lr, train/grad_norm, train/pairs  learning rate, gradient norm before clipping, pairs trained on so far
-    perf/pairs_per_s, perf/step_ms
-final_results.json holds the last evaluation (without eval/), and for arithmetic accuracy_before (step 0),
-heldout_problems (distinct) and gold_agreement (the share of training and held-out pairs with chosen right and
-rejected wrong).
+docs/dpo.md: every loss's formula, the implementation details, the flags, every metric, results and their commands.
 """
 
 import argparse
@@ -215,7 +164,7 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: the losses, pure functions of per-sequence log-probs (SPEC section 7). tests/test_dpo.py checks each
+# ALGO LOGIC: the losses, pure functions of per-sequence log-probs. tests/test_dpo.py checks each
 # against its formula and its properties.
 
 # the losses of preference_loss, on the chosen-minus-rejected log-ratios of a pair
@@ -1125,8 +1074,8 @@ def setup(cfg, out_dir, rt):
 
 
 def save(run, step):
-    """ckpt.pt (SPEC section 4) and this script's extras: pairs seen, BCO's running mean, the reference's checksum and
-    its cached log-probs."""
+    """ckpt.pt (the format every script reads) and this script's extras: pairs seen, BCO's running mean, the
+    reference's checksum and its cached log-probs."""
     model_sd, optim_sd = training_state(run.model, run.optimizer, run.rt)
     rngs = all_rng_states(run.rt)
     if run.rt.master:

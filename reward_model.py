@@ -38,10 +38,10 @@ is held out, by gpt.py's hh_sft rule, so an SFT model made by gpt.py from the sa
 dialogue is split at its last "\\n\\nAssistant:" into prompt and response; a pair longer than --max_len loses the
 start of its prompt, the same tokens for both responses (truncate_pair), so both are scored on one context.
 Pairs with a missing field, no Assistant response, different prompts or identical responses are counted and
-skipped. orm and prm generate their data, split by problem with SPEC section 8's rule (held_out): no training
-example is of a held-out problem (a prm chain counts as its first step's problem), every held-out example is. Split
-by text instead, every held-out problem would lose its right answer (one text) from training, but not its wrong
-ones. The run prints how many distinct problems the held-out examples hold.
+skipped. orm and prm generate their data, split by problem: a problem is held out iff zlib.crc32(prompt) % 10 == 0
+(held_out); no training example is of a held-out problem (a prm chain counts as its first step's problem), every
+held-out example is. Split by text instead, every held-out problem would lose its right answer (one text) from
+training, but not its wrong ones. The run prints how many distinct problems the held-out examples hold.
 
 The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
 head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
@@ -49,31 +49,14 @@ score(model, tok, texts, device) gives the rewards of texts, and `--score TEXT` 
 
 Commands:
     python reward_model.py --data_path hh.jsonl.gz --init_from out/sft/ckpt.pt   # HH-RLHF pairs, an SFT model, CPU
-    python reward_model.py --init_from gpt2 --device cuda --lr 1e-5 --max_len 512 --batch_size 32  # one GPU
     torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
-    python reward_model.py --task orm --init_from out/arith/ckpt.pt   # ORM from a `gpt.py --data arithmetic` model
     python reward_model.py --task orm --samples_from out/arith/ckpt.pt  # a verifier of that policy's own answers
     python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
 From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
 start them from a model that can, as Cobbe et al. start the verifier from the generator (a run from scratch says
 so in one line on stderr). --samples_from starts from the policy unless --init_from names another model.
 
-Metrics (metrics.jsonl; train/ on the step's batch, eval/ on the held-out set):
-    train/loss, eval/loss            the objective above (preference: with margin and centering; orm, prm: BCE)
-    train/lr, train/grad_norm, train/epoch   learning rate, gradient norm before clipping, passes over the data
-    preference  {train,eval}/accuracy        fraction of pairs with r_c > r_r (ties count one half)
-                {train,eval}/margin          mean r_c - r_r
-                {train,eval}/chosen_mean, chosen_std, rejected_mean, rejected_std   rewards of either side
-    orm         {train,eval}/accuracy        sign of the reward (last token) equals the label
-                {train,eval}/accuracy_correct, accuracy_wrong   the same on right answers (reward > 0) and on
-                                             wrong ones (reward <= 0)
-                eval/auc                     ROC AUC of the reward on the held-out answers: the chance that a right
-                                             answer outscores a wrong one (prm: of the last step's score)
-                {train,eval}/reward_correct, reward_wrong   mean reward of correct and of corrupted answers
-    prm         {train,eval}/step_accuracy   sign of the score after each step equals its label
-                {train,eval}/first_error_accuracy   the first step scored <= 0 is the first wrong step (or there
-                                             is none on a right chain)
-    perf/tokens_per_s, perf/step_ms, perf/mfu   real tokens per second (all ranks), step time, FLOPs utilisation
+docs/reward_model.md: the implementation details, the flags, every metric, results and their commands.
 """
 
 import argparse
@@ -165,7 +148,7 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7).
+# ALGO LOGIC: pure functions, tensors in and tensors out.
 
 
 def bradley_terry_loss(r_chosen, r_rejected, margin=0.0, center_coef=0.0):
@@ -634,7 +617,7 @@ def problem_of(task, example):
 
 def synthetic_data(cfg, rt):
     """(train, held-out) lists of orm examples (prompt, answer, label) or prm chains, and {} (nothing is skipped).
-    They are split by problem (SPEC section 8), not by text: a problem's right answer is one text, and holding out
+    They are split by problem (held_out), not by text: a problem's right answer is one text, and holding out
     texts would take the right answers of every held-out problem out of training, but not its wrong ones."""
     rng = random.Random(cfg.seed)
     train = []
@@ -653,7 +636,7 @@ def sampled_data(cfg, tok, rt):
     """(train, held-out) lists of orm examples (prompt, answer, label) whose answers the --samples_from policy wrote
     (Cobbe et al. 2021: the verifier learns the generator's own mistakes), and {}. Batches of 64 problems, each
     --samples_per_problem times, sampled at temperature 1 until --n_train (--n_val) answers, the last batch cut;
-    training problems are never held out, held-out ones always (SPEC section 8). An answer ends at its first
+    training problems are never held out, held-out ones always (held_out). An answer ends at its first
     newline; its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward), else 0."""
     policy, spec, _ = load_model(cfg.samples_from)
     check(spec == tok.spec, f"--samples_from {cfg.samples_from}: its tokenizer is not the reward model's")

@@ -9,14 +9,11 @@ al. 2024, DeepSeekMath), with an exact KL to the frozen starting policy:
     J = agg_{i,t}[ min(r_it A_it, clip(r_it, 1 - eps, 1 + eps_high) A_it) ] - beta * KL_t + c_H * H(pi)
     r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
     KL_t = sum_v pi(v) (log pi(v) - log pi_ref(v)) over the whole vocabulary at every completion position
-           (--kl_type forward, KL(pi || pi_ref); reverse swaps pi and pi_ref, KL(pi_ref || pi); symmetric is the mean
-           of the two)
+           (--kl_type forward; reverse: KL(pi_ref || pi); symmetric: the mean of the two)
 Rollouts sample from softmax(logits / --temperature) restricted to the --top_k most likely tokens, and every
 completion log-prob used for training or logging (pi and pi_old in r, pi in KL_t, the entropy H) is of that sampling
 distribution; pi_ref is the reference's softmax(logits / --temperature) over the whole vocabulary (as TRL does), so the
-forward KL stays finite. --kl_type reverse or symmetric with --top_k is refused: KL(pi_ref || pi) is infinite where
-top_k leaves pi no mass, and computing it on the untruncated policy would anchor a distribution that is not the one
-sampled.
+forward KL stays finite (--kl_type reverse or symmetric with --top_k is refused: KL(pi_ref || pi) is infinite there).
 Advantages: --adv group: A_i = (R_i - mean_K R) / (std_K R + 1e-4) (group_advantages of grpo.py); --adv ema:
 A_i = R_i - b_task with b_task a running mean reward of the prompt's task (P: or A:); --value_head: a scalar head on
 the policy's last hidden states, token advantages by GAE (gae of ppo.py) on the reward at the last token, whitened.
@@ -34,10 +31,8 @@ The two tasks, one training line each (GPT-2 BPE):
         0.5 for a draw, -1.0 for an illegal or malformed move (then truncated is 1 and new_fen is the input FEN);
         terminated (0/1) on mate, stalemate, insufficient material, the 75-move rule or fivefold repetition. FENs as
         python-chess writes them. The prompt ends at the third "+".
-    Both prompts end on a token boundary of the whole line, so ids(prompt) + ids(completion) == ids(line): the layout
-    RookWorld-LM was trained on. A data line's prompt is its own prefix (the RookWorld val file pads FENs to 89
-    columns, not 90: kept as written). Completions end at <|endoftext|> (RookWorld-LM) or at a newline (a model SFT'd
-    by gpt.py on a file of lines); the end is stripped before scoring.
+    Both prompts end on a token boundary of the whole line (ids(prompt) + ids(completion) == ids(line)), the layout
+    RookWorld-LM was trained on. Completions end at <|endoftext|> or at a newline, stripped before scoring.
 
 Rewards (score_p, score_a): -0.3 when the completion does not parse; otherwise a raw score in [0, 1], mapped by
 --reward_mode ladder to 0.2 (raw < 0.4), 0.4 (< 0.6), 0.6 (< 0.8), 0.8 (< 0.95) or 1.0; continuous keeps raw.
@@ -56,9 +51,7 @@ Rewards (score_p, score_a): -0.3 when the completion does not parse; otherwise a
 
 Targets: the rest of the data line after the prompt; or, for P: prompts with --stockfish PATH, Stockfish's multipv-5
 analysis (one thread, hash cleared before every position, --sf_depth and/or --sf_nodes; a fixed node limit makes it
-deterministic), run by a small pool of engine processes and cached per position. --best_move stockfish takes the
-best move (for a data line: its B when B has the highest eval, else the highest-eval move); --best_move rookworld
-keeps the original data's quirk (its B as written; from Stockfish: on black-to-move rows the last of the 5 moves).
+deterministic), cached per position; --best_move picks the target's B (docs/rookworld_grpo.md).
 Data: --data_path, a file of P: and A: lines (a line in neither format is counted and skipped), or
 `--make_data N --out FILE`: N lines from games played from the initial position by Stockfish (random moves mixed in,
 --random_move_frac; random play without Stockfish), P: lines annotated by Stockfish, A: lines from env_step (a few with
@@ -81,25 +74,9 @@ Commands:
     python gpt.py --data data/rookworld.txt --tokenizer gpt2 --n_layer 2 --n_embd 64 --block_size 224 --out_dir out/sft
     python rookworld_grpo.py --init_from out/sft/ckpt.pt --data_path data/rookworld.txt --lr 1e-4 --max_steps 20
     python rookworld_grpo.py --data_path data/rookworld.txt --stockfish /usr/games/stockfish --device cuda  # 124M
-    torchrun --standalone --nproc_per_node=8 rookworld_grpo.py --data_path data/rookworld.txt --batch_size 16
 
-Metrics (metrics.jsonl):
-    rl/reward_mean, rl/reward_std    rewards of the step's rollouts (all tasks)
-    rl/reward_p, rl/reward_a         the same per task; rl/valid_p, rl/valid_a: completions that parse
-    rl/zero_std_frac                 groups whose rewards are all equal (no signal for group advantages)
-    rl/kl, rl/beta                   exact KL to the reference per completion token (--kl_type), and beta in use
-                                     (last iteration)
-    rl/clip_frac, rl/ratio_mean      clipped tokens and mean ratio (last iteration)
-    rl/entropy                       mean entropy of the sampling distribution over completion tokens (nats)
-    rl/value_loss                    --value_head: the clipped value loss
-    rl/baseline_p, rl/baseline_a     --adv ema: the running mean rewards
-    rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end; tokens so far
-    rl/pg_loss, train/loss, train/lr, train/grad_norm
-    eval/p_format, eval/p_legal_best, eval/p_best_acc, eval/p_top5_acc, eval/p_reward   greedy P: completions: parse
-                                     rate, B legal, B equal to the target's, share of the target's moves listed, reward
-    eval/a_format, eval/a_fen_acc, eval/a_flags_acc, eval/a_line_acc, eval/a_reward     greedy A: completions: parse
-                                     rate, exact new FEN, both flags right, the whole completion exact, reward
-    perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
+
+docs/rookworld_grpo.md: the implementation details, the flags, every metric, results and their commands.
 """
 
 import argparse
@@ -207,7 +184,7 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). group_advantages and policy_loss (and join
+# ALGO LOGIC: pure functions, tensors in and tensors out. group_advantages and policy_loss (and join
 # and peak_memory_mb below) are copies of grpo.py's; masked_mean, gae, whiten, value_loss and AdaptiveKLController of
 # ppo.py's; weights_checksum (below) of dpo.py's (tests/test_shared_blocks.py checks that the copies are identical).
 
