@@ -18,9 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args(name, description, seeds=(1, 2, 3)):
-    """The flags every experiment takes; --out defaults to out/experiments/NAME."""
+def parse_args(name, description, seeds=(1, 2, 3), extra=None):
+    """The flags every experiment takes; --out defaults to out/experiments/NAME. extra: {"--flag": (default, help)},
+    string flags of this experiment alone."""
     parser = argparse.ArgumentParser(description=description)
+    for flag, (default, help_text) in (extra or {}).items():
+        parser.add_argument(flag, default=default, help=help_text)
     parser.add_argument("--quick", action="store_true", help="a few steps and one seed: does it still run?")
     parser.add_argument("--out", default=f"out/experiments/{name}", help="folder of this experiment's runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(seeds), help="seeds to run")

@@ -11,7 +11,6 @@ own and trains for a few steps (no network).
 import json
 import os
 import random
-import sys
 
 from common import final_results, fmt, metrics, parse_args, print_table, run
 
@@ -21,19 +20,6 @@ LOSSES = [  # (row, flags)
     ("simpo, beta 2, gamma 1", ["--loss_type", "simpo", "--beta", "2", "--gamma", "1"]),
     ("kto, beta 0.1", ["--loss_type", "kto", "--beta", "0.1"]),
 ]
-
-
-def pop_flag(name):
-    """The value of --name VALUE (or --name=VALUE) on the command line, taken out of sys.argv ("" when absent), so
-    that parse_args sees only the flags every experiment takes."""
-    for i, arg in enumerate(sys.argv):
-        if arg == name and i + 1 < len(sys.argv):
-            del sys.argv[i]
-            return sys.argv.pop(i)
-        if arg.startswith(name + "="):
-            del sys.argv[i]
-            return arg.split("=", 1)[1]
-    return ""
 
 
 def tiny_hh(path, n=200):
@@ -55,8 +41,9 @@ def both(first, last, key, digits=3):
 
 
 def main():
-    data_path = pop_flag("--data_path")
-    args = parse_args("dpo_hh", __doc__.splitlines()[0], seeds=(1337,))
+    extra = {"--data_path": ("", "local .jsonl/.jsonl.gz of HH-RLHF records (default: the hub)")}
+    args = parse_args("dpo_hh", __doc__.splitlines()[0], seeds=(1337,), extra=extra)
+    data_path = args.data_path
     sft = ["--block_size", "256", "--batch_size", "16", "--max_steps", "220", "--warmup_steps", "40", "--lr", "1e-3"]
     sft += ["--min_lr", "1e-4", "--eval_every", "110", "--eval_iters", "8"]
     dpo = ["--lr", "2e-4", "--min_lr", "2e-5", "--warmup_steps", "4", "--max_steps", "40", "--eval_every", "20"]

@@ -19,19 +19,6 @@ from common import ROOT, final_results, fmt, metrics, parse_args, print_table, r
 sys.path.insert(0, str(ROOT))
 
 
-def pop_flag(name):
-    """The value of --name VALUE (or --name=VALUE) on the command line, taken out of sys.argv ("" when absent), so
-    that parse_args sees only the flags every experiment takes."""
-    for i, arg in enumerate(sys.argv):
-        if arg == name and i + 1 < len(sys.argv):
-            del sys.argv[i]
-            return sys.argv.pop(i)
-        if arg.startswith(name + "="):
-            del sys.argv[i]
-            return arg.split("=", 1)[1]
-    return ""
-
-
 def tiny_hh(path, n=200):
     """HH-RLHF-shaped records: a polite chosen answer and a rude rejected one to the same question."""
     rng = random.Random(0)
@@ -77,8 +64,9 @@ def shorter_wins(pairs):
 
 
 def main():
-    data_path = pop_flag("--data_path")
-    args = parse_args("reward_model_hh", __doc__.splitlines()[0], seeds=(1337,))
+    extra = {"--data_path": ("", "local .jsonl/.jsonl.gz of HH-RLHF records (default: the hub)")}
+    args = parse_args("reward_model_hh", __doc__.splitlines()[0], seeds=(1337,), extra=extra)
+    data_path = args.data_path
     sft = ["--block_size", "256", "--batch_size", "16", "--max_steps", "220", "--warmup_steps", "40", "--lr", "1e-3"]
     sft += ["--min_lr", "1e-4", "--eval_every", "110", "--eval_iters", "8"]
     rm = ["--max_steps", "280", "--warmup_steps", "20", "--eval_every", "20"]

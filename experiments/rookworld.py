@@ -10,7 +10,6 @@ knowledge and gives other numbers. --quick: 60 random-play lines, a tiny model, 
 """
 
 import os
-import sys
 
 from common import fmt, metrics, parse_args, print_table, run
 
@@ -26,23 +25,11 @@ ROWS = [  # (row, metric names shown as "a / b" when two)
 ]
 
 
-def pop_flag(name, default=""):
-    """The value of --name VALUE (or --name=VALUE) on the command line, taken out of sys.argv (default when absent),
-    so that parse_args sees only the flags every experiment takes."""
-    for i, arg in enumerate(sys.argv):
-        if arg == name and i + 1 < len(sys.argv):
-            del sys.argv[i]
-            return sys.argv.pop(i)
-        if arg.startswith(name + "="):
-            del sys.argv[i]
-            return arg.split("=", 1)[1]
-    return default
-
-
 def main():
     default_engine = "/usr/games/stockfish" if os.path.exists("/usr/games/stockfish") else ""
-    stockfish = pop_flag("--stockfish", default_engine)
-    args = parse_args("rookworld", __doc__.splitlines()[0], seeds=(1337,))
+    extra = {"--stockfish": (default_engine, "path of a Stockfish binary (annotates the made data)")}
+    args = parse_args("rookworld", __doc__.splitlines()[0], seeds=(1337,), extra=extra)
+    stockfish = args.stockfish
     make = ["--make_data", "2000"]
     sft = ["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "224", "--batch_size", "8"]
     sft += ["--max_steps", "600", "--lr", "5e-3", "--warmup_steps", "20", "--eval_every", "200", "--eval_iters", "4"]
