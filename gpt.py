@@ -13,7 +13,7 @@ sampler. The code between the SHARED BLOCK markers is copied verbatim into every
 (tests/test_shared_blocks.py checks it), so each script can be forked on its own.
 
 Two variants of the model, to compare with the standard GPT on the same data and budget (gpt.py only; see
-VariantAttention, make_model and the README's comparison):
+VariantAttention, make_model and the comparison in docs/gpt.md):
     --attention mla       multi-head latent attention (DeepSeek-V2): keys and values come from a latent c_kv of
                           --kv_latent_dim numbers per token, and the KV cache stores only c_kv (no decoupled RoPE:
                           GPT-2's positions are learned). Same objective, same sampler.
@@ -33,13 +33,15 @@ Commands:
     python gpt.py --data arithmetic --digits 2                       # warm start for grpo.py --task arithmetic
     python gpt.py --attention mla                                    # the variants, each a few minutes on a CPU
     python gpt.py --objective denoise
-    python gpt.py --export_hf out/hf --init_from out/run/ckpt.pt     # for transformers, vLLM, the hub: see README
+    python gpt.py --export_hf out/hf --init_from out/run/ckpt.pt     # for transformers, vLLM, the hub
 
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
 (procedurally generated `12+345=357` lines; the validation split holds only the held-out problems of held_out's
 rule, which the training split and every later stage never see), or the path of any text file (`--tokenizer
 char|gpt2`).
+
+The page docs/gpt.md holds the rest: formulas, implementation details, flags, results.
 
 Metrics (metrics.jsonl, one object per logged step):
     train/loss        mean token cross-entropy of the optimizer step (nats)
