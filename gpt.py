@@ -127,7 +127,7 @@ class Config:
     log_every: int = 50  # steps between log lines
     save_every: int = 500  # steps between checkpoints (one is always written at the end)
     # the samples written at the end
-    num_samples: int = 3  # samples written to samples.txt at the end
+    num_samples: int = 3  # samples written to samples.txt at the end (arithmetic: every held-out problem, greedy)
     sample_tokens: int = 120  # tokens per sample
     sample_prompt: str = "\n"  # prompt of the samples
     temperature: float = 0.8  # sampling temperature (0: greedy)
@@ -603,7 +603,7 @@ def write_samples(model, tok, cfg, rt, out_dir, problems):
         t0 = time.time()
         answers, _ = arithmetic_answers(model, tok, problems, cfg.digits, rt)
         n_tokens = sum(len(tok.encode(a)) + 1 for a in answers)  # each answer and its end token
-        texts = [p + a for (p, _), a in zip(problems, answers)]
+        texts = [p + a.replace("\n", "\\n") for (p, _), a in zip(problems, answers)]  # one a line: BPE has "\n\n"
         if rt.master:
             with open(os.path.join(out_dir, "samples.txt"), "w") as f:
                 f.write("\n".join(texts) + "\n")
