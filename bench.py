@@ -19,7 +19,7 @@ warm-up runs, CUDA synchronized around every timed run:
     rm_step         ms per optimizer step of reward_model.py on the same pairs (Bradley-Terry)
     rookworld_step  ms per optimizer step of rookworld_grpo.py: rw_prompts chess prompts x rw_samples completions
                     (horizon 96, exact KL to a reference model), its default data made in memory; with peak_mb
-                    (issue target on a GPU: 8 x 8 on gpt2 in <= 2 s and <= 3 GB)
+                    (the goal on a GPU: 8 x 8 on gpt2 in <= 2 s and <= 3 GB)
                     (the *_step measurements run the scripts themselves; see bench_script_step)
 With --vs hf each measurement is repeated with transformers (GPT2LMHeadModel.generate, a training step) or TRL
 (GRPOTrainer, DPOTrainer, RewardTrainer) on the same work and weights, and a second line gives `speedup`, how
@@ -32,6 +32,7 @@ Commands:
     python bench.py --model tiny --vs hf                             # side by side with transformers / TRL
     python bench.py --model gpt2 --device cuda                       # one GPU, bf16 autocast
     python bench.py --model gpt2 --device cuda --compile --only train,memory --train_batch 16 --train_seq 1024
+The measured tables, with their hardware and dates: docs/performance.md.
 """
 
 import argparse

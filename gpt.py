@@ -13,7 +13,7 @@ sampler. The code between the SHARED BLOCK markers is copied verbatim into every
 (tests/test_shared_blocks.py checks it), so each script can be forked on its own.
 
 Two variants of the model, to compare with the standard GPT on the same data and budget (gpt.py only; see
-VariantAttention, make_model and the README's comparison):
+VariantAttention, make_model and the comparison in docs/gpt.md):
     --attention mla       multi-head latent attention (DeepSeek-V2): keys and values come from a latent c_kv of
                           --kv_latent_dim numbers per token, and the KV cache stores only c_kv (no decoupled RoPE:
                           GPT-2's positions are learned). Same objective, same sampler.
@@ -33,7 +33,7 @@ Commands:
     python gpt.py --data arithmetic --digits 2                       # warm start for grpo.py --task arithmetic
     python gpt.py --attention mla                                    # the variants, each a few minutes on a CPU
     python gpt.py --objective denoise
-    python gpt.py --export_hf out/hf --init_from out/run/ckpt.pt     # for transformers, vLLM, the hub: see README
+    python gpt.py --export_hf out/hf --init_from out/run/ckpt.pt     # for transformers, vLLM, the hub
 
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
@@ -41,12 +41,17 @@ dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl
 rule, which the training split and every later stage never see), or the path of any text file (`--tokenizer
 char|gpt2`).
 
+The page docs/gpt.md holds the rest: formulas, implementation details, flags, results.
+
 Metrics (metrics.jsonl, one object per logged step):
     train/loss        mean token cross-entropy of the optimizer step (nats)
     train/lr          learning rate of the step
     train/grad_norm   gradient norm before clipping
     eval/train_loss   mean loss on --eval_iters fixed train batches
     eval/val_loss     the same on the validation split (denoise: on fixed masked batches, the masked-token NLL)
+    eval/accuracy     --data arithmetic: share of exact greedy answers to the held-out problems grpo.py evaluates
+                      (its --eval_size 128 draws with seed 1234, repeats dropped); samples.txt holds those answers
+    eval/n_problems   --data arithmetic: how many distinct held-out problems that is
     perf/tokens_per_s target tokens processed per second (all ranks)
     perf/step_ms      wall time of the optimizer step
     perf/mfu          model FLOPs utilisation (CUDA only)
@@ -122,7 +127,7 @@ class Config:
     log_every: int = 50  # steps between log lines
     save_every: int = 500  # steps between checkpoints (one is always written at the end)
     # the samples written at the end
-    num_samples: int = 3  # samples written to samples.txt at the end
+    num_samples: int = 3  # samples written to samples.txt at the end (arithmetic: every held-out problem, greedy)
     sample_tokens: int = 120  # tokens per sample
     sample_prompt: str = "\n"  # prompt of the samples
     temperature: float = 0.8  # sampling temperature (0: greedy)
@@ -345,7 +350,7 @@ def load_splits(cfg, tok):
     if cfg.data == "arithmetic":
         check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
         splits = []
-        # train, then val: the train split has no held-out problem, val only held-out ones (SPEC section 8)
+        # train, then val: the train split has no held-out problem, val only held-out ones (held_out's rule)
         for seed, n, held in ((cfg.seed, 20000, False), (cfg.seed + 1, 1000, True)):
             rng = random.Random(seed)
             examples = []
@@ -420,6 +425,38 @@ def draw_problem(rng, digits, ops, held):
         prompt, answer = arithmetic_problem(rng, digits, ops)
         if held_out(prompt) == held:
             return prompt, answer
+
+
+def eval_problems(cfg):
+    """The held-out problems of every arithmetic evaluation: grpo.py's ArithmeticTask draws them so (its default
+    --eval_size, 128 draws of a generator seeded 1234, repeats dropped, sorted), so gpt.py's eval/accuracy is the
+    number grpo.py measures at its step 0 on the same checkpoint."""
+    rng = random.Random(1234)
+    return sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(128)})
+
+
+@torch.no_grad()
+def arithmetic_answers(model, tok, problems, digits, rt):
+    """The model's greedy answers to arithmetic problems: (answers, exact). An answer is the text written after the
+    prompt up to the end token (a newline, or <|endoftext|>); exact is True where it is the result, then the end
+    token, as grpo.py's arithmetic_reward scores 1.0. Every rank answers every problem (FSDP: the forward is
+    collective)."""
+    ends = tok.encode("\n") + ([tok.eot_id] if tok.eot_id is not None else [])
+    prompts = [tok.encode(p) for p, _ in problems]
+    n_new = 2 * digits + 2  # more than any right answer: a product's 2 * digits digits (or a sign), then the end
+    model.eval()
+    with rt.autocast():
+        tokens, mask = generate(model, prompts, n_new, 0.0, None, ends)
+    model.train()
+    answers = []
+    exact = []
+    for row, row_mask, (_, answer) in zip(tokens.tolist(), mask.tolist(), problems):
+        ids = [t for t, m in zip(row, row_mask) if m > 0]
+        ended = ids[-1] in ends
+        text = tok.decode(ids[:-1] if ended else ids)
+        answers.append(text)
+        exact.append(ended and text == answer.strip())
+    return answers, exact
 
 
 def hh_dialogue(text, tok):
@@ -557,10 +594,20 @@ def model_and_tokenizer(cfg, ckpt):
     return make_model(model_config), tok
 
 
-def write_samples(model, tok, cfg, rt, out_dir):
+def write_samples(model, tok, cfg, rt, out_dir, problems):
     """samples.txt: --num_samples continuations of --sample_prompt (every rank takes part: under FSDP the forward
-    is collective), by generate() or, for a denoiser, denoise_generate(). Returns the texts and the sampling speed
+    is collective), by generate() or, for a denoiser, denoise_generate(); with held-out arithmetic problems, each
+    problem and the model's greedy answer instead, one a line ("17+25=42"). Returns the texts and the sampling speed
     (generated tokens per second)."""
+    if problems:
+        t0 = time.time()
+        answers, _ = arithmetic_answers(model, tok, problems, cfg.digits, rt)
+        n_tokens = sum(len(tok.encode(a)) + 1 for a in answers)  # each answer and its end token
+        texts = [p + a.replace("\n", "\\n") for (p, _), a in zip(problems, answers)]  # one a line: BPE has "\n\n"
+        if rt.master:
+            with open(os.path.join(out_dir, "samples.txt"), "w") as f:
+                f.write("\n".join(texts) + "\n")
+        return texts, n_tokens / (time.time() - t0)
     prompt = tok.encode(cfg.sample_prompt)
     if not prompt:  # an empty prompt: start from <|endoftext|>, or from token 0 of a char vocabulary
         prompt = [tok.eot_id] if tok.eot_id is not None else [0]
@@ -599,7 +646,10 @@ def export_hf(init_from, folder):
     check(not variant, f"--export_hf: {init_from} is a {variant} model; GPT-2's layout has neither")
     model, spec, ckpt = load_model(init_from)
     c = model.config
+    # the token that ends an answer, where transformers' generate() stops: GPT-2's <|endoftext|>, a char model's newline
     eot = 50256 if spec == "gpt2" else None
+    if spec != "gpt2" and "\n" in spec["chars"]:
+        eot = spec["chars"].index("\n")
     hf_config = GPT2Config(
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
@@ -611,8 +661,11 @@ def export_hf(init_from, folder):
         attn_pdrop=0.0,
         bos_token_id=eot,
         eos_token_id=eot,
+        pad_token_id=eot,
     )
     hf = GPT2LMHeadModel(hf_config)
+    hf.generation_config.eos_token_id = eot
+    hf.generation_config.pad_token_id = eot
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     state = {}
     for key, value in model.state_dict().items():
@@ -680,6 +733,12 @@ def main():
     # --objective denoise: masked batches (get_batch), the mask token being the vocabulary's last id
     mask_id = raw_model.config.vocab_size - 1 if raw_model.variant.get("objective") == "denoise" else None
 
+    # --data arithmetic: greedy answers to held-out problems too (a denoiser has no left-to-right greedy answer)
+    problems = []
+    if cfg.data == "arithmetic" and mask_id is None:
+        problems = eval_problems(cfg)
+        check(4 * cfg.digits + 4 <= block_size, f"--digits {cfg.digits}: a problem and its answer exceed the context")
+
     def batch(data, device, generator=None):
         return get_batch(data, cfg.batch_size, cfg.block_size, device, generator, mask_id)
 
@@ -719,6 +778,10 @@ def main():
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             last_eval = evaluate(model, eval_batches, rt)
+            if problems:
+                _, exact = arithmetic_answers(raw_model, tok, problems, cfg.digits, rt)
+                last_eval["eval/accuracy"] = sum(exact) / len(exact)
+                last_eval["eval/n_problems"] = len(exact)  # distinct held-out problems
             evals.append(last_eval["eval/val_loss"])
             logger.log(step, last_eval)
         if step == cfg.max_steps:
@@ -747,7 +810,7 @@ def main():
             stop.exit(step + 1, out_dir, rt)
     checkpoint(cfg.max_steps)
     logger.close()
-    texts, sample_speed = write_samples(raw_model, tok, cfg, rt, out_dir)
+    texts, sample_speed = write_samples(raw_model, tok, cfg, rt, out_dir, problems)
     if rt.master:
         results = {
             "final_val_loss": last_eval["eval/val_loss"],
@@ -759,10 +822,16 @@ def main():
             "tokens_per_step": n_tokens,
             "sample_tokens_per_s": sample_speed,
         }
+        if problems:
+            results["final_accuracy"] = last_eval["eval/accuracy"]
+            results["n_problems"] = len(problems)
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        print(f"val loss {results['final_val_loss']:.4f}; samples in {out_dir}/samples.txt\n")
-        print(texts[0])
+        accuracy = ""
+        if problems:
+            accuracy = f"accuracy {results['final_accuracy']:.3f} on {len(problems)} held-out problems; "
+        print(f"val loss {results['final_val_loss']:.4f}; {accuracy}samples in {out_dir}/samples.txt\n")
+        print("\n".join(texts[:5]) if problems else texts[0])
     cleanup(rt)
 
 
@@ -1516,6 +1585,7 @@ class Logger:
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        self.last_log = time.time()
         if self.master and cfg.wandb:
             import wandb
 
@@ -1525,6 +1595,14 @@ class Logger:
     def log(self, step, metrics, echo=True):
         if not self.master:
             return
+        now = time.time()
+        if any(k.startswith("eval/") for k in metrics):
+            # an evaluation: the time since the bar last moved or a step was logged (the evaluation, a checkpoint) is
+            # no step's, so the bar's clock skips it and its rate and time left stay those of the training steps
+            gap = now - max(self.last_log, self.bar.last_print_t)
+            self.bar.start_t += gap
+            self.bar.last_print_t += gap
+        self.last_log = now
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         with open(self.path, "a") as f:  # closed at every line: a killed run keeps all it logged
             f.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -820,6 +820,12 @@ class ArithmeticTask:
             if rt.master:
                 with open(os.path.join(self.out_dir, "best_of_n.json"), "w") as f:
                     json.dump(results, f, indent=2)
+                lines = [f"best-of-n of the initial policy on {E} held-out problems (best_of_n.json):"]
+                lines.append("     n  gold accuracy     proxy score  KL_bon")
+                for r in results:
+                    gold = f"{r['gold_accuracy']:.3f} +- {r['gold_accuracy_se']:.3f}"
+                    lines.append(f"{r['n']:6d}  {gold}  {r['proxy_score']:11.4f}  {r['kl_bon']:6.3f}")
+                tqdm.write("\n".join(lines))
         prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
         texts = self.texts(completion, mask)
         well_formed = [bool(re.fullmatch(r"-?\d+\n", t)) for t in texts]
@@ -2147,6 +2153,7 @@ class Logger:
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
+        self.last_log = time.time()
         if self.master and cfg.wandb:
             import wandb
 
@@ -2156,6 +2163,14 @@ class Logger:
     def log(self, step, metrics, echo=True):
         if not self.master:
             return
+        now = time.time()
+        if any(k.startswith("eval/") for k in metrics):
+            # an evaluation: the time since the bar last moved or a step was logged (the evaluation, a checkpoint) is
+            # no step's, so the bar's clock skips it and its rate and time left stay those of the training steps
+            gap = now - max(self.last_log, self.bar.last_print_t)
+            self.bar.start_t += gap
+            self.bar.last_print_t += gap
+        self.last_log = now
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         with open(self.path, "a") as f:  # closed at every line: a killed run keeps all it logged
             f.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -120,3 +120,30 @@ def test_export_runs_as_a_command(tmp_path):
     proc = run_script("gpt.py", "--export_hf", tmp_path / "hf", "--init_from", init)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+
+
+def test_generate_on_an_exported_char_model_stops_at_the_newline(tmp_path, monkeypatch):
+    """The export's config and generation config name the end of an answer (a char model's newline; GPT-2 BPE's
+    <|endoftext|>, 50256), so transformers' generate() stops there, as our generate() does with that eos_id."""
+    from transformers import GPT2LMHeadModel
+
+    init = char_checkpoint(tmp_path / "ckpt.pt", CHARS, block_size=32, seed=3)
+    ours, _ = our_model(init)
+    newline = CHARS.index("\n")
+    with torch.no_grad():  # the final hidden state becomes a constant that only the newline's embedding matches
+        ours.transformer.ln_f.weight.zero_()
+        ours.transformer.ln_f.bias.zero_()
+        ours.transformer.ln_f.bias[0] = 1.0
+        ours.transformer.wte.weight[newline, 0] = 10.0  # tied to lm_head: the newline's logit is 10, the others ~0
+    ckpt = torch.load(init, weights_only=True)
+    ckpt["model"] = ours.state_dict()
+    torch.save(ckpt, init)
+    assert export(monkeypatch, "--export_hf", tmp_path / "hf", "--init_from", init) == 0
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.eos_token_id == hf.generation_config.eos_token_id == newline
+    assert hf.generation_config.pad_token_id == newline
+    prompt = torch.tensor([[CHARS.index(c) for c in "ROMEO:"]])
+    new_tokens = 20
+    expected, mask = gpt.generate(ours, prompt, new_tokens, temperature=0.0, eos_id=newline)
+    out = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt.size(1) :].tolist()
+    assert out == expected[0, mask[0] > 0].tolist() == [newline]  # without an eos_token_id: 20 newlines

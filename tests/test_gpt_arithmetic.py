@@ -1,0 +1,80 @@
+"""gpt.py --data arithmetic: its evaluation logs eval/accuracy (greedy exact answers) and eval/n_problems on the
+held-out problems grpo.py evaluates, puts the final accuracy in final_results.json, and writes the held-out problems
+with the model's greedy answers to samples.txt, one a line."""
+
+import json
+import random
+import zlib
+
+import torch
+from conftest import metrics, run_main
+
+import gpt
+import grpo
+
+CHARS = gpt.ARITHMETIC_CHARS
+FLAGS = ["--data", "arithmetic", "--tokenizer", "char", "--digits", "1", "--ops", "+-"]
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "16"]
+
+
+def held(prompt):
+    """The held-out rule, written out here: crc32 of the prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def naive_greedy(model, prompt, n_new):
+    """The argmax continuation of prompt, the whole sequence recomputed at every token (no cache, no batch), up to
+    and without the first newline; None when no newline comes within n_new tokens."""
+    ids = [CHARS.index(c) for c in prompt]
+    out = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logits, _ = model(torch.tensor([ids + out]))
+            nxt = int(logits[0, -1].argmax())
+            if CHARS[nxt] == "\n":
+                return "".join(CHARS[i] for i in out)
+            out.append(nxt)
+    return None
+
+
+def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writes_them_as_samples(
+    tmp_path, monkeypatch
+):
+    """A tiny SFT run: every evaluation logs eval/accuracy in [0, 1] and eval/n_problems, the distinct held-out
+    problems of grpo.py's evaluation draw; the final accuracy (final_results.json) equals greedy decoding + exact
+    match recomputed here on ckpt.pt, and samples.txt holds each problem with the model's greedy answer."""
+    out = tmp_path / "run"
+    args = [*FLAGS, *TINY, "--max_steps", "60", "--eval_every", "30", "--eval_iters", "2", "--lr", "1e-2"]
+    run_main(gpt, monkeypatch, *args, "--warmup_steps", "5", "--out_dir", out)
+
+    rng = random.Random(1234)  # grpo.py's evaluation problems: its --eval_size 128 draws, repeats dropped
+    problems = sorted({grpo.draw_problem(rng, 1, "+-", True) for _ in range(128)})
+    assert problems and all(held(p) for p, _ in problems)
+    evals = [r for r in metrics(out) if "eval/val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 30, 60]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/n_problems"] == len(problems) for r in evals)
+
+    model, _, _ = gpt.load_model(str(out / "ckpt.pt"))
+    model.eval()
+    answers = [naive_greedy(model, p, 4) for p, _ in problems]
+    exact = [a is not None and a == answer.strip() for a, (_, answer) in zip(answers, problems)]
+    results = json.loads((out / "final_results.json").read_text())
+    assert results["final_accuracy"] == evals[-1]["eval/accuracy"] == sum(exact) / len(problems)
+    assert results["n_problems"] == len(problems)
+
+    lines = (out / "samples.txt").read_text().splitlines()
+    assert len(lines) == len(problems)
+    for line, (prompt, _), answer in zip(lines, problems, answers):
+        assert line.startswith(prompt) and held(prompt)
+        if answer is not None:  # an answer that ended within the horizon is written whole
+            assert line == prompt + answer
+
+
+def test_eval_problems_are_grpo_step0_evaluation_problems():
+    """gpt.eval_problems draws exactly grpo.py's ArithmeticTask evaluation problems (default --eval_size)."""
+    for digits, ops in ((1, "+"), (2, "+-*"), (3, "*")):
+        cfg = gpt.Config(data="arithmetic", digits=digits, ops=ops)
+        rl_cfg = grpo.Config(task="arithmetic", init_from="init.pt", digits=digits, ops=ops)
+        rt = grpo.Runtime(torch.device("cpu"), torch.float32)
+        task = grpo.ArithmeticTask(rl_cfg, grpo.CharTokenizer(CHARS), rt, "")
+        assert gpt.eval_problems(cfg) == task.eval_problems
