@@ -24,7 +24,7 @@ rollout's mean reward, normalised within the group). Where we depart from the pa
     k2's gradient is that of KL(pi || pi_ref); k1 is refused, its expected gradient on-policy is zero;
   - `--loss_type` swaps the GRPO aggregation for DAPO, Dr. GRPO, GSPO, CISPO or REINFORCE (see policy_loss); GSPO's
     clip range defaults to the paper's 3e-4 / 4e-4 (its length-normalised sequence ratio never leaves 1 +- 0.2).
-`--supervised` trains the same model on the same data and token budget with cross-entropy on the true
+`--supervised` trains the same model on the same data and number of characters with cross-entropy on the true
 continuations (the baseline); `--compare` runs GRPO, then the baseline, and writes both into final_results.json.
 The model and the losses are hand-written on purpose: reading them is the point.
 
@@ -108,7 +108,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     # the supervised baseline
-    supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and token budget
+    supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and number of characters
     compare: bool = False  # run GRPO, then the supervised baseline; final_results.json holds both
     # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations

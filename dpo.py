@@ -771,7 +771,7 @@ def arithmetic_problem(rng, digits, ops):
 
 
 def held_out(prompt):
-    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 

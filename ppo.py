@@ -749,7 +749,7 @@ class ArithmeticTask:
     """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
     learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
     is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
-    draws no held-out problem, and every evaluation uses held-out problems only (held_out, SPEC section 8)."""
+    draws no held-out problem, and every evaluation uses held-out problems only (held_out)."""
 
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
@@ -878,7 +878,7 @@ def arithmetic_problem(rng, digits, ops):
 
 
 def held_out(prompt):
-    """SPEC section 8: an arithmetic problem is held out of every stage iff crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
