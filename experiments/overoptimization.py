@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import mean_se, print_table, run  # noqa: E402
-from rlhf_loop import QUICK, QUICK_BEST_OF, flags, sft_and_verifier  # noqa: E402
+from rlhf_loop import QUICK, QUICK_BEST_OF, flags, rl_flags, train_sft, train_verifier  # noqa: E402
 
 GRPO = dict(batch_size=32, group_size=8, max_steps=150, lr=3e-5, best_of="1,2,4,8,16,32")
 PPO = dict(batch_size=256, max_steps=100, lr=1e-5)  # the same 256 answers a step as GRPO's 32 x 8
@@ -36,7 +36,8 @@ PPO = dict(batch_size=256, max_steps=100, lr=1e-5)  # the same 256 answers a ste
 
 def sweep(args):
     """Run the SFT model, the verifier and every RL run (those already finished are kept); returns the RL folders."""
-    rl = sft_and_verifier(args)
+    sft = train_sft(args)
+    rl = rl_flags(args, sft, train_verifier(args, sft))
     grpo = flags(GRPO, {**QUICK["grpo"], "best_of": QUICK_BEST_OF} if args.quick else None)
     ppo = flags(PPO, QUICK["ppo"] if args.quick else None)
     betas = [0.2] if args.quick else [0, 0.05, 0.2]  # --quick: one coefficient

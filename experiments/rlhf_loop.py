@@ -5,7 +5,7 @@ whose gold reward (the exact answer) is known.
     python experiments/rlhf_loop.py          # the three commands of docs/rlhf_loop.md, about 10 minutes on 2 CPU cores
 
 The other experiments of that page (overoptimization.py, dpo_gold_vs_judged.py, ppo_vs_grpo.py) start from the
-same SFT model and verifier, through sft_and_verifier() here.
+same SFT model and verifier, through train_sft(), train_verifier() and rl_flags() here.
 """
 
 import json
@@ -27,9 +27,17 @@ GRPO = dict(batch_size=32, group_size=8, max_steps=150, lr=3e-5, scale_rewards="
 BEST_OF = "1,2,4,8,16,32"
 # --quick: a tiny SFT model, a verifier of a few steps, 2 RL steps on a few held-out problems
 QUICK = {
-    "sft": dict(
-        n_layer=1, n_head=2, n_embd=32, batch_size=32, warmup_steps=2, max_steps=20, eval_every=20, eval_iters=2
-    ),
+    "sft": {
+        "n_layer": 1,
+        "n_head": 2,
+        "n_embd": 32,
+        "batch_size": 32,
+        "lr": 1e-2,
+        "warmup_steps": 2,
+        "max_steps": 100,  # enough for a few right answers (DPO's gold pairs need them)
+        "eval_every": 100,
+        "eval_iters": 2,
+    },
     "verifier": dict(n_train=256, n_val=64, batch_size=32, max_steps=4, eval_every=4),
     "rl": dict(eval_every=1, eval_size=16, warmup_steps=1),
     "grpo": dict(batch_size=4, group_size=4, max_steps=2),
@@ -44,20 +52,27 @@ def flags(settings, quick=None):
     return [item for key, value in merged.items() for item in (f"--{key}", value)]
 
 
-def sft_and_verifier(args):
-    """The SFT model (gpt.py, default seed) and the verifier trained on its sampled answers (reward_model.py --task
-    orm); returns the RL flags that start from the one and are rewarded by the other."""
-    quick = args.quick
-    sft = run("gpt.py", flags(SFT, QUICK["sft"] if quick else None), f"{args.out}/sft")
-    verifier_flags = flags(VERIFIER, QUICK["verifier"] if quick else None) + ["--samples_from", f"{sft}/ckpt.pt"]
-    verifier = run("reward_model.py", verifier_flags, f"{args.out}/verifier")
-    start = ["--init_from", f"{sft}/ckpt.pt", "--reward_model", f"{verifier}/ckpt.pt"]
-    return flags(RL, QUICK["rl"] if quick else None) + start
+def train_sft(args):
+    """The SFT model (gpt.py, its default seed): the path of its ckpt.pt."""
+    return run("gpt.py", flags(SFT, QUICK["sft"] if args.quick else None), f"{args.out}/sft") + "/ckpt.pt"
+
+
+def train_verifier(args, sft):
+    """The verifier (reward_model.py --task orm) trained on answers sampled from the SFT model: its ckpt.pt."""
+    verifier_flags = flags(VERIFIER, QUICK["verifier"] if args.quick else None) + ["--samples_from", sft]
+    return run("reward_model.py", verifier_flags, f"{args.out}/verifier") + "/ckpt.pt"
+
+
+def rl_flags(args, sft, reward_model=None):
+    """grpo.py's and ppo.py's arithmetic flags, from the SFT model, on the verifier's reward when given (else gold)."""
+    start = ["--init_from", sft] + (["--reward_model", reward_model] if reward_model else [])
+    return flags(RL, QUICK["rl"] if args.quick else None) + start
 
 
 def main():
     args = parse_args("rlhf_loop", __doc__.splitlines()[0], seeds=(1337,))
-    rl = sft_and_verifier(args)
+    sft_ckpt = train_sft(args)
+    rl = rl_flags(args, sft_ckpt, train_verifier(args, sft_ckpt))
     best_of = QUICK_BEST_OF if args.quick else BEST_OF
     grpo = []
     for seed in args.seeds:
