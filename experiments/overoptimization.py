@@ -1,7 +1,10 @@
 """The over-optimisation figure and table of docs/rlhf_loop.md: GRPO and PPO trained on a learned verifier at three KL
 coefficients, the gold reward (exact answers) watched beside the proxy (the verifier's score).
 
-    python experiments/overoptimization.py --figure docs/overoptimization.png     # 18 + 3 RL runs, ~2 CPU hours
+    python experiments/overoptimization.py --figure docs/overoptimization.png     # 18 + 3 RL runs
+
+The 18 GRPO and PPO runs took 104 min of wall time together on 2 CPU cores, two to five at a time
+(2026-11-27, PyTorch 2.13, float32).
 
 It runs the SFT model and the verifier of docs/rlhf_loop.md (one run each, default seed), then GRPO (150 steps of
 32 prompts x 8 answers, --scale_rewards none) and PPO (100 steps of 256 prompts x 1 answer) on the verifier at

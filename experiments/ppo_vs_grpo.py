@@ -2,7 +2,7 @@
 updates per batch) on the gold reward of 2-digit `+`/`-` arithmetic, from the SFT model of docs/rlhf_loop.md, the
 same 256 answers a step (GRPO: 32 prompts x 8 answers; PPO: 256 prompts x 1) for 100 steps at lr 1e-4.
 
-    python experiments/ppo_vs_grpo.py            # the SFT model, then 5 rows x 3 seeds, about 4 CPU hours
+    python experiments/ppo_vs_grpo.py     # the SFT model, then 5 rows x 3 seeds (median steps of 2026-11-27: ~45 min)
 
 Greedy exact answers on the held-out problems at every evaluation, mean +- s.e. over the seeds, and the median
 time per step (perf/step_ms; the mean over the seeds of each run's median).
