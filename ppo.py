@@ -1,101 +1,68 @@
 """
-ppo.py: actor-critic PPO with GAE (Schulman et al. 2017, 2016) for language models, on dense and learned rewards.
+ppo.py: actor-critic PPO with GAE (Schulman et al. 2017, arXiv 1707.06347; 2016, arXiv 1506.02438) for language
+models, on dense and learned rewards, in the RLHF form of Ziegler et al. 2019 (arXiv 1909.08593) and Stiennon et al.
+2020 (arXiv 2009.01325), with the details of Huang et al. 2022 ("The N implementation details of RLHF with PPO").
 
 The policy pi samples one completion o_1..o_T of each prompt q; a value model V estimates the return from each state
-s_t = (q, o_<t). pi is the distribution the sampler draws from, softmax(logits / --temperature) restricted to the
---top_k most likely tokens: every log-prob of a completion token (pi_old at the rollout, pi in each update, the entropy
-H) is taken under it. log pi_ref is taken at the same temperature over the whole vocabulary (as TRL), so it stays
-finite (the bigram reference is a fixed count model, used as it is); with --top_k the penalty below has a floor of
--log pi_ref(top-k set) per token even where pi = pi_ref, the true KL of the truncated sampler to the full reference
-(--adaptive_kl counts it too). Every completion is an episode whose steps are its
-tokens, with a per-token reward:
+s_t = (q, o_<t). pi is the sampler's distribution, softmax(logits / --temperature) over the --top_k most likely
+tokens: every log-prob of a completion token (pi_old at the rollout, pi in each update, the entropy H) is taken under
+it; log pi_ref at the same temperature over the whole vocabulary (as TRL), so it stays finite. Every completion is an
+episode whose steps are its tokens, with the KL penalty in the per-token reward:
 
-    r_t = R_t - kl_coef * k1_t,   k1_t = log pi_old(o_t | s_t) - log pi_ref(o_t | s_t)   (the KL penalty, in the reward)
+    r_t = R_t - kl_coef * k1_t,   k1_t = log pi_old(o_t | s_t) - log pi_ref(o_t | s_t)
     R_t = the task's reward where it is earned: next_token scores every token; arithmetic and reward_model score the
-          whole completion and the score sits at its last token (the end token when there is one; a completion that
-          never ends within --horizon scores minus --missing_eos_penalty, at its last token), R_t = 0 elsewhere
-Advantages by generalised advantage estimation, the state after the last token being terminal (value 0):
-    delta_t = r_t + gamma V(s_t+1) - V(s_t),    A_t = sum_l (gamma lam)^l delta_t+l,    G_t = A_t + V(s_t)
+          whole completion at its last token (minus --missing_eos_penalty if it never ends), 0 elsewhere
+    delta_t = r_t + gamma V(s_t+1) - V(s_t),   A_t = sum_l (gamma lam)^l delta_t+l,   G_t = A_t + V(s_t)   (GAE)
+
 G_t (the value target) is taken before --whiten_advantages normalises A over the rollout batch. Then --ppo_epochs
 passes over the batch in --num_minibatches minibatches, each one optimizer step of
-    L = L_clip + c_V L_V - entropy_coef H,     c_V = --vf_coef (shared value model) or 1 (separate: see below)
-    L_clip = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),     rho_t = pi(o_t | s_t) / pi_old(o_t | s_t)
-             (--dual_clip c > 1: for A_t < 0 the token term is also capped at -c A_t; Ye et al. 2020)
+
+    L = L_clip + c_V L_V - entropy_coef H,       rho_t = pi(o_t | s_t) / pi_old(o_t | s_t)
+    L_clip = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps))   (--dual_clip c: for A_t < 0 also capped
+             at -c A_t; Ye et al. 2020)
     L_V    = 0.5 mean_t max((V_t - G_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - G_t)^2)
-    H      = mean_t entropy of pi(. | s_t)
-where mean_t is over every real completion token of the minibatch (all micro-batches and ranks together, so the loss
-does not depend on how it is split), eps = --clip_eps, eps_v = --clip_eps_value, kl_coef = --beta_kl. With
---adaptive_kl the coefficient starts at --beta_kl and follows Ziegler et al. 2019:
-kl_coef *= 1 + clip(KL / --target_kl - 1, -0.2, 0.2) * n / --kl_horizon after each step, KL the mean per-sequence sum
-of k1 and n the number of completions of the step (all ranks).
 
-The value model (--value_model): `separate` (default) is a GPT body with a scalar head on every position's hidden
-state (reward_model.py's RewardModel class), initialised from the policy (the head at zero, so the first values are 0)
-or, with --value_init reward_model, from the --reward_model checkpoint, head included; it has its own AdamW, at
---value_lr, and minimises L_V itself (c_V = 1): it shares no parameter with the policy, and AdamW ignores a gradient's
-scale, so a weight on L_V would only move where its gradient clipping starts. `shared` puts a value head
-(zero-initialised) on the policy's own final hidden states: one forward pass gives the logits and the values, one
-optimizer trains both, and c_V = --vf_coef weighs L_V against L_clip in the shared trunk's gradient. V(s_t) is read
-at the position that predicts o_t (the last token of s_t), the same position whose logits give pi(o_t | s_t).
+mean_t is over every real completion token of the minibatch (all micro-batches and ranks together), eps = --clip_eps,
+eps_v = --clip_eps_value, kl_coef = --beta_kl. --adaptive_kl (Ziegler et al. 2019) starts kl_coef at --beta_kl and
+after each step sets kl_coef *= 1 + clip(KL / --target_kl - 1, -0.2, 0.2) * n / --kl_horizon, KL the mean over the
+step's completions of k1 summed over each, n the number of completions (all ranks).
 
-Tasks (--task), as in grpo.py:
-    next_token    dense reward on real text: each generated token scores 1 if it equals the true continuation at the
-                  same offset (`--reward_mode plus1`; `pm1`: +1 / -1), plus `--partial_logprob w` times
-                  log p(true token | rollout prefix) (at temperature 1 over the whole vocabulary: the model's own
-                  likelihood of the text, finite for a true token outside the top k); tiny Shakespeare or `--data FILE`
-    arithmetic    verifiable reward on generated problems `a+b=` (--digits, --ops): 1.0 for the exact answer followed
-                  by a newline, --format_reward for another well-formed integer so ended, 0 otherwise; start from
-                  `python gpt.py --data arithmetic` (--init_from: a model from scratch cannot do arithmetic);
-                  greedy exact match on a fixed set of distinct held-out problems (SPEC section 8; training never
-                  draws one) is reported before and after training. With --reward_model (reward_model.py --task orm
-                  or prm on the same tokenizer) the policy is trained on that learned reward instead and the
-                  exact-answer reward is only measured (rl/gold_reward); the run folder then also holds
-                  overoptimization.png, the proxy and gold rewards against sqrt(KL to the initial policy per
-                  completion, rl/kl) (Gao et al. 2022's axes), with best-of-n of the initial policy beside them
-                  under --best_of 1,2,4,8,16,32 (best_of_n.json, as in grpo.py)
-    reward_model  a reward_model.py checkpoint (--reward_model) scores each completion of an HH-RLHF prompt (the hub
-                  through `datasets`, or --data_path .jsonl/.jsonl.gz)
-The reference of the KL penalty (--reference): the starting policy (init), a bigram model of the training text
-(bigram: the default for next_token from scratch, where the starting policy is noise), a random GPT, or none.
+The value model (--value_model): `separate` (default) is a GPT body with a scalar head on every position (the
+RewardModel class of reward_model.py), initialised from the policy with the head at zero, or with --value_init
+reward_model from the --reward_model checkpoint; it has its own AdamW at --value_lr and minimises L_V alone (c_V = 1).
+`shared` puts a zero-initialised value head on the policy's final hidden states: one forward gives logits and values,
+one optimizer trains both, and c_V = --vf_coef. V(s_t) is read at the position whose logits give pi(o_t | s_t).
+
+Tasks (--task), as in grpo.py: next_token (each generated token scores 1 if it equals the true continuation of real
+text; tiny Shakespeare or --data FILE), arithmetic (generated problems `a+b=`, --digits, --ops: 1.0 for the exact
+answer and a newline; with --reward_model an outcome reward model of reward_model.py is the reward and the exact
+answer is only measured, the gold reward beside the proxy; an arithmetic problem is held out of training and used in
+every evaluation iff zlib.crc32(prompt) % 10 == 0), reward_model (a reward_model.py checkpoint scores each
+completion of an HH-RLHF prompt). The reference of the KL penalty (--reference): the starting policy (init), a bigram
+model of the training text (the default for next_token from scratch, where the starting policy is noise), a random
+GPT, or none.
+
 Where we depart from the papers, on purpose:
-  - the episode ends at the last completion token even when --horizon cut it short (no bootstrap from V);
+  - one completion per prompt and the reward at the last token, as Ziegler et al., but the episode ends at the last
+    completion token even when --horizon cut it short (no bootstrap from V);
   - --whiten_advantages uses the mean and unbiased variance of each rank's rollout batch (as TRL does);
+  - the value model is separate and initialised from the policy, not from the reward model, unless --value_init
+    reward_model (Huang et al. initialise it from the reward model);
+  - log pi_ref is taken over the whole vocabulary: with --top_k the penalty has a floor of -log pi_ref(top-k set) per
+    token even where pi = pi_ref, the true KL of the truncated sampler to the full reference;
   - the epoch loop stops early (--target_kl_stop) on the mean approx KL of the epoch's minibatches, not the last one's.
 The model, GAE and the losses are hand-written on purpose: reading them is the point.
 
 Commands:
     python ppo.py                                                         # next_token on tiny Shakespeare, CPU
-    python gpt.py --data arithmetic --digits 1 --out_dir out/arith                 # a warm start, then
-    python ppo.py --task arithmetic --init_from out/arith/ckpt.pt --batch_size 256 --horizon 4
-    python ppo.py --task arithmetic --init_from out/arith/ckpt.pt --reward_model out/orm/ckpt.pt --horizon 4  # RLHF
-    python ppo.py --task reward_model --init_from out/sft/ckpt.pt --reward_model out/rm/ckpt.pt --value_init \
-        reward_model --device cuda                                        # RLHF: one GPU
+    python gpt.py --data arithmetic --tokenizer char --digits 2 --ops +- --out_dir out/sft2   # a warm start, then
+    python ppo.py --task arithmetic --digits 2 --ops +- --init_from out/sft2/ckpt.pt --horizon 6 --batch_size 256
     torchrun --standalone --nproc_per_node=8 ppo.py --task reward_model --init_from out/sft/ckpt.pt \
-        --reward_model out/rm/ckpt.pt --parallel fsdp                     # 8 GPUs, one process each
+        --reward_model out/rm/ckpt.pt --value_init reward_model --parallel fsdp   # RLHF on HH-RLHF, 8 GPUs
 
-Metrics (metrics.jsonl; rl/ over the step's rollouts, train/ over its updates, all ranks together):
-    train/policy_loss, train/value_loss   L_clip and L_V, mean over the step's minibatch updates
-    train/entropy                  mean entropy of pi (the sampling distribution) over completion tokens (nats)
-    train/approx_kl                mean k3 estimate of KL(pi_old || pi) per token, (rho - 1) - log rho
-    train/clipfrac                 tokens whose clipped surrogate is the active branch
-    train/dual_clipfrac            with --dual_clip: tokens whose term is capped at -c A
-    train/explained_variance       1 - Var[G - V_old] / Var[G] over the rollout's tokens (1: values predict returns)
-    train/loss, train/lr, train/grad_norm, train/value_grad_norm (separate value model), train/epochs (epochs run,
-                                   fewer than --ppo_epochs after an early stop)
-    rl/reward_mean, rl/reward_std  task rewards before the KL penalty (per sequence; per token for next_token)
-    rl/accuracy                    arithmetic exact answers; next_token tokens equal to the truth
-    rl/gold_reward                 arithmetic with --reward_model: the exact-answer reward of the same rollouts
-    rl/kl, rl/kl_coef              mean per-sequence KL to the reference (k1 summed over tokens), the coefficient used
-    rl/returns_mean, rl/value_mean mean G_t and V_old(s_t) over completion tokens
-    rl/completion_len, rl/truncated_frac, rl/tokens   tokens per completion; completions without an end token;
-                                   completion tokens generated so far, all ranks
-    eval/...                       next_token: next_token_acc, loss, greedy_match; arithmetic: accuracy (greedy),
-                                   format_rate, n_problems (distinct held-out problems), and rm_score with
-                                   --reward_model (the learned reward of the same greedy answers), and of four
-                                   answers a problem sampled at temperature 1 (as best-of-n's): sample_accuracy,
-                                   sample_rm_score and sample_kl (to the reference, k1 summed over each answer);
-                                   reward_model: rm_score, kl (per sequence, k1), completion_len
-    perf/rollout_tokens_per_s, perf/rollout_ms, perf/step_ms, perf/peak_mem_mb
+docs/ppo.md holds the rest: every implementation detail, the flags by group, every logged metric, the results and
+the experiments/ scripts that rerun them; docs/rlhf_loop.md runs the whole RLHF loop on a task with a known gold
+reward.
 """
 
 import argparse
@@ -208,7 +175,7 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: pure functions, tensors in and tensors out (SPEC section 7). Shapes: N completions, T positions,
+# ALGO LOGIC: pure functions, tensors in and tensors out. Shapes: N completions, T positions,
 # mask 1.0 on real completion tokens, a prefix of each row (real tokens first, then padding). tests/test_ppo.py checks
 # them against plain loops and hand-computed values.
 
