@@ -277,15 +277,24 @@ def preference_loss(
 
 
 def f_prime(logratio, f_divergence, f_alpha):
-    """f'(u) of an f-divergence at u = pi / pi_ref, from log u (Wang et al. 2023, Table 1; TRL's forms, which differ
-    from the paper's by constants that cancel in chosen minus rejected). With D_f in place of DPO's reverse KL, the
-    implicit reward is beta f'(u) (f-DPO, Theorem 1). f_alpha is TRL's alpha, the paper's 1 - alpha."""
+    """f'(u) of an f-divergence at u = pi / pi_ref, from log u (Wang et al. 2023, Table 1, in TRL's forms). With D_f in
+    place of DPO's reverse KL, the implicit reward is beta f'(u) (f-DPO, Theorem 1). f_alpha is TRL's alpha, the
+    paper's 1 - alpha. Two forms differ from the paper's by a constant c: reverse_kl drops its + 1 (c = -1) and
+    forward_kl adds 1 to its -1/u (c = +1); the rewards shift by beta c. The losses of h = a - b cancel c; ipo and
+    sigmoid_norm do not: they divide a and b by the response lengths first, so their h shifts by
+    c (1/|y_c| - 1/|y_r|) against the paper's form (for reverse_kl their form is TRL's IPO on log u, the usual one).
+    The exponent of forward_kl and alpha is capped as TRL's cap_exp caps it, at log of the dtype's largest number
+    (88.7228 in float32; alpha: less log 1/(1 - f_alpha), which the division then takes back): a log-ratio far below 0
+    (forward_kl -110, alpha -200 in float32) would make exp overflow to inf and the loss or its gradient NaN; capped,
+    f' stays finite and that log-ratio gets no gradient, while log-ratios within the cap keep their values exactly."""
+    cap = math.floor(math.log(torch.finfo(logratio.dtype).max) * 1e4) / 1e4  # TRL's get_exp_cap
     if f_divergence == "forward_kl":  # f'(u) = 1 - 1/u
-        return 1 - torch.exp(-logratio)
+        return 1 - torch.exp((-logratio).clamp(max=cap))
     if f_divergence == "js":  # f'(u) = log(2u / (1 + u))
         return math.log(2) + F.logsigmoid(logratio)
     if f_divergence == "alpha":  # f'(u) = (u^(f_alpha - 1) - 1) / (f_alpha - 1)
-        return torch.expm1((f_alpha - 1) * logratio) / (f_alpha - 1)
+        exponent = ((f_alpha - 1) * logratio).clamp(max=cap + math.log(1 - f_alpha))  # |f'| <= the largest number
+        return torch.expm1(exponent) / (f_alpha - 1)
     return logratio  # reverse_kl: f'(u) = log u (+ 1)
 
 

@@ -235,6 +235,42 @@ def test_alpha_divergence_spans_forward_kl_to_reverse_kl(logratio):
     assert dpo.f_prime(t, "reverse_kl", 0.5).item() == logratio
 
 
+@pytest.mark.parametrize("loss_type", dpo.F_DIVERGENCE_LOSSES)
+@pytest.mark.parametrize("f_divergence, rejected_logratio", [("forward_kl", -110.0), ("alpha", -200.0)])
+@pytest.mark.parametrize("beta", [0.1, 1.0])
+def test_f_divergence_at_an_extreme_log_ratio_gives_no_nan(loss_type, f_divergence, rejected_logratio, beta):
+    """In float32, exp(110) (forward_kl's 1/u) and exp(100) (alpha at f_alpha 0.5) overflow to inf, and the loss or its
+    gradient was NaN. With the exponent capped as TRL caps it, every f-DPO loss and its gradients are finite at a
+    rejected log-ratio of -110 (-200), and so is the rejected reward; ipo's square of f' ~ -3e38 (the true value is
+    beyond float32) is inf, never NaN, and its gradients stay finite."""
+    pi_c = torch.tensor([-5.0], requires_grad=True)
+    pi_r = torch.tensor([-10.0 + rejected_logratio], requires_grad=True)
+    ref_c = torch.tensor([-4.0])
+    ref_r = torch.tensor([-10.0])
+    lengths = dict(chosen_len=torch.tensor([3.0]), rejected_len=torch.tensor([4.0]))
+    losses, chosen_r, rejected_r = dpo.preference_loss(
+        pi_c, pi_r, ref_c, ref_r, loss_type, beta, f_divergence=f_divergence, **lengths
+    )
+    losses.sum().backward()
+    grads = torch.cat([pi_c.grad, pi_r.grad])
+    assert torch.isfinite(grads).all() and torch.isfinite(torch.cat([chosen_r, rejected_r])).all()
+    if loss_type == "ipo":
+        assert not losses.isnan().any()
+    else:
+        assert torch.isfinite(losses).all()
+
+
+@FAST
+@given(st.floats(-88, 88), st.floats(0.05, 0.95))
+def test_the_exponent_cap_leaves_f_prime_unchanged_below_it(logratio, f_alpha):
+    """Where exp does not overflow, the capped f' is exactly the plain formula, in float32 and float64."""
+    for dtype in (torch.float32, torch.float64):
+        t = torch.tensor([logratio], dtype=dtype)
+        assert torch.equal(dpo.f_prime(t, "forward_kl", f_alpha), 1 - torch.exp(-t))
+        if (f_alpha - 1) * logratio < 80:  # below the cap, 88.7228 - log 1/(1 - f_alpha) >= 85.7 in float32
+            assert torch.equal(dpo.f_prime(t, "alpha", f_alpha), torch.expm1((f_alpha - 1) * t) / (f_alpha - 1))
+
+
 def test_losses_are_batched_elementwise():
     """A batch gives each pair the loss it gets alone (here a pair and its mirror image, h = +-1.5); not aot and
     aot_unpaired, which sort across the batch by design."""
