@@ -142,7 +142,7 @@ class Config:
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | luspo | cispo | reinforce | sapo (the docstring's table)
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo/luspo 3e-4
     clip_eps_high: float = None  # upper clip of dapo, gspo, luspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
-    clip_delta: float = 0.0  # grpo, dapo, dr_grpo: cap (> 1) of the unclipped ratio in the min (INTELLECT-2; 0: off)
+    clip_delta: float = 0.0  # grpo, dapo, dr_grpo: cap (> 1 + eps) of the min's unclipped ratio (INTELLECT-2; 0: off)
     sapo_tau_pos: float = 1.0  # sapo: temperature of the soft gate on tokens with A > 0
     sapo_tau_neg: float = 1.05  # sapo: temperature of the soft gate on tokens with A <= 0
     num_iterations: int = 1  # policy updates per batch of rollouts (the ratio uses the sampling policy's log-probs)
@@ -1263,6 +1263,24 @@ def validate(cfg):
     for name, allowed in choices.items():
         value = getattr(cfg, name)
         check(value in allowed, f"--{name} {value!r}: use one of {' '.join(allowed)}")
+    # a sequence loss averages the masked advantages over each completion, so the mask would not pick token gradients
+    sequence_loss = cfg.loss_type in ("gspo", "luspo")
+    check(
+        not (sequence_loss and cfg.top_entropy_quantile < 1),
+        f"--top_entropy_quantile acts on token losses; --loss_type {cfg.loss_type} averages a sequence's advantages",
+    )
+    if cfg.clip_delta:
+        clips = ("grpo", "dapo", "dr_grpo")  # the losses with a clipped min, whose unclipped ratio the cap bounds
+        check(cfg.loss_type in clips, f"--clip_delta acts on grpo, dapo and dr_grpo, not --loss_type {cfg.loss_type}")
+        # at or below the upper clip, a token with A > 0 and a ratio between the two would get no gradient
+        upper = 1 + (cfg.clip_eps_high if cfg.loss_type == "dapo" else cfg.clip_eps)
+        message = f"--clip_delta {cfg.clip_delta:g} must be above the upper clip 1 + eps ({upper:g})"
+        check(cfg.clip_delta > upper, message)
+    # the over-optimisation measures of a learned reward are the KL to the initial policy, which a moving one hides
+    check(
+        not (cfg.ref_sync_steps and cfg.reward_model),
+        "--ref_sync_steps with --reward_model: the over-optimisation measures are the KL to the initial policy",
+    )
     check(cfg.adv != "process" or cfg.task == "next_token", "--adv process needs per-token rewards (--task next_token)")
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")

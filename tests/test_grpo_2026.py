@@ -407,6 +407,9 @@ def test_every_new_flag_under_two_gloo_ranks(tmp_path, parallel):
     assert all(0.5 <= r["rl/entropy_mask_frac"] < 1 for r in train_rows(out))
 
 
+NO_CAP = ("gspo", "luspo", "cispo", "sapo", "reinforce")  # losses --clip_delta does not act on
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -421,6 +424,18 @@ def test_every_new_flag_under_two_gloo_ranks(tmp_path, parallel):
         (["--ref_sync_steps", "-1"], "--ref_sync_steps must be >= 0"),
         (["--ref_sync_steps", "2"], "--reference init or random"),  # next_token from scratch: the bigram table
         (["--ref_sync_steps", "2", "--reference", "none"], "--reference init or random"),
+        # a sequence loss averages a completion's advantages: the entropy mask would not pick token gradients
+        (["--loss_type", "gspo", "--top_entropy_quantile", "0.5"], "--top_entropy_quantile acts on token losses"),
+        (["--loss_type", "luspo", "--top_entropy_quantile", "0.2"], "--loss_type luspo averages"),
+        # the cap acts only on the clipped min of grpo, dapo and dr_grpo
+        *[(["--loss_type", t, "--clip_delta", "3"], f"not --loss_type {t}") for t in NO_CAP],
+        # at or below the upper clip: tokens with A > 0 and a ratio in (delta, 1 + eps] would get no gradient
+        (["--clip_delta", "1.2"], "above the upper clip 1 + eps (1.2)"),
+        (["--clip_delta", "1.1"], "above the upper clip 1 + eps (1.2)"),
+        (["--loss_type", "dapo", "--clip_eps_high", "0.28", "--clip_delta", "1.25"], "1 + eps (1.28)"),
+        (["--loss_type", "dr_grpo", "--clip_eps", "0.3", "--clip_delta", "1.3"], "1 + eps (1.3)"),
+        # over-optimisation is measured as KL to the initial policy, which TR-DPO's moving reference would replace
+        (["--task", "arithmetic", "--reward_model", "rm.pt", "--ref_sync_steps", "2"], "--ref_sync_steps with"),
     ],
 )
 def test_bad_values_of_the_new_flags_exit_2_with_one_line(tmp_path, text_file, args, needle, monkeypatch, capsys):
