@@ -15,13 +15,16 @@ sequence's reward is the score at its last real token.
       token; the reward is the last token's score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy)
       the answers are the policy's own instead, --samples_per_problem per problem at temperature 1, each labelled
       by the exact-answer check (1 when it is the right number then a newline), as Cobbe et al. train the verifier
-      on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will meet.
+      on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will meet. The held-out
+      AUC is logged pooled over all answers (eval/auc) and within each problem (eval/auc_per_problem), the ranking
+      best-of-n and RL use.
   --task prm (process RM, Lightman et al. 2023): chains `3+4=7\\n7*2=14\\n14-5=9\\n` of 2..--chain_len steps, one
       a line in gpt.py's arithmetic format, some with one wrong result; binary cross-entropy at the newline after
       each step (the last step: at <|endoftext|> when the tokenizer has one) against the label "every step so far is
       right".
 The losses are normalised by the number of pairs (preference) or labelled positions (orm, prm) of the whole
 optimizer step, all ranks and micro-batches together, so they do not depend on how the batch is split.
+--pos_weight w (orm, prm) counts each label-1 term of the cross-entropy w times (torch's BCEWithLogitsLoss pos_weight).
 
 Where we depart from the papers, on purpose:
   - the margin is one constant for every pair (HH-RLHF has no ratings; Llama 2 takes it from the rating gap);
@@ -100,9 +103,10 @@ class Config:
     data_path: str = ""  # preference: local .jsonl/.jsonl.gz with chosen/rejected dialogues instead of the hub
     tokenizer: str = "auto"  # auto | char | gpt2 (auto: the model's; a new model: gpt2 for preference, else char)
     max_len: int = 0  # longest training sequence in tokens (0: the model's block_size); longer ones lose prompt tokens
-    # loss (preference)
+    # loss
     margin: float = 0.0  # preference: m in -log sigmoid(r_c - r_r - m)
     center_coef: float = 0.0  # preference: weight of mean((r_c + r_r)^2), which keeps rewards near 0
+    pos_weight: float = None  # orm/prm: weight of the label-1 (right) terms in the cross-entropy; unset: no weighting
     # generated arithmetic (orm, prm)
     digits: int = 2  # orm/prm: largest number of digits of an operand (prm: of the first number; each b has one)
     ops: str = "+-*"  # orm/prm: operators to draw from
@@ -162,10 +166,13 @@ def last_token_rewards(scores, lengths):
     return scores.gather(1, (lengths - 1)[:, None]).squeeze(1)
 
 
-def token_bce_sum(scores, labels):
+def token_bce_sum(scores, labels, pos_weight=None):
     """Binary cross-entropy of sigmoid(scores) against 0/1 labels, summed over the labelled positions (labels -1
-    elsewhere): (B, T), (B, T) -> scalar."""
+    elsewhere): (B, T), (B, T) -> scalar. pos_weight w weighs each label-1 term w times, as torch's BCEWithLogitsLoss
+    pos_weight does: -(w y log sigmoid(s) + (1 - y) log(1 - sigmoid(s))); None: no weighting."""
     bce = F.binary_cross_entropy_with_logits(scores, labels.clamp(min=0).float(), reduction="none")  # (B, T)
+    if pos_weight is not None:  # w > 1 pulls harder on the right answers (a minority when the policy errs often)
+        bce = bce * torch.where(labels == 1, pos_weight, 1.0)
     return (bce * (labels >= 0)).sum()
 
 
@@ -189,6 +196,25 @@ def roc_auc(rewards, labels):
     return (d.sign().mean().item() + 1) / 2  # a pair scores (sign + 1) / 2: 1 if the right one is higher, 1/2 if tied
 
 
+def per_problem_auc(rewards, labels, problems):
+    """(mean AUC, count): roc_auc of (N,) rewards against (N,) 0/1 labels within each problem (problems: N keys, one
+    per row), averaged over the problems that have both a right and a wrong answer, and how many those are. The
+    others have no pair to rank and are skipped; (nan, 0) when none has both, as roc_auc gives nan. Best-of-n and
+    RL rank the answers of one problem against each other, so this is the AUC they meet; the pooled AUC also credits
+    a verifier for scoring easy problems above hard ones."""
+    rows = {}  # problem -> its row indices
+    for i, problem in enumerate(problems):
+        rows.setdefault(problem, []).append(i)
+    aucs = []
+    for index in rows.values():
+        y = labels[index]
+        if 0 < y.sum() < len(index):  # both labels
+            aucs.append(roc_auc(rewards[index], y))
+    if not aucs:
+        return math.nan, 0
+    return sum(aucs) / len(aucs), len(aucs)
+
+
 def truncate_pair(prompt, chosen, rejected, max_len):
     """Cut a pair of token-id lists to fit max_len: (prompt, chosen, rejected) with len(prompt) + len(response) <=
     max_len for both responses. The prompt is cut once, from its start (its end, next to the responses, stays), to
@@ -202,7 +228,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 # ----------------------------------------------------------------------------------------------------------
 # The training step: rows -> scores -> rewards -> loss -> update. main() picks this rank's rows of each step with
 # batch_indices and calls reward_model_step; held_out_metrics runs the same batch_loss on the held-out rows, and
-# for orm and prm also eval/auc of every held-out row's reward (batch_loss returns them).
+# for orm and prm also eval/auc of every held-out row's reward (batch_loss returns them), and for orm the AUC within
+# each held-out problem (per_problem_auc).
 #
 # A row, as encode() makes it (token ids: a list of ints, at most --max_len long):
 #   preference   (chosen_ids, rejected_ids)   prompt + response (+ <|endoftext|>), the same prompt tokens in both
@@ -289,7 +316,7 @@ def batch_loss(model, batch, cfg, rt):
         }
     else:
         labels, _ = pad_right([y for _, y in batch], rt.device, value=-1)  # (B, T)
-        loss = token_bce_sum(scores, labels)
+        loss = token_bce_sum(scores, labels, cfg.pos_weight)
         scores = scores.detach()
         labelled = labels >= 0  # (B, T)
         terms = labelled.sum().float()
@@ -342,9 +369,10 @@ def summarize(stats, rt):
 
 
 @torch.no_grad()
-def held_out_metrics(model, eval_data, cfg, rt):
-    """eval/ metrics of the held-out rows. The rows are dealt out over ranks, which all run the same number of
-    batches (under FSDP a forward pass is collective), the last ones possibly on a dummy row with weight 0."""
+def held_out_metrics(model, eval_data, cfg, rt, problems=None):
+    """eval/ metrics of the held-out rows; problems: each row's problem (orm: its prompt), for eval/auc_per_problem.
+    The rows are dealt out over ranks, which all run the same number of batches (under FSDP a forward pass is
+    collective), the last ones possibly on a dummy row with weight 0."""
     model.eval()
     mine = eval_data[rt.rank :: rt.world_size]
     most = math.ceil(len(eval_data) / rt.world_size)  # the most rows any rank holds
@@ -363,7 +391,12 @@ def held_out_metrics(model, eval_data, cfg, rt):
         rewards = torch.zeros(len(eval_data), device=rt.device)
         rewards[rt.rank :: rt.world_size] = torch.cat(found)
         outcomes = torch.tensor([labels[-1] for _, labels in eval_data])
-        metrics["eval/auc"] = roc_auc(all_reduce(rewards, rt).cpu(), outcomes)
+        rewards = all_reduce(rewards, rt).cpu()
+        metrics["eval/auc"] = roc_auc(rewards, outcomes)
+        if cfg.task == "orm" and problems is not None:  # within each problem, as best-of-n and RL rank answers
+            auc, n_problems = per_problem_auc(rewards, outcomes, problems)
+            metrics["eval/auc_per_problem"] = auc  # nan when no problem has both labels
+            metrics["eval/auc_problems"] = n_problems
     return metrics
 
 
@@ -697,6 +730,7 @@ def validate(cfg):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(cfg.pos_weight is None or cfg.pos_weight > 0, f"--pos_weight must be positive (got {cfg.pos_weight})")
     check(cfg.task in ("preference", "orm", "prm"), f"--task {cfg.task!r}: use preference, orm or prm")
     check(cfg.tokenizer in ("auto", "char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
     check(cfg.max_len == 0 or cfg.max_len >= 2, f"--max_len must be 0 (the block size) or >= 2 (got {cfg.max_len})")
@@ -707,6 +741,7 @@ def validate(cfg):
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(not cfg.data_path or cfg.task == "preference", "--data_path is for --task preference; orm/prm make data")
     check(not cfg.samples_from or cfg.task == "orm", "--samples_from is for --task orm")
+    check(cfg.pos_weight is None or cfg.task != "preference", "--pos_weight is for --task orm or prm")
 
 
 def make_tokenizer(cfg, spec, texts):
@@ -813,7 +848,8 @@ def main():
     train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
     val_text = val_text[: cfg.eval_size or len(val_text)]
     eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text]
-    problems = len({problem_of(cfg.task, ex) for ex in val_text})  # distinct held-out problems (or prompts)
+    eval_problems = [problem_of(cfg.task, ex) for ex in val_text]  # each held-out row's problem (or prompt)
+    problems = len(set(eval_problems))  # distinct held-out problems (or prompts)
     if rt.master:
         model_size = f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}"
         data_size = f"{cfg.task}, {len(train_data)} train / {len(eval_data)} held-out ({problems} distinct problems)"
@@ -833,7 +869,7 @@ def main():
     last_eval = {}
     for step in range(start_step, cfg.max_steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            last_eval = held_out_metrics(model, eval_data, cfg, rt)
+            last_eval = held_out_metrics(model, eval_data, cfg, rt, eval_problems)
             logger.log(step, last_eval)
         if step == cfg.max_steps:
             break

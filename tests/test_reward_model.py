@@ -301,6 +301,63 @@ def test_roc_auc_is_the_share_of_pairs_ranked_right(rows):
     assert rm.roc_auc(-rewards, labels) == pytest.approx(1 - expected, abs=1e-6)
 
 
+def test_per_problem_auc_hand_values():
+    """Problem a: right 0.9, wrong 0.5 and 0.95: AUC 1/2. Problem b: only right answers, no pair: skipped. Problem c:
+    right 0.1 tied with a wrong 0.1, and a wrong -0.2: AUC (1/2 + 1) / 2 = 3/4. The mean over a and c: 5/8, on 2."""
+    rewards = torch.tensor([0.9, 0.5, 0.95, 0.3, 0.7, 0.1, 0.1, -0.2])
+    labels = torch.tensor([1, 0, 0, 1, 1, 1, 0, 0])
+    problems = ["a", "a", "a", "b", "b", "c", "c", "c"]
+    auc, n_problems = rm.per_problem_auc(rewards, labels, problems)
+    assert n_problems == 2 and auc == pytest.approx(5 / 8, abs=1e-7)
+    auc, n_problems = rm.per_problem_auc(rewards, torch.ones(8, dtype=torch.long), problems)  # no wrong answer
+    assert math.isnan(auc) and n_problems == 0
+
+
+def test_a_perfect_ranking_within_each_problem_gives_1_while_the_pooled_auc_is_below_1():
+    """Problem a (easy) scores its right answer 5 and its wrong one 4; problem b (hard) 1 and 0. Within each problem
+    the right answer is on top, but pooled the wrong answer of a (4) outscores the right one of b (1): 3/4."""
+    rewards = torch.tensor([5.0, 4.0, 1.0, 0.0])
+    labels = torch.tensor([1, 0, 1, 0])
+    assert rm.roc_auc(rewards, labels) == 0.75
+    assert rm.per_problem_auc(rewards, labels, ["a", "a", "b", "b"]) == (1.0, 2)
+
+
+@given(st.lists(st.tuples(st.integers(-3, 3), st.booleans(), st.integers(0, 3)), min_size=1, max_size=30))
+def test_per_problem_auc_is_the_mean_of_each_problems_auc(rows):
+    """Against roc_auc on each problem's rows, picked in Python; one problem alone gives the pooled AUC."""
+    rewards = torch.tensor([float(r) for r, _, _ in rows])
+    labels = torch.tensor([int(y) for _, y, _ in rows])
+    problems = [p for _, _, p in rows]
+    aucs = []
+    for p in sorted(set(problems)):
+        index = [i for i, q in enumerate(problems) if q == p]
+        if 0 < labels[index].sum() < len(index):
+            aucs.append(rm.roc_auc(rewards[index], labels[index]))
+    auc, n_problems = rm.per_problem_auc(rewards, labels, problems)
+    assert n_problems == len(aucs)
+    assert math.isnan(auc) if not aucs else auc == pytest.approx(sum(aucs) / len(aucs), abs=1e-9)
+    if 0 < labels.sum() < len(rows):
+        assert rm.per_problem_auc(rewards, labels, [0] * len(rows)) == (rm.roc_auc(rewards, labels), 1)
+
+
+def test_held_out_metrics_log_the_per_problem_auc_beside_the_pooled_one():
+    """The orm evaluation on a stand-in model whose reward is the last token's id: two problems ranked perfectly
+    within (so eval/auc_per_problem 1.0 on eval/auc_problems 2) but not pooled (eval/auc 4/6), and a problem with
+    only right answers that the per-problem mean skips."""
+
+    class LastToken(torch.nn.Module):
+        def forward(self, idx):  # (B, T) -> (B, T) scores: each position's token id
+            return idx.float()
+
+    rows = [([1, 5], [-1, 1]), ([1, 4], [-1, 0]), ([2, 1], [-1, 1]), ([2, 0], [-1, 0]), ([3, 2], [-1, 1])]
+    problems = ["a", "a", "b", "b", "c"]
+    cfg = rm.Config(task="orm", batch_size=2)
+    rt = rm.Runtime(torch.device("cpu"), torch.float32)
+    metrics = rm.held_out_metrics(LastToken(), rows, cfg, rt, problems)
+    assert metrics["eval/auc_per_problem"] == 1.0 and metrics["eval/auc_problems"] == 2
+    assert metrics["eval/auc"] == pytest.approx(4 / 6)  # right {5, 1, 2} vs wrong {4, 0}: 1 and 2 lose to 4
+
+
 def test_samples_from_labels_equal_the_exact_answer_checker(tmp_path, monkeypatch):
     """--samples_from: the policy's answers (here a stand-in generate writing the right answer, the right answer then
     more text, no newline, a leading zero or sign, an empty line, the answer plus one) are cut after their first
@@ -652,6 +709,11 @@ def test_samples_from_trains_a_verifier_of_the_policy_on_its_own_answers(tmp_pat
     assert results["eval_examples"] == 80 and results["train_examples"] == 96
     assert 1 <= results["eval_problems"] <= 10 and f"({results['eval_problems']} distinct problems)" in stdout
     assert all(k in results for k in ("accuracy_correct", "accuracy_wrong", "auc", "reward_correct"))
+    # the AUC within each problem, on the problems with both right and wrong answers (none: nan)
+    assert 0 <= results["auc_problems"] <= results["eval_problems"]
+    assert math.isnan(results["auc_per_problem"]) == (results["auc_problems"] == 0)
+    evals = [row for row in metrics(out) if "eval/auc" in row]
+    assert all("eval/auc_per_problem" in row and "eval/auc_problems" in row for row in evals)
     sft, new = (torch.load(path, weights_only=True) for path in (arithmetic_sft, out / "ckpt.pt"))
     assert new["model_config"] == sft["model_config"] and new["config"]["init_from"] == str(arithmetic_sft)
     code, _, err = run_main(monkeypatch, "--task", "prm", "--samples_from", arithmetic_sft, "--out_dir", tmp_path / "x")
@@ -679,6 +741,9 @@ def test_preference_model_learns_the_marker_to_over_90_percent_held_out(tmp_path
         (["--max_len", "200"], "block_size"),
         (["--ops", "+/"], "--ops"),
         (["--init_from", "missing.pt", "--score", "hi"], "--score needs"),
+        (["--pos_weight", "2"], "--pos_weight is for --task orm or prm"),
+        (["--pos_weight", "0"], "--pos_weight must be positive"),
+        (["--pos_weight", "-1"], "--pos_weight must be positive"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, clean_file, monkeypatch, args, needle):
@@ -707,3 +772,22 @@ def test_bce_sum_ignores_unlabelled_positions():
     scores, labels = torch.tensor([[0.3, -2.0, 1.0]]), torch.tensor([[-1, 0, 1]])
     expected = F.softplus(torch.tensor(-2.0)) + F.softplus(torch.tensor(-1.0))
     assert rm.token_bce_sum(scores, labels).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("pos_weight", [0.5, 2.0, 3.0])
+def test_pos_weight_is_torchs_bce_with_logits_pos_weight_on_the_labelled_positions(pos_weight):
+    """By hand: -(w y log sigmoid(s) + (1 - y) log(1 - sigmoid(s))) summed over the labelled positions, and the same
+    as torch.nn.BCEWithLogitsLoss(pos_weight=w) on them; unset (None), every term counts once, exactly as before."""
+    torch.manual_seed(0)
+    scores = torch.randn(4, 6)  # float32, as the model's
+    labels = torch.randint(-1, 2, (4, 6))
+    labelled = labels >= 0
+    s, y = scores[labelled], labels[labelled].float()
+    by_hand = -(pos_weight * y * F.logsigmoid(s) + (1 - y) * F.logsigmoid(-s)).sum()
+    torch_loss = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(pos_weight), reduction="sum")
+    loss = rm.token_bce_sum(scores, labels, pos_weight)
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(torch_loss(s, y).item(), rel=1e-6)
+    plain = torch.nn.BCEWithLogitsLoss(reduction="sum")(s, y)
+    assert torch.equal(rm.token_bce_sum(scores, labels), rm.token_bce_sum(scores, labels, 1.0))
+    assert rm.token_bce_sum(scores, labels).item() == pytest.approx(plain.item(), rel=1e-6)
