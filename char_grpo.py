@@ -465,8 +465,9 @@ def sample_windows(ids, n, context_len, horizon):
 
 
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
-    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
     if partial_logprob:

@@ -689,8 +689,9 @@ def sample_windows(ids, n, context_len, horizon):
 
 
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
-    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
     if partial_logprob:
@@ -1279,8 +1280,8 @@ def setup(cfg):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
-    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    """A fingerprint of a model's weights: the sum of every entry of its state dict, in float64 on the CPU (the same
+    on every device). A run saves it in ckpt.pt, and a resumed run compares it with its own model's."""
     return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 
