@@ -14,8 +14,8 @@ The objective is GRPO's (Shao et al. 2024, DeepSeekMath):
     ratio_t = pi(o_t | prefix) / pi_old(o_t | prefix)
 
 with process advantages (`--adv process`, DeepSeekMath process supervision: each reward normalised by its
-group's mean and std, A_t = sum of normalised rewards from t on) or outcome advantages (`--adv outcome`: the
-rollout's mean reward, normalised within the group). Where we depart from the paper, on purpose:
+group's mean and std, A_t = sum of normalised rewards from t on) or outcome advantages (`--adv group`, as
+grpo.py's: the rollout's mean reward, normalised within the group). Where we depart from the paper, on purpose:
   - the reference policy is a choice (`--reference bigram|random|init|none`): a frozen add-one-smoothed bigram
     model of the training text by default, since a model trained from scratch has no sensible "initial" policy;
   - beta is annealed linearly from 0 to --beta_kl over --kl_warmup_tokens generated characters;
@@ -87,8 +87,8 @@ class Config:
     # reward and advantages
     reward_mode: str = "plus1"  # plus1: 1 per correct character, else 0 | pm1: +1 correct, -1 wrong
     partial_logprob: float = 0.0  # w: add w * log p(true char | rollout prefix) to every character's reward
-    adv: str = "process"  # process: per-character returns of normalised rewards | outcome: per-rollout
-    scale_rewards: str = "group"  # outcome advantages: group | batch | none (Dr. GRPO: no std scaling)
+    adv: str = "process"  # process: per-character returns of normalised rewards | group: per-rollout (outcome)
+    scale_rewards: str = "group"  # --adv group's std: group | batch | none (Dr. GRPO: no std scaling)
     # KL to a frozen reference
     reference: str = "bigram"  # KL reference: bigram | random | init | none
     beta_kl: float = 0.02  # final KL coefficient
@@ -268,7 +268,7 @@ def grpo_step(cfg, run, rt):
     truth = batch["truth"]
     mask = batch["mask"]
     # 2. reward: one per character
-    rewards = char_rewards(completion, truth, cfg.reward_mode, batch["logp_true"], cfg.partial_logprob)  # (N, H)
+    rewards = token_rewards(completion, truth, cfg.reward_mode, batch["logp_true"], cfg.partial_logprob)  # (N, H)
     # 3. advantage
     if cfg.adv == "process":
         adv = process_advantages(rewards, mask, G)  # (N, H)
@@ -464,21 +464,32 @@ def sample_windows(ids, n, context_len, horizon):
     return windows[:, :context_len], windows[:, context_len:]
 
 
-def char_rewards(rollouts, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H): each rollout character against the true continuation at the same offset.
-    plus1: 1 if equal else 0; pm1: +1 / -1. Partial credit adds partial_logprob * log p(true char | prefix)."""
-    match = (rollouts == truth).float()  # (N, H)
+def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
+    match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
     if partial_logprob:
-        rewards = rewards + partial_logprob * logp_true.detach()
+        rewards = rewards + partial_logprob * logp_true.detach().float()
     return rewards
 
 
-def bigram_logprobs(ids, vocab_size):
-    """Add-one-smoothed bigram model of a token stream: (V, V) table of log p(next | previous)."""
-    counts = torch.ones(vocab_size, vocab_size)
-    counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1), accumulate=True)
-    return (counts / counts.sum(1, keepdim=True)).log()
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
+        key = prev * self.vocab_size + nxt
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
 
 
 def evaluate_chars(cfg, run, rt, step):
@@ -574,7 +585,7 @@ def validate(cfg):
     check(cfg.kl_estimator != "k1", "--kl_estimator k1: as a loss term its expected gradient is zero; use k2 or k3")
     choices = {
         "reward_mode": ("plus1", "pm1"),
-        "adv": ("process", "outcome"),
+        "adv": ("process", "group"),
         "kl_estimator": ("k2", "k3"),
         "scale_rewards": ("group", "batch", "none"),
         "reference": ("bigram", "random", "init", "none"),
@@ -626,7 +637,10 @@ def build_run(cfg, out_dir, rt):
     run.ref_table = None
     run.ref_model = None
     if cfg.reference == "bigram":
-        run.ref_table = bigram_logprobs(run.train_ids, model.config.vocab_size).to(rt.device)  # (V, V)
+        # a char vocabulary is small: the whole table, (V, V) log p(next | previous), whose rows serve as logits
+        bigram = BigramReference(run.train_ids, model.config.vocab_size)
+        chars = torch.arange(model.config.vocab_size)
+        run.ref_table = bigram(chars[:, None], chars[None, :]).to(rt.device)  # (V, V)
     if cfg.reference in ("random", "init"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume

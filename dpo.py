@@ -450,7 +450,7 @@ def train_step(run, step):
         if cfg.loss_type not in REFERENCE_FREE:
             ref_logp = reference_logprobs(run, "train", rows, batch)  # (2b,)
         # 3. the loss, summed over pairs and divided by the pairs of the whole step (all micro-batches and ranks)
-        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])  # (b,) each
+        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco_delta)  # (b,) each
         run.scaler.scale(losses.sum() / n_pairs * rt.world_size).backward()  # DDP averages ranks' gradients
         add_stats(sums, pair_stats(losses, chosen_r, rejected_r, logp, ref_logp))
 
@@ -476,12 +476,12 @@ def train_step(run, step):
         "train/kto_kl": kl_ref,  # None (not logged) but for kto
     }
     if cfg.loss_type == "bco_pair":  # delta: the running mean of every chosen and rejected reward of earlier steps
-        metrics["train/bco_delta"] = run.bco[0]
-        old_mean, count = run.bco
+        metrics["train/bco_delta"] = run.bco_delta
         n_new = 2 * n_pairs  # a chosen and a rejected reward per pair
         new_sum = (mean["chosen_reward"] + mean["rejected_reward"]) * n_pairs
-        new_count = count + n_new
-        run.bco = [(old_mean * count + new_sum) / new_count, new_count]
+        new_count = run.bco_count + n_new
+        run.bco_delta = (run.bco_delta * run.bco_count + new_sum) / new_count
+        run.bco_count = new_count
     run.pairs_seen += n_pairs
     metrics["train/lr"] = lr
     metrics["train/grad_norm"] = grad_norm.item()
@@ -605,7 +605,7 @@ def evaluate(run, step, logger):
     for rows, batch, w in micro_slices(cfg, idx, mine, weight):
         logp, n_tokens = pair_logprobs(run, run.model, batch)
         ref_logp = reference_logprobs(run, "eval", rows, batch)
-        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco[0])
+        losses, chosen_r, rejected_r = pair_losses(cfg, logp, n_tokens, ref_logp, kl_ref, run.bco_delta)
         add_stats(sums, pair_stats(losses, chosen_r, rejected_r, logp, ref_logp), w)  # w: 0 on shard's repeats
     mean = pair_means(sums, len(run.eval_pairs), rt)
     metrics = {
@@ -990,8 +990,8 @@ def validate(cfg):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
-    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    """A fingerprint of a model's weights: the sum of every entry of its state dict, in float64 on the CPU (the same
+    on every device). A run saves it in ckpt.pt, and a resumed run compares it with its own model's."""
     return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 
@@ -1057,7 +1057,8 @@ def setup(cfg, out_dir, rt):
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     run.start_step = 0
     run.pairs_seen = 0
-    run.bco = [0.0, 0]  # bco_pair: [mean reward, rewards counted]
+    run.bco_delta = 0.0  # bco_pair's delta: the mean of the rewards counted so far
+    run.bco_count = 0  # the chosen and rejected rewards counted
     run.ref_cache = {}  # --precompute_ref: {"train": (n, 2), "eval": (n, 2)} reference log-probs
     if cfg.resume:
         load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"], rt)
@@ -1065,7 +1066,8 @@ def setup(cfg, out_dir, rt):
         restore_rng(ckpt, rt)
         run.start_step = ckpt["step"]
         run.pairs_seen = ckpt["pairs"]
-        run.bco = ckpt["bco"]
+        run.bco_delta = ckpt["bco_delta"]
+        run.bco_count = ckpt["bco_count"]
         run.ref_cache = ckpt.get("ref_logps") or {}  # older checkpoints saved None without --precompute_ref
     if cfg.precompute_ref and not run.ref_cache:
         run.ref_cache = {
@@ -1099,7 +1101,8 @@ def save(run, step):
             "rng_ranks": rngs,
             "config": dataclasses.asdict(run.cfg),
             "pairs": run.pairs_seen,
-            "bco": run.bco,
+            "bco_delta": run.bco_delta,
+            "bco_count": run.bco_count,
             "ref_checksum": run.ref_checksum,
             "ref_logps": run.ref_cache,
         }

@@ -227,6 +227,12 @@ def process_advantages(token_rewards, mask, group_size, eps=1e-4):
     return normed.flip(1).cumsum(1).flip(1) * mask  # (N, T): reversed cumulative sum, zero on padding
 
 
+def masked_mean(x, mask, num_tokens=None):
+    """Mean of x over the positions where mask is 1; num_tokens replaces the count (a global count, when a batch is
+    split over micro-batches and ranks, makes the shares sum to the mean of the whole batch)."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
 def kl_penalty(logp, ref_logp, kind="k3"):
     """Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020), d = logp - ref_logp:
     k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (>= 0, unbiased where pi_ref's support
@@ -436,10 +442,11 @@ def sample_batch(run):
 #   info        (N, H) long | N strings  next_token: the true continuations; arithmetic: the answers. None: the
 #                                        reward needs nothing more (reward_model)
 #   old_logp    (N, H) float             log-probs under the sampling distribution. None: one update per batch and a
-#                                        reward that reads no logits nor is a learned arithmetic reward, so the
-#                                        training pass's own (detached) stand in
+#                                        reward that reads no logits, so the training pass's own (detached) stand in
 #   ref_logp    (N, H) float             the reference's log-probs (same temperature, every token). None: no reference
 #   rewards     (N,) | (N, H) float      per sequence, or per token (next_token)
+#   rollout_kl  (N,) float               k1 summed over each completion, sampling policy against the reference: the
+#                                        KL of overoptimization.png, only logged. None: no learned arithmetic reward
 def collect(task, raw, ref, cfg, rt, n_prompts):
     """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
     sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
@@ -463,6 +470,8 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         old_logp = []
         ref_logp = []
         rewards = []
+        rollout_kl = []
+        learned = cfg.task == "arithmetic" and cfg.reward_model and ref is not None  # rl/rollout_kl is logged
         n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batch size: no pass here is larger
         for i in range(0, len(rows), n_micro):
             cut = slice(i, i + n_micro)
@@ -473,14 +482,19 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                 logits = completion_logits(raw, s, a, H)
                 old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
             # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits, or
-            # a learned arithmetic reward plots the KL of exactly these rollouts: rl/rollout_kl)
-            elif cfg.num_iterations > 1 or (cfg.task == "arithmetic" and cfg.reward_model):
+            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits)
+            elif cfg.num_iterations > 1:
                 old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
             if isinstance(ref, BigramReference):
                 ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
             elif ref is not None:
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
+            if learned:  # the KL of exactly these rollouts, for the metric only: the update never reads it
+                if old_logp:
+                    logp = old_logp[-1]
+                else:
+                    logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]  # (n, H)
+                rollout_kl.append(((logp - ref_logp[-1]) * mask[cut]).sum(1))  # (n,)
             part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
             rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
     return dict(
@@ -492,6 +506,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         old_logp=torch.cat(old_logp) if old_logp else None,
         ref_logp=torch.cat(ref_logp) if ref_logp else None,
         rewards=torch.cat(rewards).float(),
+        rollout_kl=torch.cat(rollout_kl) if rollout_kl else None,
     )
 
 
@@ -583,14 +598,11 @@ def gather_rows(x, rt):
 
 def update_policy(run, batch, adv, beta):
     """ALGO LOGIC 5: --num_iterations optimizer steps over the same rollouts (old_logp fixed), each over --grad_accum
-    micro-batches of whole groups. The loss is policy_loss + beta * KL term - entropy_coef * entropy; every normaliser
-    counts the whole step (all micro-batches and ranks), so the micro-batch losses add up to the step's loss.
-    --top_entropy_quantile and --off_policy_mask set the advantage of the tokens they drop to 0 (high_entropy_mask,
-    off_policy_mask), as TRL multiplies its per-token loss by their masks. Returns the last iteration's loss metrics by
-    name, over every rank (rl/kl: the k1 estimate, whatever --kl_estimator), and its gradient norm."""
+    micro-batches of whole groups (grpo_loss). Every normaliser counts the whole step (all micro-batches and ranks), so
+    the micro-batch losses add up to the step's loss. Returns the last iteration's loss metrics by name, over every
+    rank, and its gradient norm."""
     cfg = run.cfg
     rt = run.rt
-    H = cfg.horizon
     seq, attn = join(batch["prompts"], batch["completion"])
     mask = batch["mask"]
     if cfg.mask_truncated:  # DAPO's overlong filtering: completions without an end token leave the loss
@@ -601,76 +613,114 @@ def update_policy(run, batch, adv, beta):
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
     adv = adv.reshape(N, -1)  # (N, 1) per sequence, or (N, H) per token
     keep = mask.clone()  # the tokens the policy term trains on: every real token, or the top quantile by entropy
-
-    def token_mean(x, m):  # a micro-batch's share of a token mean over the whole step
-        return (x * m).sum() / n_tokens
-
     for iteration in range(cfg.num_iterations):
         sums = {}  # this rank's share of each metric, summed over the micro-batches
         for i in range(0, N, n_micro):
             rows = slice(i, i + n_micro)
-            m = mask[rows]
             grad_sync(run.policy, i + n_micro >= N)
             a = None if attn is None else attn[rows]
             with rt.autocast():  # under the sampling distribution, as old_logp
                 logp, entropies = completion_logprobs(
-                    run.policy, seq[rows], a, H, True, cfg.temperature, cfg.top_k or None
+                    run.policy,
+                    seq[rows],
+                    a,
+                    cfg.horizon,
+                    entropy=True,
+                    temperature=cfg.temperature,
+                    top_k=cfg.top_k or None,
                 )
-            old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
             # The first iteration's policy is the sampler (no update yet): its entropies are the sampling
-            # distribution's, ranked over this micro-batch on every rank (as TRL), and the mask stays for later ones
+            # distribution's, and the mask it gives stays for the later iterations
             if iteration == 0 and cfg.top_entropy_quantile < 1:
-                every_rank = high_entropy_mask(
-                    gather_rows(entropies.detach(), rt), gather_rows(m, rt), cfg.top_entropy_quantile
-                )
-                keep[rows] = every_rank.view(rt.world_size, -1, H)[rt.rank]
-            # (n, 1): 0.0 drops a sequence too far off-policy with A < 0; --off_policy_mask 0 (off): no threshold
-            on_policy = off_policy_mask(adv[rows], logp, old_logp, m, cfg.off_policy_mask or math.inf)
-            # a dropped token's advantage is 0: it leaves the policy term, but the normalisers still count it
-            pg_loss, stats = policy_loss(
-                logp,
-                old_logp,
-                adv[rows] * keep[rows] * on_policy,
-                m,
-                cfg.loss_type,
-                clip_eps=cfg.clip_eps,
-                clip_eps_high=cfg.clip_eps_high,
-                max_len=H,
-                num_seqs=n_seqs,
-                num_tokens=n_tokens,
-                sapo_tau_pos=cfg.sapo_tau_pos,
-                sapo_tau_neg=cfg.sapo_tau_neg,
-                clip_delta=cfg.clip_delta,
-            )
+                keep[rows] = top_entropy_tokens(entropies.detach(), mask[rows], cfg.top_entropy_quantile, rt)
+            # one update per batch: the policy is the sampler, and its own log-probs (detached) stand in
+            old_logp = logp.detach() if batch["old_logp"] is None else batch["old_logp"][rows]
             # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
             ref_logp = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
-            kl = token_mean(kl_penalty(logp, ref_logp, cfg.kl_estimator), m)
-            entropy = token_mean(entropies if cfg.entropy_coef > 0 else entropies.detach(), m)  # a bonus, or logged
-            loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
+            loss, shares = grpo_loss(
+                cfg,
+                logp,
+                entropies,
+                old_logp,
+                ref_logp,
+                adv[rows],
+                keep[rows],
+                mask[rows],
+                beta=beta,
+                n_seqs=n_seqs,
+                n_tokens=n_tokens,
+            )
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-            with torch.no_grad():
-                # the stats' part of the step: its tokens, or for gspo and luspo (per-sequence stats) its sequences
-                part = n_micro / n_seqs if cfg.loss_type in ("gspo", "luspo") else m.sum() / n_tokens
-                shares = {
-                    "train/loss": loss,
-                    "rl/pg_loss": pg_loss,
-                    "rl/kl": token_mean(logp - ref_logp, m),  # k1, whatever --kl_estimator
-                    "rl/entropy": entropy,
-                    "rl/clip_frac": stats["clip_frac"] * part,
-                    "rl/ratio_mean": stats["ratio_mean"] * part,
-                    "rl/entropy_mask_frac": token_mean(keep[rows], m),  # the real tokens kept
-                    "rl/off_policy_masked_frac": (1 - on_policy).sum() / n_seqs,
-                }
-                for name, value in shares.items():
-                    sums[name] = sums.get(name, 0.0) + value.float()
-        run.scaler.unscale_(run.optimizer)
-        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.optimizer.zero_grad(set_to_none=True)
+            for name, value in shares.items():
+                sums[name] = sums.get(name, 0.0) + value.float()
+        grad_norm = step_optimizer(cfg, run)
     # each rank's shares are normalised by the whole step's counts: their sum over ranks is the step's value
     totals = all_reduce(torch.stack(list(sums.values())), rt)  # one collective for them all
     return dict(zip(sums, totals.tolist())), grad_norm
+
+
+def grpo_loss(cfg, logp, entropies, old_logp, ref_logp, adv, keep, mask, beta, n_seqs, n_tokens):
+    """ALGO LOGIC 5: a micro-batch's share of the step's loss, policy_loss + beta * KL term - entropy_coef * entropy
+    (each normaliser the whole step's n_seqs or n_tokens), and its share of each logged metric by name (rl/kl: the k1
+    estimate, whatever --kl_estimator). --top_entropy_quantile (keep) and --off_policy_mask set the advantage of the
+    tokens they drop to 0, as TRL multiplies its per-token loss by their masks. Tensors are (n, H); adv (n, 1) or
+    (n, H)."""
+    # (n, 1): 0.0 drops a sequence too far off-policy with A < 0; --off_policy_mask 0 (off): no threshold
+    on_policy = off_policy_mask(adv, logp, old_logp, mask, cfg.off_policy_mask or math.inf)
+    # a dropped token's advantage is 0: it leaves the policy term, but the normalisers still count it
+    pg_loss, stats = policy_loss(
+        logp,
+        old_logp,
+        adv * keep * on_policy,
+        mask,
+        cfg.loss_type,
+        clip_eps=cfg.clip_eps,
+        clip_eps_high=cfg.clip_eps_high,
+        max_len=cfg.horizon,
+        num_seqs=n_seqs,
+        num_tokens=n_tokens,
+        sapo_tau_pos=cfg.sapo_tau_pos,
+        sapo_tau_neg=cfg.sapo_tau_neg,
+        clip_delta=cfg.clip_delta,
+    )
+    kl = masked_mean(kl_penalty(logp, ref_logp, cfg.kl_estimator), mask, n_tokens)
+    if cfg.entropy_coef <= 0:
+        entropies = entropies.detach()  # no bonus: the entropy is only logged
+    entropy = masked_mean(entropies, mask, n_tokens)
+    loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
+    with torch.no_grad():
+        # the stats' part of the step: its tokens, or for gspo and luspo (per-sequence stats) its sequences
+        part = mask.sum() / n_tokens
+        if cfg.loss_type in ("gspo", "luspo"):
+            part = len(mask) / n_seqs
+        shares = {
+            "train/loss": loss.detach(),
+            "rl/pg_loss": pg_loss.detach(),
+            "rl/kl": masked_mean(logp - ref_logp, mask, n_tokens),  # k1, whatever --kl_estimator
+            "rl/entropy": entropy.detach(),
+            "rl/clip_frac": stats["clip_frac"] * part,
+            "rl/ratio_mean": stats["ratio_mean"] * part,
+            "rl/entropy_mask_frac": masked_mean(keep, mask, n_tokens),  # the real tokens kept
+            "rl/off_policy_masked_frac": (1 - on_policy).sum() / n_seqs,
+        }
+    return loss, shares
+
+
+def top_entropy_tokens(entropies, mask, quantile, rt):
+    """(n, H) float, this rank's part of high_entropy_mask: the entropies (n, H) are ranked over this micro-batch of
+    every rank (as TRL), and each rank keeps its own rows."""
+    every_rank = high_entropy_mask(gather_rows(entropies, rt), gather_rows(mask, rt), quantile)  # (world * n, H)
+    return every_rank.view(rt.world_size, *mask.shape)[rt.rank]
+
+
+def step_optimizer(cfg, run):
+    """Unscale (float16), clip, step, zero the gradients; returns the gradient norm before clipping."""
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def rollout_metrics(task, first, batch, group_size, rt):
@@ -679,9 +729,6 @@ def rollout_metrics(task, first, batch, group_size, rt):
     correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
     learned = isinstance(task, ArithmeticTask) and task.rm is not None  # a proxy reward: measure the gold one too
     gold = task.gold(first["completion"], first["mask"], first["info"]) if learned else None
-    kl = None  # overoptimization.png's KL: k1 summed over each completion the rewards score, every token
-    if learned and first["ref_logp"] is not None:
-        kl = ((first["old_logp"] - first["ref_logp"]) * first["mask"]).sum(1)  # (N,)
 
     def mean(x):  # over every rank's rows; a measure the task does not have (None) stays None
         if x is None:
@@ -696,7 +743,7 @@ def rollout_metrics(task, first, batch, group_size, rt):
         "rl/reward_std": rewards.std().item(),
         "rl/accuracy": mean(correct),
         "rl/gold_reward": mean(gold),
-        "rl/rollout_kl": mean(kl),
+        "rl/rollout_kl": mean(first["rollout_kl"]),  # overoptimization.png's KL
         "rl/zero_std_frac": mean(zero_std_groups(first["rewards"], group_size)),
         "rl/completion_len": mean(batch["mask"].sum(1)),
         "rl/truncated_frac": mean(batch["truncated"]),  # None for a task without an end token (next_token)
@@ -781,8 +828,9 @@ def sample_windows(ids, n, context_len, horizon):
 
 
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
-    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
     if partial_logprob:
@@ -1412,8 +1460,8 @@ def evaluate_policy(run, step, logger):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
-    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    """A fingerprint of a model's weights: the sum of every entry of its state dict, in float64 on the CPU (the same
+    on every device). A run saves it in ckpt.pt, and a resumed run compares it with its own model's."""
     return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 

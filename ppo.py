@@ -296,10 +296,11 @@ def ppo_step(run, step):
         torch.cuda.reset_peak_memory_stats(rt.device)
     n_seqs = cfg.batch_size * rt.world_size  # completions of the step, all ranks
     lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-    # the policy's optimizer, then a separate value model's (at --value_lr, its minimum scaled alike)
-    for opt, scale in zip(run.optimizers, [1.0, (cfg.value_lr or cfg.lr) / cfg.lr]):
+    # the actor at --lr; a separate value model (the critic) at --value_lr, its minimum scaled alike
+    lr_scale = {"actor": 1.0, "critic": (cfg.value_lr or cfg.lr) / cfg.lr}
+    for name, opt in run.optimizers.items():
         for group in opt.param_groups:
-            group["lr"] = lr * scale
+            group["lr"] = lr * lr_scale[name]
 
     # 1-2. rollouts: completions, the sampling policy's log-probs and values, the task's rewards
     batch = rollout(run)
@@ -413,7 +414,7 @@ def rollout(run):
         if task.eos_id is not None:
             truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
         seq, attn = join(prompts, completion)
-        parts = []  # per micro-batch: old_logp, old_values, ref_logp and scores, (n, H) or (n,) each
+        parts = defaultdict(list)  # batch key -> one tensor per micro-batch, (n, H) or (n,)
         for i in range(0, len(prompts), n_micro):
             rows = slice(i, i + n_micro)
             s = seq[rows]
@@ -427,9 +428,11 @@ def rollout(run):
                 ref_logp = completion_logprobs(run.ref, s, a, H, temperature=cfg.temperature)[0]
             info_part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
             scores = task.rewards(prompts[rows], completion[rows], mask[rows], info_part, logits)  # (n,) or (n, H)
-            parts.append([logp, values, ref_logp, scores])
-    keys = ["old_logp", "old_values", "ref_logp", "scores"]  # zip(*parts): each key's tensors, one per micro-batch
-    batch = {key: torch.cat(tensors).float() for key, tensors in zip(keys, zip(*parts))}
+            parts["old_logp"].append(logp)
+            parts["old_values"].append(values)
+            parts["ref_logp"].append(ref_logp)
+            parts["scores"].append(scores)
+    batch = {key: torch.cat(tensors).float() for key, tensors in parts.items()}
     batch.update(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
     return batch
 
@@ -503,7 +506,8 @@ def ppo_update(run, batch):
     n_minibatch = N // cfg.num_minibatches  # rows per optimizer step
     n_micro = n_minibatch // cfg.grad_accum  # rows per forward pass
     sums = defaultdict(float)  # metric name -> sum over the updates of the step, all ranks
-    grad_norms = []  # one tensor per update: the gradient norm of each trained model
+    grad_norms = defaultdict(list)  # trained model's name -> its gradient norm at each update
+    n_updates = 0  # --num_minibatches per epoch run (fewer epochs after an early stop)
     for _ in range(cfg.ppo_epochs):
         epoch_sums = defaultdict(float)  # metric name -> sum over this epoch's micro-batches, this rank
         perm = torch.randperm(N).to(rt.device)
@@ -511,16 +515,18 @@ def ppo_update(run, batch):
             idx = perm[start : start + n_minibatch]
             n_tokens = all_reduce(batch["mask"][idx].sum(), rt).clamp(min=1)  # the minibatch's tokens, every rank
             for j in range(0, n_minibatch, n_micro):
-                for m in run.wrapped:  # gradients are averaged over ranks only on the minibatch's last micro-batch
+                for m in run.wrapped.values():  # gradients are averaged over ranks only on the last micro-batch
                     grad_sync(m, j + n_micro >= n_minibatch)
                 loss, terms = ppo_loss(run, batch, idx[j : j + n_micro], n_tokens)
                 run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
                 for name, value in terms.items():
                     epoch_sums[name] += value.detach()
-            for opt in run.optimizers:
+            for opt in run.optimizers.values():
                 run.scaler.unscale_(opt)
-            grad_norms.append(torch.stack([clip_grad_norm(m, cfg.grad_clip) for m in run.wrapped]))
-            for opt in run.optimizers:
+            for name, m in run.wrapped.items():
+                grad_norms[name].append(clip_grad_norm(m, cfg.grad_clip))
+            n_updates += 1
+            for opt in run.optimizers.values():
                 run.scaler.step(opt)
                 opt.zero_grad(set_to_none=True)
             run.scaler.update()
@@ -530,11 +536,10 @@ def ppo_update(run, batch):
         epoch_kl = epoch_sums["rl/approx_kl"].item() / cfg.num_minibatches  # all ranks, mean over its minibatches
         if cfg.target_kl_stop and epoch_kl > cfg.target_kl_stop:
             break
-    n_updates = len(grad_norms)  # --num_minibatches per epoch run (fewer epochs after an early stop)
     metrics = {name: (total / n_updates).item() for name, total in sums.items()}
-    # (updates, models) -> one row per model: the policy's norms, then a separate value model's
-    for name, norms in zip(["train/grad_norm", "train/value_grad_norm"], torch.stack(grad_norms).T):
-        metrics[name] = norms.mean().item()
+    metrics["train/grad_norm"] = torch.stack(grad_norms["actor"]).mean().item()
+    if "critic" in grad_norms:  # a separate value model
+        metrics["train/value_grad_norm"] = torch.stack(grad_norms["critic"]).mean().item()
     metrics["train/epochs"] = n_updates // cfg.num_minibatches
     return metrics
 
@@ -544,10 +549,8 @@ def ppo_loss(run, batch, rows, n_tokens):
     the minibatch's token mean (n_tokens: its real tokens on every rank), through the wrapped models. Returns the loss
     and its terms by metric name (ppo_update detaches and sums them)."""
     cfg = run.cfg
-    actor = run.wrapped[0]
-    critic = None  # --value_model shared: the actor's forward pass gives the values too
-    if run.critic is not None:
-        critic = run.wrapped[1]
+    actor = run.wrapped["actor"]
+    critic = run.wrapped.get("critic")  # None for --value_model shared: the actor's forward pass gives the values too
     mask = batch["mask"][rows]
     attn = None if batch["attn"] is None else batch["attn"][rows]
     with run.rt.autocast():  # (n, H) each, under the sampling distribution, as old_logp
@@ -608,15 +611,15 @@ class PolicyWithValueHead(nn.Module):
         for p in self.value_head.parameters():
             nn.init.zeros_(p)
 
-    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, output="logits", **dist):
+    def forward(self, idx, attention_mask=None, cache=None, keep_last=0, targets=None, output="logits", **sampling):
         """(logits (B, T, V), values (B, T)); with targets and output="logprobs", (log p(targets), entropy or None,
-        values), each (B, T), from linear_logprobs (as GPT.forward: the logits stay inside), dist its entropy,
+        values), each (B, T), from linear_logprobs (as GPT.forward: the logits stay inside), sampling its entropy,
         temperature and top_k: the log-probs and entropy of the sampling distribution."""
         h, _ = self.policy(idx, attention_mask=attention_mask, cache=cache, output="hidden", keep_last=keep_last)
         values = self.value_head(h).squeeze(-1).float()
         if targets is None or output != "logprobs":
             return self.policy.lm_head(h), values
-        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **dist)
+        logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **sampling)
         return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
 
 
@@ -686,8 +689,9 @@ def sample_windows(ids, n, context_len, horizon):
 
 
 def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H) of the next_token task: plus1 gives 1 where a token equals the truth, else 0; pm1 gives
-    +1 / -1; partial credit adds partial_logprob * log p(true token | rollout prefix) (detached)."""
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
     match = (completion == truth).float()  # (N, H)
     rewards = match if mode == "plus1" else 2 * match - 1
     if partial_logprob:
@@ -1219,7 +1223,9 @@ def setup(cfg):
     value_model = actor.value_head if critic is None else critic  # what ckpt.pt's value_model holds
     if ckpt is not None:
         value_model.load_state_dict(ckpt["value_model"])
-    trained = [m.to(rt.device) for m in (actor, critic) if m is not None]
+    trained = {"actor": actor.to(rt.device)}  # by name: the actor, and a separate value model (the critic)
+    if critic is not None:
+        trained["critic"] = critic.to(rt.device)
     size = model.config.block_size
     if critic is not None:
         size = min(size, critic.body.config.block_size)
@@ -1248,15 +1254,18 @@ def setup(cfg):
     run.tok = tok
     run.actor = actor
     run.critic = critic
-    run.wrapped = [wrap_model(m, rt, cfg.compile) for m in trained]  # the actor, then a separate value model
-    # the actor's, then a separate value model's; ppo_step sets their learning rates (--lr, --value_lr) every step
-    run.optimizers = [make_optimizer(m, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device) for m in trained]
+    run.wrapped = {name: wrap_model(m, rt, cfg.compile) for name, m in trained.items()}
+    # ppo_step sets their learning rates (--lr, --value_lr) every step
+    run.optimizers = {
+        name: make_optimizer(m, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device) for name, m in trained.items()
+    }
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)  # one for both optimizers
     run.kl_ctl = AdaptiveKLController(cfg.beta_kl, cfg.target_kl, cfg.kl_horizon)
     if ckpt is not None:
         run.kl_ctl.value = ckpt["kl_coef"]  # where --adaptive_kl had moved it
-        for m, opt, key in zip(trained, run.optimizers, ("optimizer", "value_optimizer")):
-            load_optimizer_state(m, opt, ckpt[key], rt)
+        ckpt_key = {"actor": "optimizer", "critic": "value_optimizer"}
+        for name, m in trained.items():
+            load_optimizer_state(m, run.optimizers[name], ckpt[ckpt_key[name]], rt)
         restore_rng(ckpt, rt)
         # float16 runs' loss scale and growth tracker; a checkpoint without one (older, or another dtype) keeps the new
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
@@ -1271,8 +1280,8 @@ def setup(cfg):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
-    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    """A fingerprint of a model's weights: the sum of every entry of its state dict, in float64 on the CPU (the same
+    on every device). A run saves it in ckpt.pt, and a resumed run compares it with its own model's."""
     return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 
@@ -1287,7 +1296,7 @@ def save(run, step):
     (the shared head; or a GPT body and head, its config and optimizer), the reference of --reference init, every
     rank's RNG, and the loop's state. Every rank calls it: under FSDP, gathering the state is collective."""
     rt = run.rt
-    actor_sd, optim_sd = training_state(run.actor, run.optimizers[0], rt)
+    actor_sd, optim_sd = training_state(run.actor, run.optimizers["actor"], rt)
     ckpt = {
         "tokens": run.tokens,
         "first_eval": run.first_eval,
@@ -1300,7 +1309,7 @@ def save(run, step):
         value_sd = strip_prefix(actor_sd, "value_head.")
     else:
         model_sd = actor_sd
-        value_sd, value_optim_sd = training_state(run.critic, run.optimizers[1], rt)
+        value_sd, value_optim_sd = training_state(run.critic, run.optimizers["critic"], rt)
         ckpt["value_model_config"] = dataclasses.asdict(run.critic.body.config)
         ckpt["value_optimizer"] = value_optim_sd
     rngs = all_rng_states(rt)

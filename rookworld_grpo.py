@@ -1433,8 +1433,8 @@ def peak_memory_mb(rt):
 
 
 def weights_checksum(model):
-    """A fingerprint of a model's weights: a resumed run checks that --reference / --init_from still hold them (or
-    the reference as --ref_sync_steps left it). Summed on the CPU: the same on every device."""
+    """A fingerprint of a model's weights: the sum of every entry of its state dict, in float64 on the CPU (the same
+    on every device). A run saves it in ckpt.pt, and a resumed run compares it with its own model's."""
     return float(sum(v.cpu().double().sum() for v in model.state_dict().values()))
 
 

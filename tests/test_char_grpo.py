@@ -31,16 +31,17 @@ def test_rewards_hand_values_for_both_modes_and_partial_credit():
     """Rollout 'abxd' vs truth 'abcd': plus1 -> 1 1 0 1; pm1 -> 1 1 -1 1; partial credit adds w * log p."""
     rollout = torch.tensor([[0, 1, 9, 3]])
     truth = torch.tensor([[0, 1, 2, 3]])
-    assert cg.char_rewards(rollout, truth, "plus1").tolist() == [[1, 1, 0, 1]]
-    assert cg.char_rewards(rollout, truth, "pm1").tolist() == [[1, 1, -1, 1]]
+    assert cg.token_rewards(rollout, truth, "plus1").tolist() == [[1, 1, 0, 1]]
+    assert cg.token_rewards(rollout, truth, "pm1").tolist() == [[1, 1, -1, 1]]
     logp_true = torch.log(torch.tensor([[0.5, 0.25, 0.125, 1.0]]))
-    got = cg.char_rewards(rollout, truth, "plus1", logp_true, 0.5)
+    got = cg.token_rewards(rollout, truth, "plus1", logp_true, 0.5)
     assert torch.allclose(got, torch.tensor([[1 - 0.5 * math.log(2), 1 - math.log(2), -1.5 * math.log(2), 1.0]]))
 
 
 def test_bigram_reference_is_the_normalised_add_one_counts():
     """ids 0 1 0 1 2 over a 3-token vocabulary: p(next | prev) = (count + 1) / (count(prev) + 3), rows sum to 1."""
-    table = cg.bigram_logprobs(torch.tensor([0, 1, 0, 1, 2]), 3).exp()
+    prev, nxt = torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij")
+    table = cg.BigramReference(torch.tensor([0, 1, 0, 1, 2]), 3)(prev, nxt).exp()
     counts = torch.tensor([[0.0, 2, 0], [1, 0, 1], [0, 0, 0]]) + 1
     assert torch.allclose(table, counts / counts.sum(1, keepdim=True))
     assert torch.allclose(table.sum(1), torch.ones(3))
@@ -96,7 +97,10 @@ def test_logprobs_entropy_and_reference_are_those_of_the_sampling_temperature(tm
     text = text_file.read_text()
     chars = sorted(set(text))
     ids = torch.tensor([chars.index(c) for c in text])
-    table = cg.bigram_logprobs(ids[: int(0.9 * len(ids))], len(chars)).double()  # (V, V) log p(next | previous)
+    train = ids[: int(0.9 * len(ids))]
+    counts = torch.ones(len(chars), len(chars), dtype=torch.double)  # add-one counts of (previous, next)
+    counts.index_put_((train[:-1], train[1:]), torch.ones(len(train) - 1, dtype=torch.double), accumulate=True)
+    table = (counts / counts.sum(1, keepdim=True)).log()  # (V, V) log p(next | previous)
     ref_logp = torch.log_softmax(table[seq[:, C - 1 : -1]] / T, -1).gather(-1, completion)[..., 0]
     assert torch.allclose(kls[0].double(), ref_logp, atol=1e-5)
 
@@ -108,6 +112,16 @@ def test_k1_as_the_kl_loss_term_is_refused_with_exit_2(capsys):
         cg.validate(cg.resolve_clip(cg.Config(kl_estimator="k1")))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "k1" in err and "gradient" in err
+
+
+def test_adv_takes_grpo_py_names_and_refuses_outcome_with_exit_2(capsys):
+    """--adv group is grpo.py's name for outcome advantages; the value outcome is refused like any unknown value:
+    one line naming the flag and the values it takes, exit code 2."""
+    cg.validate(cg.resolve_clip(cg.Config(adv="group")))
+    with pytest.raises(SystemExit) as e:
+        cg.validate(cg.resolve_clip(cg.Config(adv="outcome")))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--adv" in err and "group" in err
 
 
 def test_float16_loss_scale_is_saved_and_restored_on_resume(tmp_path, text_file, monkeypatch):
@@ -189,13 +203,13 @@ sys.path.insert(0, {root!r})
 import char_grpo as cg
 
 seen = {{"rewards": [], "match": [], "adv": []}}
-char_rewards = cg.char_rewards
+token_rewards = cg.token_rewards
 policy_loss = cg.policy_loss
 
 
 def rewards_spy(rollouts, truth, *args):
     seen["match"].append((rollouts == truth).float())
-    seen["rewards"].append(char_rewards(rollouts, truth, *args))
+    seen["rewards"].append(token_rewards(rollouts, truth, *args))
     return seen["rewards"][-1]
 
 
@@ -204,7 +218,7 @@ def loss_spy(logp, old_logp, adv, *args, **kwargs):
     return policy_loss(logp, old_logp, adv, *args, **kwargs)
 
 
-cg.char_rewards = rewards_spy
+cg.token_rewards = rewards_spy
 cg.policy_loss = loss_spy
 cg.main()
 torch.save(seen, os.path.join(os.environ["SPY_DIR"], "seen" + os.environ["RANK"] + ".pt"))
@@ -220,7 +234,7 @@ def test_two_process_gloo_run(tmp_path, text_file):
     out = tmp_path / "run"
     spy = tmp_path / "spy.py"
     spy.write_text(SPY.format(root=str(ROOT)))
-    args = [*SMALL_RUN, "--adv", "outcome", "--scale_rewards", "batch", "--partial_logprob", "0.1"]
+    args = [*SMALL_RUN, "--adv", "group", "--scale_rewards", "batch", "--partial_logprob", "0.1"]
     proc = torchrun(
         spy,
         2,

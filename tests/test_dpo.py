@@ -734,7 +734,7 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_pat
     proc = run_script("dpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "3"})
     assert proc.returncode == 143, proc.stderr[-2000:]
     ckpt = torch.load(part / "ckpt.pt", weights_only=True)
-    assert ckpt["step"] == 3 and ckpt["ref_logps"]["train"].shape == (76, 2) and ckpt["bco"][1] == 3 * 2 * 4
+    assert ckpt["step"] == 3 and ckpt["ref_logps"]["train"].shape == (76, 2) and ckpt["bco_count"] == 3 * 2 * 4
     proc = run_script("dpo.py", "--resume", "--out_dir", part)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert metrics(part) == metrics(full)
