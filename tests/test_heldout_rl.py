@@ -172,8 +172,9 @@ def test_overoptimization_png_draws_best_of_n_beside_the_rl_run(tmp_path, monkey
 
 def test_grpo_draws_overoptimization_against_the_kl_of_the_rollouts_the_rewards_score(tmp_path):
     """With --mask_truncated or --dynamic_sampling, the batch trained on differs from the first sampling round, whose
-    rewards overoptimization.png draws: rl/rollout_kl is k1 summed over every token of each first-round completion, and
-    collect keeps the sampling policy's log-probs it needs (a learned arithmetic reward)."""
+    rewards overoptimization.png draws: rl/rollout_kl is the first round's k1 summed over every token of each
+    completion. collect measures it in a pass of its own (sampling policy against the reference), and leaves
+    old_logp unset: with one update per batch the update never depends on what is logged."""
     rm_path = reward_checkpoint(tmp_path / "rm.pt", "orm")
     task = arithmetic_task(grpo, tmp_path, reward_model=str(rm_path), eval_size=4)
     rt = task_runtime(grpo)
@@ -184,17 +185,23 @@ def test_grpo_draws_overoptimization_against_the_kl_of_the_rollouts_the_rewards_
         "mask": mask,
         "info": ["1\n", "2\n", "3\n", "4\n"],
         "rewards": torch.randn(4),
-        "old_logp": -torch.rand(4, 4),
-        "ref_logp": -torch.rand(4, 4),
+        "rollout_kl": torch.tensor([0.5, 1.0, 1.5, 4.0]),
     }
     batch = {"mask": mask[:2].repeat(2, 1), "truncated": torch.tensor([True, False, True, False])}  # other rows
     metrics = grpo.rollout_metrics(task, first, batch, 2, rt)
-    expected = ((first["old_logp"] - first["ref_logp"]) * mask).sum(1).mean().item()
-    assert metrics["rl/rollout_kl"] == pytest.approx(expected, rel=1e-6)
+    assert metrics["rl/rollout_kl"] == pytest.approx(1.75)
     cfg = grpo.Config(task="arithmetic", reward_model=str(rm_path), horizon=4, group_size=2, mask_truncated=True)
     policy = tiny_policy(grpo)
-    collected = grpo.collect(task, policy, tiny_policy(grpo), cfg, rt, 2)
-    assert collected["old_logp"] is not None and collected["old_logp"].shape == (4, 4)
+    reference = tiny_policy(grpo)
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(2.0)  # another model: a KL to measure
+    collected = grpo.collect(task, policy, reference, cfg, rt, 2)
+    assert collected["old_logp"] is None
+    seq, attn = grpo.join(collected["prompts"], collected["completion"])
+    logp = grpo.completion_logprobs(policy, seq, attn, 4, temperature=cfg.temperature, top_k=cfg.top_k or None)[0]
+    expected = ((logp - collected["ref_logp"]) * collected["mask"]).sum(1)  # (N,)
+    assert torch.allclose(collected["rollout_kl"], expected, rtol=1e-5, atol=1e-6)
+    assert collected["rollout_kl"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
