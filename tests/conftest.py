@@ -38,6 +38,38 @@ def restore_signal_handlers():
         signal.signal(s, handler)
 
 
+SCRIPTS = ("gpt", "char_grpo", "grpo", "ppo", "dpo", "reward_model", "rookworld_grpo")
+
+
+@pytest.fixture(autouse=True)
+def no_training_curves_in_process(request, monkeypatch):
+    """A script's main() run in this process skips drawing training_curves.png: a figure of up to twenty panels is
+    most of a tiny run's time. Runs in a subprocess draw it, and so does a test marked @pytest.mark.plots (one that
+    checks the picture is written)."""
+    if request.node.get_closest_marker("plots"):
+        return
+    for name in SCRIPTS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "plot_curves"):
+            monkeypatch.setattr(module, "plot_curves", lambda *args: None)
+
+
+def _run_folders():
+    """The default run folders (out/<script>-<timestamp>) in the repository and in the working folder."""
+    return {p for folder in {ROOT / "out", Path.cwd() / "out"} if folder.is_dir() for p in folder.iterdir()}
+
+
+@pytest.fixture(autouse=True)
+def no_run_in_the_default_out_dir():
+    """Every run a test starts passes --out_dir under tmp_path. A run in the default out/<script>-<timestamp> would
+    leave a folder in the repository, and under pytest-xdist (-n auto) two runs started in the same second by
+    different workers would meet in the same folder."""
+    before = _run_folders()
+    yield
+    new = sorted(str(p) for p in _run_folders() - before)
+    assert not new, f"a run wrote to the default out_dir {new}: pass --out_dir under tmp_path"
+
+
 def _bpe_available():
     try:
         import tiktoken

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, hh_file, metrics, run_script, torchrun
+from conftest import ROOT, char_checkpoint, hh_file, metrics, run_main, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -419,7 +419,7 @@ def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_vf_coef_weighs_the_value_loss_only_where_the_trunk_is_shared(tmp_path, text_file, value_model):
+def test_vf_coef_weighs_the_value_loss_only_where_the_trunk_is_shared(tmp_path, text_file, value_model, monkeypatch):
     """A separate value model shares no parameter with the policy and has its own AdamW, so it minimises L_V itself:
     --vf_coef 0.1 and 3 give the same run, metrics included (a weight would only move where its clipping starts).
     With the shared trunk, vf_coef weighs L_V against the policy loss in one gradient: the runs differ."""
@@ -427,14 +427,13 @@ def test_vf_coef_weighs_the_value_loss_only_where_the_trunk_is_shared(tmp_path, 
     runs = []
     for vf_coef in ("0.1", "3"):
         out = tmp_path / vf_coef
-        proc = run_script("ppo.py", *common, "--vf_coef", vf_coef, "--out_dir", out)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        run_main(ppo, monkeypatch, *common, "--vf_coef", vf_coef, "--out_dir", out)
         runs.append(metrics(out))
     assert (runs[0] == runs[1]) == (value_model == "separate")
 
 
 @pytest.mark.slow
-def test_reward_model_task_with_the_value_model_initialised_from_the_reward_model(tmp_path):
+def test_reward_model_task_with_the_value_model_initialised_from_the_reward_model(tmp_path, monkeypatch):
     """HH prompts scored by a reward_model.py checkpoint, which also initialises the value model (body and head):
     the first step's values are the reward model's scores of the prompt prefixes, so they are not all zero."""
     data = hh_file(tmp_path / "hh.jsonl")
@@ -442,13 +441,13 @@ def test_reward_model_task_with_the_value_model_initialised_from_the_reward_mode
     init = char_checkpoint(tmp_path / "init.pt", chars, block_size=64)
     rm = char_checkpoint(tmp_path / "rm.pt", chars, block_size=64, seed=1, reward_head=True)
     out = tmp_path / "run"
-    proc = run_script(
-        "ppo.py",
+    run_main(
+        ppo,
+        monkeypatch,
         *["--task", "reward_model", "--init_from", init, "--reward_model", rm, "--data_path", data],
         *["--value_init", "reward_model", "--max_prompt_len", "40", "--horizon", "8", "--batch_size", "4"],
         *["--num_minibatches", "2", "--max_steps", "2", "--eval_every", "2", "--eval_size", "4", "--out_dir", out],
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "final_results.json").read_text())
     assert results["before"]["kl"] == pytest.approx(0.0, abs=1e-5)
     assert np.isfinite(results["after"]["rm_score"]) and results["after"]["completion_len"] == 8
@@ -541,7 +540,7 @@ def test_a_policy_checkpoint_cannot_initialise_the_value_model_as_a_reward_model
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_mean_reward_rises_on_the_dense_next_token_task(tmp_path):
+def test_mean_reward_rises_on_the_dense_next_token_task(tmp_path, monkeypatch):
     """A tiny char model from scratch on a text that repeats one short phrase: PPO with its value model lifts the
     per-token reward far above chance (about 1/11) within 30 steps."""
     path = tmp_path / "rep.txt"
@@ -550,8 +549,7 @@ def test_mean_reward_rises_on_the_dense_next_token_task(tmp_path):
     args = ["--data", path, "--tokenizer", "char", "--n_layer", "2", "--n_head", "2", "--n_embd", "32"]
     args += ["--block_size", "32", "--context_len", "8", "--horizon", "8", "--batch_size", "32", "--max_steps", "30"]
     args += ["--lr", "3e-3", "--warmup_steps", "5", "--eval_every", "30", "--eval_size", "32", "--log_every", "30"]
-    proc = run_script("ppo.py", *args, "--out_dir", out, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(ppo, monkeypatch, *args, "--out_dir", out)
     rewards = [r["rl/reward_mean"] for r in metrics(out) if "rl/reward_mean" in r]
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert last > 2 * first and last > first + 0.1, (first, last)  # measured here: 0.105 -> 0.302

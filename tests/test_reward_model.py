@@ -618,6 +618,7 @@ def arithmetic_sft(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.plots
 @pytest.mark.parametrize("task", ["orm", "prm"])
 def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, monkeypatch, arithmetic_sft, task):
     """Issue #21: --init_from a gpt.py arithmetic SFT model with its char tokenizer trains (the data stays inside its
