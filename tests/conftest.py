@@ -119,6 +119,20 @@ def run_main(module, monkeypatch, *args):
     module.main()
 
 
+def run_main_in_fixture(module, *args):
+    """run_main for a module- or session-scoped fixture (which has no monkeypatch of its own): sys.argv and the signal
+    handlers are put back afterwards, and training_curves.png is not drawn."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if hasattr(module, "plot_curves"):
+                mp.setattr(module, "plot_curves", lambda *a: None)
+            run_main(module, mp, *args)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
 def run_script(script, *args, timeout=300, env=None, cwd=None):
     """Run a top-level script in a subprocess; returns the CompletedProcess (text output captured)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
