@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, metrics, run_script, torchrun
+from conftest import ROOT, metrics, run_main, run_script, torchrun
 
 import char_grpo as cg
 
@@ -129,17 +129,17 @@ def test_float16_loss_scale_is_saved_and_restored_on_resume(tmp_path, text_file,
 
 
 @pytest.mark.slow
-def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file):
+@pytest.mark.plots
+def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file, monkeypatch):
     """A few GRPO steps write SPEC section 4's folder; stopping at 4 of 6 steps and resuming gives the same metrics."""
     common = ["--data", text_file, *SMALL_RUN, "--eval_every", "2", "--save_every", "2", "--log_every", "1"]
     full = tmp_path / "full"
     part = tmp_path / "part"
     args = ["--reference", "init", "--partial_logprob", "0.1", "--num_iterations", "2", "--grad_accum", "2"]
-    assert run_script("char_grpo.py", *common, *args, "--out_dir", full, "--max_steps", "6").returncode == 0
+    run_main(cg, monkeypatch, *common, *args, "--out_dir", full, "--max_steps", "6")
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (full / name).is_file(), name
-    proc = run_script("char_grpo.py", *common, *args, "--out_dir", part, "--max_steps", "4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(cg, monkeypatch, *common, *args, "--out_dir", part, "--max_steps", "4")
     # resuming keeps the run's settings; only --max_steps is given again (the lr schedule follows max_steps)
     cfg = json.loads((part / "config.json").read_text())
     assert cfg["reference"] == "init"

@@ -46,13 +46,13 @@ def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file,
 
 
 @pytest.mark.slow
-def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
+def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file, monkeypatch):
     """Stop after 8 of 12 steps, resume: metrics.jsonl equals the uninterrupted run's (dropout on, so RNG matters)."""
     common = ["--data", text_file, *RUN, "--dropout", "0.1", "--eval_every", "4", "--save_every", "4"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "12"))
-    assert_ok(run_script("gpt.py", *common, "--out_dir", part, "--max_steps", "8", "--lr_decay_steps", "12"))
-    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "12"))
+    run_main(gpt, monkeypatch, *common, "--out_dir", full, "--max_steps", "12")
+    run_main(gpt, monkeypatch, *common, "--out_dir", part, "--max_steps", "8", "--lr_decay_steps", "12")
+    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "12"))  # a fresh interpreter
     assert metrics(part) == metrics(full)
     a = torch.load(full / "ckpt.pt", weights_only=True)["model"]
     b = torch.load(part / "ckpt.pt", weights_only=True)["model"]
@@ -60,15 +60,15 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
 
 
 @pytest.mark.slow
-def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
+def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file, monkeypatch):
     """With --dtype float16 the GradScaler's state (its loss scale and growth tracker) is part of the checkpoint:
     a run resumed at step 4 ends with the uninterrupted run's scaler state and metrics, instead of restarting at
     scale 65536 and skipping steps the uninterrupted run would not."""
     common = ["--data", text_file, *RUN, "--dtype", "float16", "--device", "cpu", "--eval_every", "6"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "6"))
-    assert_ok(run_script("gpt.py", *common, "--out_dir", part, "--max_steps", "4", "--lr_decay_steps", "6"))
-    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "6"))
+    run_main(gpt, monkeypatch, *common, "--out_dir", full, "--max_steps", "6")
+    run_main(gpt, monkeypatch, *common, "--out_dir", part, "--max_steps", "4", "--lr_decay_steps", "6")
+    run_main(gpt, monkeypatch, "--resume", "--out_dir", part, "--max_steps", "6")
     scaler = torch.load(full / "ckpt.pt", weights_only=True)["scaler"]
     assert scaler["_growth_tracker"] == 6  # six finite steps in a row: the scaler is in use on this device
     assert torch.load(part / "ckpt.pt", weights_only=True)["scaler"] == scaler

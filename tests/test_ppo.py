@@ -366,7 +366,8 @@ def test_first_update_ratio_is_exactly_1_under_temperature_and_top_k(tmp_path, m
 
 
 @pytest.mark.slow
-def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file):
+@pytest.mark.plots
+def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file, monkeypatch):
     """SIGTERM after 2 of 4 steps saves and exits 143; --resume continues to exactly the uninterrupted metrics, the
     adaptive KL coefficient and both optimizers included (separate value model, 2 epochs of 2 minibatches of 2
     micro-batches, entropy bonus, bigram reference). The checkpoint's policy loads into gpt.py's GPT."""
@@ -375,8 +376,7 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
     common += ["--adaptive_kl", "--target_kl", "0.01", "--kl_horizon", "20", "--warmup_steps", "0", "--max_steps", "4"]
     common += ["--lr", "1e-2", "--value_lr", "3e-2"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("ppo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(ppo, monkeypatch, *common, "--out_dir", full)
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (full / name).is_file(), name
     proc = run_script("ppo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "2"})
@@ -400,17 +400,20 @@ def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text
 
 
 @pytest.mark.slow
-def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
+def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file, monkeypatch):
     """With --dtype float16 the GradScaler's state (loss scale, growth tracker) is part of ckpt.pt: a run stopped
     after step 1 and resumed ends with the uninterrupted run's scaler state and metrics, instead of restarting at
     scale 65536 with a fresh growth tracker."""
     common = ["--data", text_file, *NEXT, "--dtype", "float16", "--device", "cpu", "--ppo_epochs", "1"]
     common += ["--max_steps", "2", "--eval_every", "2", "--eval_size", "8"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert run_script("ppo.py", *common, "--out_dir", full).returncode == 0
-    proc = run_script("ppo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
-    assert proc.returncode == 143, proc.stderr[-2000:]
-    assert run_script("ppo.py", "--resume", "--out_dir", part).returncode == 0
+    run_main(ppo, monkeypatch, *common, "--out_dir", full)
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(ppo, monkeypatch, *common, "--out_dir", part)
+    assert exit_info.value.code == 143
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    run_main(ppo, monkeypatch, "--resume", "--out_dir", part)
     scaler = torch.load(full / "ckpt.pt", weights_only=True)["scaler"]
     assert scaler["_growth_tracker"] == 4  # 2 steps of 2 finite updates: the scaler is in use on this device
     assert torch.load(part / "ckpt.pt", weights_only=True)["scaler"] == scaler

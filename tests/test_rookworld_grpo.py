@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import chess
 import pytest
 import torch
-from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_main_in_fixture, run_script, torchrun
+from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_main, run_main_in_fixture, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -429,16 +429,16 @@ def test_make_data_writes_distinct_lines_of_both_tasks_and_never_overwrites(sft,
 
 
 @pytest.mark.slow
+@pytest.mark.plots
 @needs_bpe
-def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft):
+def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft, monkeypatch):
     """Two steps on batches of one P: and one A: prompt; SIGTERM after step 1 saves and exits 143, and --resume
     continues to exactly the uninterrupted metrics. Both tasks are evaluated and sampled."""
     data, init = sft
     common = ["--init_from", init, "--data_path", data, *GRPO, "--max_steps", "2", "--eval_every", "2"]
     common += ["--save_every", "1", "--entropy_coef", "0.01", "--kl_type", "symmetric", "--device", "cpu"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("rookworld_grpo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(rw, monkeypatch, *common, "--out_dir", full)
     proc = run_script("rookworld_grpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
     assert proc.returncode == 143, proc.stderr[-2000:]
     proc = run_script("rookworld_grpo.py", "--resume", "--out_dir", part)
@@ -596,19 +596,20 @@ def test_scale_rewards_batch_divides_by_the_std_of_every_ranks_rewards(tmp_path,
 
 @pytest.mark.slow
 @needs_bpe
-def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
+def test_float16_resume_restores_the_loss_scale(tmp_path, sft, monkeypatch):
     """--dtype float16 (autocast and a GradScaler, here on CPU): the checkpoint holds the scaler's state, and a run
     stopped after step 1 and resumed ends with the uninterrupted run's loss scale, growth tracker and metrics."""
     data, init = sft
     common = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "2"]
     common += ["--save_every", "1", "--beta_kl", "0", "--dtype", "float16", "--device", "cpu"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("rookworld_grpo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_script("rookworld_grpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
-    assert proc.returncode == 143, proc.stderr[-2000:]
-    proc = run_script("rookworld_grpo.py", "--resume", "--out_dir", part)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(rw, monkeypatch, *common, "--out_dir", full)
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(rw, monkeypatch, *common, "--out_dir", part)
+    assert exit_info.value.code == 143
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    run_main(rw, monkeypatch, "--resume", "--out_dir", part)
     scalers = [torch.load(run / "ckpt.pt", weights_only=True)["scaler"] for run in (full, part)]
     assert scalers[0] and scalers[0] == scalers[1]
     assert metrics(full) == metrics(part)
@@ -616,7 +617,7 @@ def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
 
 @pytest.mark.slow
 @needs_bpe
-def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path, sft):
+def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path, sft, monkeypatch):
     """The reference is reloaded from --init_from on --resume; when that file now holds other weights the resume
     ends with one line and exit code 2 instead of anchoring the KL to another model."""
     data, _ = sft
@@ -624,8 +625,7 @@ def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path,
     shutil.copy(sft[1], init)
     out = tmp_path / "run"
     args = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "1", "--device", "cpu"]
-    proc = run_script("rookworld_grpo.py", *args, "--out_dir", out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(rw, monkeypatch, *args, "--out_dir", out)
     ckpt = torch.load(init, weights_only=True)
     ckpt["model"]["transformer.ln_f.weight"] += 0.01
     torch.save(ckpt, init)
