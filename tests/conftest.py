@@ -1,4 +1,7 @@
-"""Shared fixtures: offline environment, small synthetic data (no downloads), subprocess runs of the scripts."""
+"""Shared fixtures: offline environment, small synthetic data (no downloads), runs of the scripts in this process
+(run_main: no interpreter start, no training_curves.png) and in a subprocess (run_script, torchrun: where the test is
+about exit codes, signals, stderr, torchrun or a fresh interpreter). The suite runs in parallel (pytest -n auto), so
+every run writes under its test's tmp_path."""
 
 import json
 import os
