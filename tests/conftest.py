@@ -1,4 +1,7 @@
-"""Shared fixtures: offline environment, small synthetic data (no downloads), subprocess runs of the scripts."""
+"""Shared fixtures: offline environment, small synthetic data (no downloads), runs of the scripts in this process
+(run_main: no interpreter start, no training_curves.png) and in a subprocess (run_script, torchrun: where the test is
+about exit codes, signals, stderr, torchrun or a fresh interpreter). The suite runs in parallel (pytest -n auto), so
+every run writes under its test's tmp_path."""
 
 import json
 import os
@@ -36,6 +39,38 @@ def restore_signal_handlers():
     yield
     for s, handler in handlers.items():
         signal.signal(s, handler)
+
+
+SCRIPTS = ("gpt", "char_grpo", "grpo", "ppo", "dpo", "reward_model", "rookworld_grpo")
+
+
+@pytest.fixture(autouse=True)
+def no_training_curves_in_process(request, monkeypatch):
+    """A script's main() run in this process skips drawing training_curves.png: a figure of up to twenty panels is
+    most of a tiny run's time. Runs in a subprocess draw it, and so does a test marked @pytest.mark.plots (one that
+    checks the picture is written)."""
+    if request.node.get_closest_marker("plots"):
+        return
+    for name in SCRIPTS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "plot_curves"):
+            monkeypatch.setattr(module, "plot_curves", lambda *args: None)
+
+
+def _run_folders():
+    """The default run folders (out/<script>-<timestamp>) in the repository and in the working folder."""
+    return {p for folder in {ROOT / "out", Path.cwd() / "out"} if folder.is_dir() for p in folder.iterdir()}
+
+
+@pytest.fixture(autouse=True)
+def no_run_in_the_default_out_dir():
+    """Every run a test starts passes --out_dir under tmp_path. A run in the default out/<script>-<timestamp> would
+    leave a folder in the repository, and under pytest-xdist (-n auto) two runs started in the same second by
+    different workers would meet in the same folder."""
+    before = _run_folders()
+    yield
+    new = sorted(str(p) for p in _run_folders() - before)
+    assert not new, f"a run wrote to the default out_dir {new}: pass --out_dir under tmp_path"
 
 
 def _bpe_available():
@@ -85,6 +120,20 @@ def run_main(module, monkeypatch, *args):
     autouse restore_signal_handlers fixture puts back the signal handlers main() installs."""
     monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, args)])
     module.main()
+
+
+def run_main_in_fixture(module, *args):
+    """run_main for a module- or session-scoped fixture (which has no monkeypatch of its own): sys.argv and the signal
+    handlers are put back afterwards, and training_curves.png is not drawn."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if hasattr(module, "plot_curves"):
+                mp.setattr(module, "plot_curves", lambda *a: None)
+            run_main(module, mp, *args)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def run_script(script, *args, timeout=300, env=None, cwd=None):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, metrics, run_script, torchrun
+from conftest import ROOT, metrics, run_main, run_script, torchrun
 
 import char_grpo as cg
 
@@ -143,17 +143,17 @@ def test_float16_loss_scale_is_saved_and_restored_on_resume(tmp_path, text_file,
 
 
 @pytest.mark.slow
-def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file):
+@pytest.mark.plots
+def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_file, monkeypatch):
     """A few GRPO steps write SPEC section 4's folder; stopping at 4 of 6 steps and resuming gives the same metrics."""
     common = ["--data", text_file, *SMALL_RUN, "--eval_every", "2", "--save_every", "2", "--log_every", "1"]
     full = tmp_path / "full"
     part = tmp_path / "part"
     args = ["--reference", "init", "--partial_logprob", "0.1", "--num_iterations", "2", "--grad_accum", "2"]
-    assert run_script("char_grpo.py", *common, *args, "--out_dir", full, "--max_steps", "6").returncode == 0
+    run_main(cg, monkeypatch, *common, *args, "--out_dir", full, "--max_steps", "6")
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (full / name).is_file(), name
-    proc = run_script("char_grpo.py", *common, *args, "--out_dir", part, "--max_steps", "4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(cg, monkeypatch, *common, *args, "--out_dir", part, "--max_steps", "4")
     # resuming keeps the run's settings; only --max_steps is given again (the lr schedule follows max_steps)
     cfg = json.loads((part / "config.json").read_text())
     assert cfg["reference"] == "init"
@@ -170,23 +170,11 @@ def test_run_writes_the_run_folder_and_resume_reproduces_metrics(tmp_path, text_
 
 
 @pytest.mark.slow
-def test_supervised_and_compare_runs(tmp_path, text_file):
+def test_supervised_and_compare_runs(tmp_path, text_file, monkeypatch):
     """--compare runs GRPO then the supervised baseline on the same token budget; final_results.json holds both."""
     out = tmp_path / "cmp"
-    proc = run_script(
-        "char_grpo.py",
-        "--data",
-        text_file,
-        *SMALL_RUN,
-        "--compare",
-        "--max_steps",
-        "3",
-        "--eval_every",
-        "3",
-        "--out_dir",
-        out,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = ["--data", text_file, *SMALL_RUN, "--compare", "--max_steps", "3", "--eval_every", "3", "--out_dir", out]
+    assert run_in_process(args, monkeypatch) == 0
     results = json.loads((out / "final_results.json").read_text())
     assert results["grpo"]["tokens"] == results["supervised"]["tokens"] == 3 * 4 * 4 * 4
     assert (out / "compare.png").is_file() and (out / "supervised" / "ckpt.pt").is_file()
@@ -269,35 +257,14 @@ def test_two_process_gloo_run(tmp_path, text_file):
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_mean_reward_rises_on_repetitive_text(tmp_path):
+def test_mean_reward_rises_on_repetitive_text(tmp_path, monkeypatch):
     """On a text that repeats one short phrase, GRPO alone lifts the per-character reward far above chance."""
     path = tmp_path / "rep.txt"
     path.write_text("the cat sat on the mat. " * 400)  # chance per character: about 1/11
     out = tmp_path / "run"
-    proc = run_script(
-        "char_grpo.py",
-        "--data",
-        path,
-        *TINY,
-        "--horizon",
-        "8",
-        "--batch_size",
-        "8",
-        "--group_size",
-        "8",
-        "--max_steps",
-        "80",
-        "--lr",
-        "3e-3",
-        "--warmup_steps",
-        "5",
-        "--eval_every",
-        "80",
-        "--out_dir",
-        out,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = ["--data", path, *TINY, "--horizon", "8", "--batch_size", "8", "--group_size", "8", "--max_steps", "80"]
+    args += ["--lr", "3e-3", "--warmup_steps", "5", "--eval_every", "80", "--out_dir", out]
+    assert run_in_process(args, monkeypatch) == 0
     rewards = [r["rl/reward_mean"] for r in metrics(out) if "rl/reward_mean" in r]
     start = sum(rewards[:5]) / 5
     end = sum(rewards[-5:]) / 5

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, metrics, needs_bpe, run_script, torchrun
+from conftest import ROOT, metrics, needs_bpe, run_main, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -630,12 +630,6 @@ def hh(tmp_path_factory):
     return SimpleNamespace(data=path, small=small, init=folder / "init.pt", folder=folder, chars=chars, config=config)
 
 
-@pytest.fixture(autouse=True)
-def no_plots_in_process(monkeypatch):
-    """In-process runs skip drawing training_curves.png (most of a tiny run's time); subprocess runs draw it."""
-    monkeypatch.setattr(dpo, "plot_curves", lambda *args: None)
-
-
 def base_args(hh):
     return [
         "--data_path",
@@ -721,14 +715,14 @@ def test_training_batches_give_chosen_and_rejected_rows_the_same_prompt(tmp_path
 
 
 @pytest.mark.slow
-def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_path, hh):
+@pytest.mark.plots
+def test_run_writes_the_run_folder_and_resume_reproduces_metrics_exactly(tmp_path, hh, monkeypatch):
     """Stopped by SIGTERM after 3 of 6 steps and resumed: the same metrics as the uninterrupted run, including the
     state a resume must carry (BCO's running mean, cached reference log-probs, the optimizer, micro-batches)."""
     common = [*base_args(hh), "--data_path", hh.small, "--loss_type", "bco_pair", "--precompute_ref"]
     common += ["--grad_accum", "2", "--batch_size", "4", "--max_steps", "6", "--eval_every", "2", "--lr", "3e-3"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("dpo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(dpo, monkeypatch, *common, "--out_dir", full)
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (full / name).is_file(), name
     proc = run_script("dpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "3"})

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import ROOT, TINY, metrics, needs_bpe, run_script, torchrun
+from conftest import ROOT, TINY, metrics, needs_bpe, run_main, run_script, torchrun
 
 import gpt
 
@@ -22,12 +22,12 @@ def assert_ok(proc):
 
 
 @pytest.mark.slow
-def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file):
+@pytest.mark.plots
+def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file, monkeypatch):
     """A short gpt.py run writes every file of SPEC section 4, and its val loss beats character frequencies."""
     out = tmp_path / "run"
     args = ["--data", text_file, "--out_dir", out, *RUN, "--max_steps", "80", "--eval_every", "40"]
-    proc = run_script("gpt.py", *args, "--warmup_steps", "5", "--lr", "1e-2")
-    assert_ok(proc)
+    run_main(gpt, monkeypatch, *args, "--warmup_steps", "5", "--lr", "1e-2")
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (out / name).is_file(), name
     config = json.loads((out / "config.json").read_text())
@@ -46,13 +46,13 @@ def test_default_style_run_writes_the_run_folder_and_learns(tmp_path, text_file)
 
 
 @pytest.mark.slow
-def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
+def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file, monkeypatch):
     """Stop after 8 of 12 steps, resume: metrics.jsonl equals the uninterrupted run's (dropout on, so RNG matters)."""
     common = ["--data", text_file, *RUN, "--dropout", "0.1", "--eval_every", "4", "--save_every", "4"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "12"))
-    assert_ok(run_script("gpt.py", *common, "--out_dir", part, "--max_steps", "8", "--lr_decay_steps", "12"))
-    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "12"))
+    run_main(gpt, monkeypatch, *common, "--out_dir", full, "--max_steps", "12")
+    run_main(gpt, monkeypatch, *common, "--out_dir", part, "--max_steps", "8", "--lr_decay_steps", "12")
+    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "12"))  # a fresh interpreter
     assert metrics(part) == metrics(full)
     a = torch.load(full / "ckpt.pt", weights_only=True)["model"]
     b = torch.load(part / "ckpt.pt", weights_only=True)["model"]
@@ -60,15 +60,15 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path, text_file):
 
 
 @pytest.mark.slow
-def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file):
+def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run(tmp_path, text_file, monkeypatch):
     """With --dtype float16 the GradScaler's state (its loss scale and growth tracker) is part of the checkpoint:
     a run resumed at step 4 ends with the uninterrupted run's scaler state and metrics, instead of restarting at
     scale 65536 and skipping steps the uninterrupted run would not."""
     common = ["--data", text_file, *RUN, "--dtype", "float16", "--device", "cpu", "--eval_every", "6"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "6"))
-    assert_ok(run_script("gpt.py", *common, "--out_dir", part, "--max_steps", "4", "--lr_decay_steps", "6"))
-    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "6"))
+    run_main(gpt, monkeypatch, *common, "--out_dir", full, "--max_steps", "6")
+    run_main(gpt, monkeypatch, *common, "--out_dir", part, "--max_steps", "4", "--lr_decay_steps", "6")
+    run_main(gpt, monkeypatch, "--resume", "--out_dir", part, "--max_steps", "6")
     scaler = torch.load(full / "ckpt.pt", weights_only=True)["scaler"]
     assert scaler["_growth_tracker"] == 6  # six finite steps in a row: the scaler is in use on this device
     assert torch.load(part / "ckpt.pt", weights_only=True)["scaler"] == scaler
@@ -105,16 +105,17 @@ def test_the_default_data_ships_with_the_repository_and_runs_offline(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file):
+def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file, monkeypatch):
     """ckpt.pt round-trips: load_model gives the saved weights and tokenizer, and --init_from trains from it."""
     out = tmp_path / "run"
-    assert_ok(run_script("gpt.py", "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "3"))
+    run_main(gpt, monkeypatch, "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "3")
     model, spec, ckpt = gpt.load_model(str(out / "ckpt.pt"))
     assert spec == {"type": "char", "chars": "".join(sorted(set(text_file.read_text())))}
     for k, v in model.state_dict().items():
         assert torch.equal(v, ckpt["model"][k]), k
-    proc = run_script(
-        "gpt.py",
+    run_main(
+        gpt,
+        monkeypatch,
         "--data",
         text_file,
         "--init_from",
@@ -125,7 +126,7 @@ def test_checkpoint_loads_as_init_from_with_the_same_weights(tmp_path, text_file
         "--max_steps",
         "2",
     )
-    assert_ok(proc)
+    assert torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=True)["step"] == 2
 
 
 @needs_bpe
@@ -166,14 +167,13 @@ def test_arithmetic_sft_trains_on_no_held_out_problem_and_validates_on_held_out_
 
 
 @pytest.mark.slow
-def test_char_level_arithmetic_uses_the_arithmetic_alphabet(tmp_path):
+def test_char_level_arithmetic_uses_the_arithmetic_alphabet(tmp_path, monkeypatch):
     """--data arithmetic --tokenizer char trains on the 15 characters of the problems (grpo.py starts from it)."""
     out = tmp_path / "run"
     args = ["--data", "arithmetic", "--tokenizer", "char", "--digits", "1", *TINY, "--max_steps", "2"]
-    proc = run_script(
-        "gpt.py", *args, "--eval_every", "2", "--eval_iters", "1", "--sample_tokens", "4", "--out_dir", out
+    run_main(
+        gpt, monkeypatch, *args, "--eval_every", "2", "--eval_iters", "1", "--sample_tokens", "4", "--out_dir", out
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["tokenizer"] == {"type": "char", "chars": gpt.ARITHMETIC_CHARS} and len(gpt.ARITHMETIC_CHARS) == 15
 
@@ -214,7 +214,7 @@ def test_config_flags_parse_types_booleans_and_help(capsys):
 @pytest.mark.slow
 @needs_bpe
 @pytest.mark.parametrize("data", ["arithmetic", "hh_sft"])
-def test_bpe_datasets_train(tmp_path, data):
+def test_bpe_datasets_train(tmp_path, data, monkeypatch):
     """--data arithmetic and --data hh_sft (local JSONL) train a few steps with GPT-2 BPE."""
     extra = []
     if data == "hh_sft":
@@ -226,8 +226,7 @@ def test_bpe_datasets_train(tmp_path, data):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         extra = ["--data_path", path]
     out = tmp_path / "run"
-    proc = run_script("gpt.py", "--data", data, *extra, "--out_dir", out, *RUN, "--max_steps", "3")
-    assert_ok(proc)
+    run_main(gpt, monkeypatch, "--data", data, *extra, "--out_dir", out, *RUN, "--max_steps", "3")
     assert torch.load(out / "ckpt.pt", weights_only=True)["tokenizer"] == "gpt2"
 
 

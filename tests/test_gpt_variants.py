@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, metrics, run_script
+from conftest import TINY, metrics, run_main, run_script
 
 import gpt
 
@@ -174,14 +174,14 @@ def test_denoise_sampler_keeps_the_most_confident_draws_first():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [["--attention", "mla", "--kv_latent_dim", "16"], ["--objective", "denoise"]])
-def test_variant_run_learns_resumes_exactly_and_only_gpt_loads_it(variant, tmp_path, text_file):
+def test_variant_run_learns_resumes_exactly_and_only_gpt_loads_it(variant, tmp_path, text_file, monkeypatch):
     """A short run of each variant lowers its validation loss and writes the run folder (samples.txt holds text of
     the data's characters); its checkpoint records the variant in model_config; stopped and resumed it gives the
     uninterrupted metrics; gpt.py fine-tunes from it with --init_from, and another script refuses it (one line,
     exit code 2)."""
     common = ["--data", text_file, *RUN, *variant, "--eval_every", "10", "--lr", "1e-2", "--warmup_steps", "5"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(run_script("gpt.py", *common, "--out_dir", full, "--max_steps", "40", "--denoise_steps", "4"))
+    run_main(gpt, monkeypatch, *common, "--out_dir", full, "--max_steps", "40", "--denoise_steps", "4")
     evals = [r["eval/val_loss"] for r in metrics(full) if "eval/val_loss" in r]
     assert evals[-1] < evals[0] - 0.3, evals  # from ~ln(vocab) at random init
     results = json.loads((full / "final_results.json").read_text())
@@ -193,13 +193,13 @@ def test_variant_run_learns_resumes_exactly_and_only_gpt_loads_it(variant, tmp_p
     assert ckpt["model_config"]["attention" if "--attention" in kind else "objective"] in kind.values()
 
     stop = ["--max_steps", "20", "--lr_decay_steps", "40", "--denoise_steps", "4"]
-    assert_ok(run_script("gpt.py", *common, "--out_dir", part, *stop))
-    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "40"))
+    run_main(gpt, monkeypatch, *common, "--out_dir", part, *stop)
+    assert_ok(run_script("gpt.py", "--resume", "--out_dir", part, "--max_steps", "40"))  # a fresh interpreter
     assert metrics(part) == metrics(full)
     assert (part / "samples.txt").read_text() == samples
 
     tuned = ["--data", text_file, *RUN, "--init_from", full / "ckpt.pt", "--max_steps", "2", "--eval_every", "2"]
-    assert_ok(run_script("gpt.py", *tuned, "--out_dir", tmp_path / "tuned"))
+    run_main(gpt, monkeypatch, *tuned, "--out_dir", tmp_path / "tuned")
     assert torch.load(tmp_path / "tuned" / "ckpt.pt", weights_only=True)["model_config"] == ckpt["model_config"]
 
     other = run_script("char_grpo.py", "--init_from", full / "ckpt.pt", "--out_dir", tmp_path / "rl", timeout=120)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import char_grpo as cg
 import gpt
 import grpo
+import ppo
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32"]
 NEXT = [*TINY, "--tokenizer", "char", "--context_len", "8", "--horizon", "4", "--batch_size", "4", "--group_size", "4"]
@@ -372,15 +373,15 @@ def test_old_logprobs_are_those_of_the_top_k_sampler_and_the_first_update_has_ra
 
 
 @pytest.mark.slow
-def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file):
+@pytest.mark.plots
+def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file, monkeypatch):
     """SIGTERM after 3 of 6 steps saves and exits 143; --resume continues to exactly the uninterrupted metrics
     (reference init, partial credit, 2 iterations per batch, 2 micro-batches, entropy bonus, KL warm-up)."""
     common = ["--data", text_file, *NEXT, "--eval_every", "3", "--save_every", "3", "--eval_size", "16"]
     common += ["--reference", "init", "--partial_logprob", "0.1", "--num_iterations", "2", "--grad_accum", "2"]
     common += ["--entropy_coef", "0.01", "--kl_warmup_tokens", "100", "--warmup_steps", "0", "--max_steps", "6"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("grpo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(grpo, monkeypatch, *common, "--out_dir", full)
     for name in ("config.json", "metrics.jsonl", "final_results.json", "training_curves.png", "ckpt.pt", "samples.txt"):
         assert (full / name).is_file(), name
     proc = run_script("grpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "3"})
@@ -426,14 +427,13 @@ def test_float16_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, tex
     ],
     ids=["dapo", "dr_grpo", "rloo", "gspo", "cispo"],
 )
-def test_arithmetic_runs_for_each_loss_family(tmp_path, args):
+def test_arithmetic_runs_for_each_loss_family(tmp_path, args, monkeypatch):
     """A few steps of the arithmetic task from a char checkpoint, for each family's typical flags."""
     init = char_checkpoint(tmp_path / "init.pt", grpo.ARITHMETIC_CHARS)
     out = tmp_path / "run"
     common = ["--task", "arithmetic", "--init_from", init, "--horizon", "4", "--batch_size", "4", "--group_size", "4"]
     common += ["--max_steps", "2", "--eval_every", "2", "--eval_size", "8", "--log_every", "1", "--out_dir", out]
-    proc = run_script("grpo.py", *common, *args)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(grpo, monkeypatch, *common, *args)
     rows = [r for r in metrics(out) if "train/loss" in r]
     assert len(rows) == 2 and all(0 <= r["rl/accuracy"] <= 1 and 1 <= r["rl/completion_len"] <= 4 for r in rows)
     results = json.loads((out / "final_results.json").read_text())
@@ -441,7 +441,7 @@ def test_arithmetic_runs_for_each_loss_family(tmp_path, args):
 
 
 @pytest.mark.slow
-def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp_path):
+def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp_path, monkeypatch):
     """The policy samples completions of HH prompts, a reward model checkpoint scores them; the evaluation reports the
     reward model's score and the KL to the starting policy (0 before any update)."""
     data = hh_file(tmp_path / "hh.jsonl")
@@ -449,13 +449,13 @@ def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp
     init = char_checkpoint(tmp_path / "init.pt", chars, block_size=64)
     rm = char_checkpoint(tmp_path / "rm.pt", chars, block_size=64, seed=1, reward_head=True)
     out = tmp_path / "run"
-    proc = run_script(
-        "grpo.py",
+    run_main(
+        grpo,
+        monkeypatch,
         *["--task", "reward_model", "--init_from", init, "--reward_model", rm, "--data_path", data],
         *["--max_prompt_len", "40", "--horizon", "8", "--batch_size", "2", "--group_size", "4", "--max_steps", "2"],
         *["--eval_every", "2", "--eval_size", "4", "--out_dir", out],
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "final_results.json").read_text())
     assert results["before"]["completion_kl"] == pytest.approx(0.0, abs=1e-5)
     assert np.isfinite(results["after"]["rm_score"]) and results["after"]["completion_len"] == 8
@@ -463,7 +463,7 @@ def test_reward_model_task_scores_completions_with_a_reward_model_checkpoint(tmp
 
 @pytest.mark.slow
 @needs_bpe
-def test_next_token_on_gpt2_bpe_with_the_sparse_bigram_reference(tmp_path, text_file):
+def test_next_token_on_gpt2_bpe_with_the_sparse_bigram_reference(tmp_path, text_file, monkeypatch):
     """--tokenizer gpt2: GPT-2 BPE, a bigram reference over 50,257 ids kept sparse."""
     out = tmp_path / "run"
     args = [
@@ -479,22 +479,20 @@ def test_next_token_on_gpt2_bpe_with_the_sparse_bigram_reference(tmp_path, text_
         "--group_size",
         "2",
     ]
-    proc = run_script("grpo.py", "--data", text_file, *args, "--max_steps", "1", "--eval_size", "4", "--out_dir", out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(grpo, monkeypatch, "--data", text_file, *args, "--max_steps", "1", "--eval_size", "4", "--out_dir", out)
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["tokenizer"] == "gpt2" and ckpt["model_config"]["vocab_size"] == 50257
     assert "rl/kl" in [r for r in metrics(out) if "train/loss" in r][0]
 
 
 @pytest.mark.slow
-def test_the_default_configuration_has_reward_signal_from_its_first_step(tmp_path):
+def test_the_default_configuration_has_reward_signal_from_its_first_step(tmp_path, monkeypatch):
     """The headline command (defaults: next_token on the shipped tiny Shakespeare, a model from scratch, --horizon
     70) at a tiny width: most groups' rewards differ at step 0, so the gradient is not zero. Over GPT-2 BPE (the old
     default) a random policy never matches a token and every group scored all zeros (zero_std_frac 1)."""
     out = tmp_path / "run"
     small = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--batch_size", "4", "--eval_size", "4"]
-    proc = run_script("grpo.py", "--horizon", "70", *small, "--max_steps", "1", "--out_dir", out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(grpo, monkeypatch, "--horizon", "70", *small, "--max_steps", "1", "--out_dir", out)
     first = [r for r in metrics(out) if "rl/zero_std_frac" in r][0]
     assert first["step"] == 0 and first["rl/zero_std_frac"] < 0.5 and first["rl/reward_mean"] > 0
 
@@ -560,22 +558,19 @@ def test_a_policy_checkpoint_is_not_a_reward_model(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_arithmetic_accuracy_rises_from_a_briefly_supervised_model(tmp_path):
+def test_arithmetic_accuracy_rises_from_a_briefly_supervised_model(tmp_path, monkeypatch):
     """1-digit arithmetic: a tiny char model trained briefly by gpt.py, then GRPO; the exact answers of its rollouts
     (training problems, none held out) rise. 1-digit problems hold out only 37 of 300 (SPEC section 8), too few for a
     held-out gain to show: the evaluation asks those, each once (measured here, greedy: 0.222 -> 0.111 of 36)."""
     sft = tmp_path / "sft"
     args = ["--data", "arithmetic", "--tokenizer", "char", "--digits", "1", *TINY, "--n_embd", "64"]
     args += ["--batch_size", "32", "--max_steps", "400", "--lr", "3e-3", "--warmup_steps", "10", "--eval_every", "400"]
-    proc = run_script(
-        "gpt.py", *args, "--eval_iters", "2", "--num_samples", "1", "--sample_tokens", "4", "--out_dir", sft
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    args += ["--eval_iters", "2", "--num_samples", "1", "--sample_tokens", "4"]
+    run_main(gpt, monkeypatch, *args, "--out_dir", sft)
     out = tmp_path / "grpo"
     args = ["--task", "arithmetic", "--init_from", sft / "ckpt.pt", "--horizon", "4", "--batch_size", "32"]
     args += ["--group_size", "8", "--max_steps", "120", "--lr", "5e-4", "--warmup_steps", "5", "--eval_every", "120"]
-    proc = run_script("grpo.py", *args, "--eval_size", "200", "--out_dir", out, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(grpo, monkeypatch, *args, "--eval_size", "200", "--out_dir", out)
     results = json.loads((out / "final_results.json").read_text())
     assert results["before"]["n_problems"] == results["after"]["n_problems"] <= 37
     accuracy = [r["rl/accuracy"] for r in metrics(out) if "rl/accuracy" in r]
@@ -618,7 +613,7 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_path, script):
+def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_path, script, monkeypatch):
     """End to end: a policy trained on a reward model's score logs rl/gold_reward every step, evaluates the greedy
     answers' gold accuracy and reward-model score, and draws overoptimization.png. next_token refuses --reward_model."""
     chars = grpo.ARITHMETIC_CHARS
@@ -629,8 +624,7 @@ def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_
     if script == "grpo.py":
         args += ["--group_size", "4"]
     args += ["--max_steps", "3", "--eval_every", "3", "--eval_size", "8", "--best_of", "1,2,4"]
-    proc = run_script(script, *args, "--out_dir", out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main({"grpo.py": grpo, "ppo.py": ppo}[script], monkeypatch, *args, "--out_dir", out)
     rows = [r for r in metrics(out) if "rl/reward_mean" in r]
     assert len(rows) == 3 and all(0.0 <= r["rl/gold_reward"] <= 1.0 and "rl/kl" in r for r in rows)
     results = json.loads((out / "final_results.json").read_text())

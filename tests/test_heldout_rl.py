@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import char_checkpoint, run_script
+from conftest import char_checkpoint, run_main, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from matplotlib.figure import Figure
@@ -232,7 +232,7 @@ def test_arithmetic_from_scratch_says_so_and_names_the_warm_start(module, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-def test_resume_refuses_another_reward_model(tmp_path, script):
+def test_resume_refuses_another_reward_model(tmp_path, script, monkeypatch):
     """ckpt.pt keeps a checksum of the reward model's weights: --resume with another reward model ends with one line
     and exit code 2; the same weights at another path resume."""
     init = char_checkpoint(tmp_path / "init.pt", CHARS, block_size=32)
@@ -242,15 +242,15 @@ def test_resume_refuses_another_reward_model(tmp_path, script):
     args = ["--task", "arithmetic", "--init_from", init, "--horizon", "4", "--batch_size", "4", "--eval_size", "8"]
     if script == "grpo.py":
         args += ["--group_size", "2"]
-    proc = run_script(script, *args, "--reward_model", rm, "--max_steps", "2", "--eval_every", "2", "--out_dir", out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    module = {"grpo.py": grpo, "ppo.py": ppo}[script]
+    args += ["--reward_model", rm, "--max_steps", "2", "--eval_every", "2"]
+    run_main(module, monkeypatch, *args, "--out_dir", out)
     bad = run_script(script, "--resume", "--out_dir", out, "--max_steps", "4", "--reward_model", other)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "--reward_model" in lines[0], lines
     same = shutil.copy(rm, tmp_path / "copy.pt")
-    ok = run_script(script, "--resume", "--out_dir", out, "--max_steps", "4", "--reward_model", same)
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    run_main(module, monkeypatch, "--resume", "--out_dir", out, "--max_steps", "4", "--reward_model", same)
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 4
 
 

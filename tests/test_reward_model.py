@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_script, torchrun
+from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_main_in_fixture, run_script, torchrun
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -670,11 +670,14 @@ def arithmetic_sft(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft") / "arith"
     model = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "64", "--batch_size", "4"]
     run = ["--max_steps", "2", "--eval_every", "2", "--eval_iters", "1", "--sample_tokens", "4", "--device", "cpu"]
-    assert_ok(run_script("gpt.py", "--data", "arithmetic", "--tokenizer", "char", *model, *run, "--out_dir", out))
+    import gpt
+
+    run_main_in_fixture(gpt, "--data", "arithmetic", "--tokenizer", "char", *model, *run, "--out_dir", out)
     return out / "ckpt.pt"
 
 
 @pytest.mark.slow
+@pytest.mark.plots
 @pytest.mark.parametrize("task", ["orm", "prm"])
 def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, monkeypatch, arithmetic_sft, task):
     """Issue #21: --init_from a gpt.py arithmetic SFT model with its char tokenizer trains (the data stays inside its

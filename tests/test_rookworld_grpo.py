@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import chess
 import pytest
 import torch
-from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_script, torchrun
+from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_main, run_main_in_fixture, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpt
 import rookworld_grpo as rw
 
 STOCKFISH = shutil.which("stockfish") or ("/usr/games/stockfish" if os.path.exists("/usr/games/stockfish") else None)
@@ -405,12 +406,10 @@ def sft(tmp_path_factory):
         pytest.skip("GPT-2 BPE files unavailable")
     tmp = tmp_path_factory.mktemp("rookworld")
     data = tmp / "data.txt"
-    proc = run_script("rookworld_grpo.py", "--make_data", "60", "--out", data, "--illegal_frac", "0.2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main_in_fixture(rw, "--make_data", "60", "--out", data, "--illegal_frac", "0.2")
     args = ["--data", data, "--tokenizer", "gpt2", "--n_layer", "1", "--n_head", "2", "--n_embd", "32"]
     args += ["--block_size", "192", "--batch_size", "4", "--max_steps", "2", "--eval_every", "2", "--eval_iters", "1"]
-    proc = run_script("gpt.py", *args, "--num_samples", "1", "--sample_tokens", "2", "--out_dir", tmp / "sft")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main_in_fixture(gpt, *args, "--num_samples", "1", "--sample_tokens", "2", "--out_dir", tmp / "sft")
     return data, tmp / "sft" / "ckpt.pt"
 
 
@@ -430,16 +429,16 @@ def test_make_data_writes_distinct_lines_of_both_tasks_and_never_overwrites(sft,
 
 
 @pytest.mark.slow
+@pytest.mark.plots
 @needs_bpe
-def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft):
+def test_grpo_on_mixed_batches_writes_the_run_and_resume_is_exact(tmp_path, sft, monkeypatch):
     """Two steps on batches of one P: and one A: prompt; SIGTERM after step 1 saves and exits 143, and --resume
     continues to exactly the uninterrupted metrics. Both tasks are evaluated and sampled."""
     data, init = sft
     common = ["--init_from", init, "--data_path", data, *GRPO, "--max_steps", "2", "--eval_every", "2"]
     common += ["--save_every", "1", "--entropy_coef", "0.01", "--kl_type", "symmetric", "--device", "cpu"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("rookworld_grpo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(rw, monkeypatch, *common, "--out_dir", full)
     proc = run_script("rookworld_grpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
     assert proc.returncode == 143, proc.stderr[-2000:]
     proc = run_script("rookworld_grpo.py", "--resume", "--out_dir", part)
@@ -499,16 +498,26 @@ rw.main()
 """
 
 
-def spy_run(tmp_path, args, nproc=1, env=None):
+def spy_run(tmp_path, args, nproc=1, env=None, monkeypatch=None):
     """rookworld_grpo.py's main() with its rollouts and its policy_loss and logprobs_and_kl calls
     recorded per rank (spy<rank>.pt: a list of (name, tensors)); returns the run's training metrics and the records
-    of each rank."""
+    of each rank. With nproc 1 and a monkeypatch the spy runs in this process (no interpreter start), and the
+    functions it replaces are put back after the test."""
     script = tmp_path / "spy.py"
     script.write_text(SPY.format(root=str(ROOT), out=str(tmp_path)))
     out = tmp_path / "run"
     args = [*args, "--device", "cpu", "--out_dir", out]
-    proc = run_script(script, *args, env=env) if nproc == 1 else torchrun(script, nproc, *args, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if nproc == 1 and monkeypatch is not None:
+        for name in ("sample_groups", "policy_loss", "logprobs_and_kl", "score_record"):
+            monkeypatch.setattr(rw, name, getattr(rw, name))
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.setattr(sys, "argv", ["rookworld_grpo.py", *map(str, args)])
+        exec(compile(script.read_text(), str(script), "exec"), {"__name__": "spy"})
+    else:
+        proc = run_script(script, *args, env=env) if nproc == 1 else torchrun(script, nproc, *args, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     spied = [torch.load(tmp_path / f"spy{rank}.pt", weights_only=True) for rank in range(nproc)]
     return [r for r in metrics(out) if "train/loss" in r], spied
 
@@ -523,7 +532,7 @@ def first(calls, name, after=None):
 @needs_bpe
 @pytest.mark.parametrize("temperature, top_k, kl_type, iterations", [(0.5, 0, "symmetric", 1), (0.5, 5, "forward", 2)])
 def test_every_completion_logprob_is_of_the_sampling_distribution(
-    tmp_path, sft, temperature, top_k, kl_type, iterations
+    tmp_path, sft, temperature, top_k, kl_type, iterations, monkeypatch
 ):
     """At --temperature 0.5 (and --top_k 5), in the first update: the log-probs equal float64 log-probs of
     softmax(logits / 0.5) over the top_k tokens (the sampled token kept) of the starting model at the sampled
@@ -534,7 +543,7 @@ def test_every_completion_logprob_is_of_the_sampling_distribution(
     data, init = sft
     args = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "1"]
     args += ["--temperature", temperature, "--top_k", top_k, "--kl_type", kl_type, "--num_iterations", iterations]
-    train, (calls,) = spy_run(tmp_path, args)
+    train, (calls,) = spy_run(tmp_path, args, monkeypatch=monkeypatch)
     batch, update = first(calls, "batch"), first(calls, "policy_loss")
     update_pass = first(calls, "logprobs_and_kl", after="batch")  # the first update's (not the rollout's)
     entropy, kl = update_pass["out2"], update_pass["out1"]
@@ -587,19 +596,20 @@ def test_scale_rewards_batch_divides_by_the_std_of_every_ranks_rewards(tmp_path,
 
 @pytest.mark.slow
 @needs_bpe
-def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
+def test_float16_resume_restores_the_loss_scale(tmp_path, sft, monkeypatch):
     """--dtype float16 (autocast and a GradScaler, here on CPU): the checkpoint holds the scaler's state, and a run
     stopped after step 1 and resumed ends with the uninterrupted run's loss scale, growth tracker and metrics."""
     data, init = sft
     common = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "2"]
     common += ["--save_every", "1", "--beta_kl", "0", "--dtype", "float16", "--device", "cpu"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = run_script("rookworld_grpo.py", *common, "--out_dir", full)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_script("rookworld_grpo.py", *common, "--out_dir", part, env={"FAULT_SIGTERM_AT_STEP": "1"})
-    assert proc.returncode == 143, proc.stderr[-2000:]
-    proc = run_script("rookworld_grpo.py", "--resume", "--out_dir", part)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(rw, monkeypatch, *common, "--out_dir", full)
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(rw, monkeypatch, *common, "--out_dir", part)
+    assert exit_info.value.code == 143
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    run_main(rw, monkeypatch, "--resume", "--out_dir", part)
     scalers = [torch.load(run / "ckpt.pt", weights_only=True)["scaler"] for run in (full, part)]
     assert scalers[0] and scalers[0] == scalers[1]
     assert metrics(full) == metrics(part)
@@ -607,7 +617,7 @@ def test_float16_resume_restores_the_loss_scale(tmp_path, sft):
 
 @pytest.mark.slow
 @needs_bpe
-def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path, sft):
+def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path, sft, monkeypatch):
     """The reference is reloaded from --init_from on --resume; when that file now holds other weights the resume
     ends with one line and exit code 2 instead of anchoring the KL to another model."""
     data, _ = sft
@@ -615,8 +625,7 @@ def test_resume_refuses_a_reference_that_changed_since_the_run_started(tmp_path,
     shutil.copy(sft[1], init)
     out = tmp_path / "run"
     args = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "1", "--device", "cpu"]
-    proc = run_script("rookworld_grpo.py", *args, "--out_dir", out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_main(rw, monkeypatch, *args, "--out_dir", out)
     ckpt = torch.load(init, weights_only=True)
     ckpt["model"]["transformer.ln_f.weight"] += 0.01
     torch.save(ckpt, init)
