@@ -27,7 +27,7 @@ Their checkpoints record the variant in model_config; gpt.py resumes, fine-tunes
 scripts refuse them with one line (exit code 2).
 
 Commands:
-    python gpt.py                                                    # char-level tiny Shakespeare, ~5 min on a CPU
+    python gpt.py                                                    # tiny Shakespeare, char-level: ~6 min on 2 cores
     python gpt.py --data shakespeare --init_from gpt2 --device cuda  # fine-tune GPT-2 124M on one GPU
     torchrun --standalone --nproc_per_node=8 gpt.py --data hh_sft --init_from gpt2 --parallel fsdp
     python gpt.py --data arithmetic --digits 2                       # warm start for grpo.py --task arithmetic

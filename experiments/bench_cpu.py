@@ -2,7 +2,6 @@
 optimizer step against transformers / TRL on the same work and weights), printed as the page's table.
 
     python experiments/bench_cpu.py            # the documented command (~6 min on 2 cores; needs transformers, trl)
-    python experiments/bench_cpu.py --no-hf    # ours only
     python experiments/bench_cpu.py --quick    # tiny sizes, sampling and training only: does it still run?
 
 bench.py writes no run folder: its JSON lines are kept in --out/bench.jsonl, and a finished file is not rerun.
