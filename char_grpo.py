@@ -69,7 +69,7 @@ from tqdm import tqdm
 class Config:
     # run and data
     out_dir: str = ""  # run folder; default out/char_grpo-<YYYYmmdd-HHMMSS>
-    data: str = "shakespeare"  # shakespeare (tiny Shakespeare, downloaded once) or the path of a text file
+    data: str = "shakespeare"  # shakespeare (tiny Shakespeare, shipped in data/) or the path of a text file
     data_path: str = ""  # local copy of tiny Shakespeare (offline)
     init_from: str = "scratch"  # scratch | ckpt.pt of gpt.py or any script (same char vocabulary)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ddp_launch.sh SCRIPT NPROC [ARGS...]: run a script of this project under torchrun, on one node or many.
-# The script detects torchrun from RANK/LOCAL_RANK/WORLD_SIZE (SPEC section 6); everything after NPROC is its own
+# The script detects torchrun from RANK/LOCAL_RANK/WORLD_SIZE; everything after NPROC is its own
 # flags. Without torchrun on PATH it runs `python -m torch.distributed.run` (python3 if there is no python).
 set -euo pipefail
 

@@ -108,7 +108,7 @@ class Config:
 
     # task and its data
     task: str = "next_token"  # next_token | arithmetic | reward_model
-    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
+    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, shipped in data/) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
     reward_model: str = ""  # ckpt.pt of reward_model.py: the reward_model task's scorer, or arithmetic's learned reward
     context_len: int = 32  # next_token: tokens of real text before each rollout

@@ -110,7 +110,7 @@ class Config:
     block_size: int = 128  # context length of the model (scratch only)
     # the task: its prompts and its reward
     task: str = "next_token"  # next_token | arithmetic | reward_model
-    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, downloaded once) or a text file
+    data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, shipped in data/) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
     reward_model: str = ""  # reward_model.py's ckpt.pt: the learned reward (reward_model, arithmetic), --value_init
     context_len: int = 32  # next_token: tokens of real text before each rollout
@@ -132,7 +132,7 @@ class Config:
     value_init: str = "policy"  # separate value model: policy (head at zero) | reward_model (--reward_model's weights)
     # the KL penalty in the reward
     reference: str = "auto"  # auto (bigram for next_token from scratch, else init) | bigram | random | init | none
-    beta_kl: float = 0.05  # kl_coef, the per-token KL penalty's coefficient in the reward (start of --adaptive_kl)
+    beta_kl: float = 0.05  # the per-token KL penalty's coefficient in the reward, rl/beta (where --adaptive_kl starts)
     adaptive_kl: bool = False  # adapt kl_coef towards --target_kl (Ziegler et al. 2019)
     target_kl: float = 6.0  # adaptive_kl: target KL per sequence (nats, k1 summed over its tokens)
     kl_horizon: int = 10000  # adaptive_kl: completions over which the coefficient moves by at most a fifth
