@@ -224,15 +224,15 @@ def best_of_n_kl(p, scores, n):
     the verifier's. In ascending score order (ties: the lower index ranks lower), with F the cumulative probability,
     best-of-n picks y with probability pi_bon(y) = F(y)^n - F(y-)^n: all n draws rank at most y, not all below it.
     0 at n = 1; at most log n - (n - 1)/n (Beirami et al. 2024), which it nears when many answers are each unlikely."""
-    p = p.double()
+    p = p.double() / p.double().sum().clamp(min=1)  # a sum above 1 is rounding (float32 log-probs): renormalise
     order = torch.argsort(scores.double(), stable=True)  # ascending; a stable sort keeps ties in index order
     rest = (1 - p.sum()).clamp(min=0)
     q = torch.cat([rest[None], p[order]])  # (K + 1,) in rank order, the unsampled rest lowest
-    F_hi = q.cumsum(0).clamp(max=1)  # F(y)
+    F_hi = q.cumsum(0)  # F(y)
     F_lo = torch.cat([q.new_zeros(1), F_hi[:-1]])  # F(y-)
     pi_bon = F_hi**n - F_lo**n  # (K + 1,)
     terms = torch.where(pi_bon > 0, pi_bon * (pi_bon.log() - q.log()), 0.0)  # 0 log 0 = 0
-    return terms.sum().item()
+    return max(terms.sum().item(), 0.0)  # not -1e-17 from rounding at n = 1
 
 
 def best_of_n_weights(N, n):
