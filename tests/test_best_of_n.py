@@ -66,7 +66,7 @@ def test_best_of_n_kl_is_0_at_n_1(policy):
 @settings(max_examples=300, deadline=None)
 @given(policy=policies, n=st.integers(1, 200))
 def test_best_of_n_kl_never_exceeds_log_n_minus_n_minus_1_over_n(policy, n):
-    """Beirami et al. 2024: KL(pi_bon || pi) <= log n - (n - 1)/n for every discrete policy, with ties and a leftover."""
+    """Beirami et al. 2024: KL(pi_bon || pi) <= log n - (n - 1)/n for every discrete policy, ties and leftover too."""
     weights, rest, scores = policy
     p = torch.tensor(normalized(weights, rest))
     kl = rm.best_of_n_kl(p, torch.tensor(scores, dtype=torch.float), n)
