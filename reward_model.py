@@ -969,37 +969,39 @@ def best_of_n(cfg, rt, out_dir):
     problems = sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size or 128)})
     E = len(problems)
     generator = torch.Generator().manual_seed(cfg.seed)
-    rows = [prompt for prompt, _ in problems for _ in range(N)]  # N rows a problem, in a row
+    rows = [problem for problem in problems for _ in range(N)]  # N rows a problem, in a row
     answers = []  # the text of each row's answer
     for i in range(0, len(rows), 1024):
         # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
-        prompts = [tok.encode(prompt) for prompt in rows[i : i + 1024]]
+        prompts = [tok.encode(prompt) for prompt, _ in rows[i : i + 1024]]
         tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
         for ids in tokens.tolist():
             head, newline, _ = tok.decode(ids).partition("\n")
             answers.append(head + newline)
     # each problem's distinct answers, in order of first appearance: their verifier score and policy log-prob
-    distinct = [list(dict.fromkeys(answers[e * N : (e + 1) * N])) for e in range(E)]
-    pairs = [(prompt, y) for (prompt, _), ys in zip(problems, distinct) for y in ys]
+    pairs = list(dict.fromkeys((prompt, y) for (prompt, _), y in zip(rows, answers)))
     scores = score(verifier, tok, [prompt + y for prompt, y in pairs], rt.device)
     logps = answer_logprobs(policy, tok, pairs, rt.device)
-    found = {pair: (s, lp) for pair, s, lp in zip(pairs, scores, logps)}
-    gold = torch.zeros(E, len(every_n), dtype=torch.float64)  # each problem's estimate for each n
-    proxy = torch.zeros_like(gold)
+    found = {}  # (prompt, answer) -> (score, log-prob)
+    distinct = {}  # prompt -> [(score, log-prob) of each of its distinct answers]
+    for pair, s, lp in zip(pairs, scores, logps):
+        found[pair] = (s, lp)
+        distinct.setdefault(pair[0], []).append((s, lp))
+    # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
+    s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
+    s, order = s.view(E, N).sort(stable=True)
+    right = torch.tensor([float(y == answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
+    right = right.view(E, N).gather(1, order)
+    W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
+    gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n
+    proxy = s @ W.T
     kl = torch.zeros_like(gold)
     uncovered = 0.0
-    for e, (prompt, answer) in enumerate(problems):
-        s = torch.tensor([found[prompt, y][0] for y in answers[e * N : (e + 1) * N]], dtype=torch.float64)  # (N,)
-        right = torch.tensor([float(y == answer) for y in answers[e * N : (e + 1) * N]], dtype=torch.float64)
-        order = torch.argsort(s, stable=True)  # ascending; ties in sample order
-        s_y = torch.tensor([found[prompt, y][0] for y in distinct[e]])  # (K,) the distinct answers'
-        p_y = torch.tensor([found[prompt, y][1] for y in distinct[e]], dtype=torch.float64).exp()  # (K,)
-        uncovered += (1 - p_y.sum()).clamp(min=0).item() / E
+    for e, (prompt, _) in enumerate(problems):
+        s_y, logp_y = torch.tensor(distinct[prompt], dtype=torch.float64).T  # (K,) each
+        uncovered += (1 - logp_y.exp().sum()).clamp(min=0).item() / E
         for j, n in enumerate(every_n):
-            w = best_of_n_weights(N, n)  # (N,)
-            gold[e, j] = (w * right[order]).sum()
-            proxy[e, j] = (w * s[order]).sum()
-            kl[e, j] = best_of_n_kl(p_y, s_y, n)
+            kl[e, j] = best_of_n_kl(logp_y.exp(), s_y, n)
     results = []
     for j, n in enumerate(every_n):
         results.append(
