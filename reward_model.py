@@ -46,6 +46,12 @@ skipped. orm and prm generate their data, split by problem: a problem is held ou
 held-out example is. Split by text instead, every held-out problem would lose its right answer (one text) from
 training, but not its wrong ones. The run prints how many distinct problems the held-out examples hold.
 
+Best-of-n (--best_of 1,2,4,.. --policy CKPT, no training): the policy writes N = max n answers to each of grpo.py's
+held-out evaluation problems at temperature 1, and best_of_n.json holds, for each n, the gold accuracy and the verifier
+score of the verifier's favourite of n (unbiased: the mean over all n-subsets of the N) and the exact KL of best-of-n
+to the policy, pi_bon(y) = F(y)^n - F(y-)^n with F the policy's cumulative probability in score order (best_of_n_kl),
+beside its bound log n - (n - 1)/n (Beirami et al. 2024).
+
 The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
 head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
 score(model, tok, texts, device) gives the rewards of texts, and `--score TEXT` prints one.
@@ -55,6 +61,7 @@ Commands:
     torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
     python reward_model.py --task orm --samples_from out/arith/ckpt.pt  # a verifier of that policy's own answers
     python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
+    python reward_model.py --init_from out/verifier/ckpt.pt --policy out/arith/ckpt.pt --best_of 1,2,4,8,16,32,64
 From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
 start them from a model that can, as Cobbe et al. start the verifier from the generator (a run from scratch says
 so in one line on stderr). --samples_from starts from the policy unless --init_from names another model.
