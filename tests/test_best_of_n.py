@@ -221,11 +221,15 @@ def test_best_of_a_policy_that_always_answers_right_has_gold_1(tmp_path, monkeyp
         (["--best_of", "2.5", "--policy", "POLICY"], "--best_of"),
         (["--best_of", "-1", "--policy", "POLICY"], "--best_of"),
         (["--best_of", "1,2", "--policy", "POLICY", "--init_from", "PREFERENCE"], "arithmetic verifier"),
+        (["--best_of", "1,2", "--policy", "OTHER"], "tokenizer"),
     ],
 )
 def test_best_of_refusals_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypatch, checkpoints, extra, needle):
+    """No --policy (or no --best_of), n values that are not positive integers, a preference model as the verifier,
+    a policy with another tokenizer: exit 2, one line, no run folder."""
     verifier, policy, preference = checkpoints
-    swap = {"POLICY": policy, "PREFERENCE": preference}
+    other = char_checkpoint(tmp_path / "other.pt", rm.ARITHMETIC_CHARS + " ", block_size=32)  # another vocabulary
+    swap = {"POLICY": policy, "PREFERENCE": preference, "OTHER": other}
     args = ["--init_from", verifier, *[swap.get(a, a) for a in extra], "--out_dir", tmp_path / "bon"]
     code, _, err = run_main(monkeypatch, *args, "--device", "cpu")
     assert code == 2 and len(err) == 1 and needle in err[0], err
