@@ -991,9 +991,9 @@ def best_of_n(cfg, rt, out_dir):
     logps = answer_logprobs(policy, tok, pairs, rt.device)
     found = {}  # (prompt, answer) -> (score, log-prob)
     distinct = {}  # prompt -> [(score, log-prob) of each of its distinct answers]
-    for pair, s, lp in zip(pairs, scores, logps):
-        found[pair] = (s, lp)
-        distinct.setdefault(pair[0], []).append((s, lp))
+    for pair, r, lp in zip(pairs, scores, logps):
+        found[pair] = (r, lp)
+        distinct.setdefault(pair[0], []).append((r, lp))
     # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
     s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
     s, order = s.view(E, N).sort(stable=True)
