@@ -46,6 +46,12 @@ skipped. orm and prm generate their data, split by problem: a problem is held ou
 held-out example is. Split by text instead, every held-out problem would lose its right answer (one text) from
 training, but not its wrong ones. The run prints how many distinct problems the held-out examples hold.
 
+Best-of-n (--best_of 1,2,4,.. --policy CKPT, no training): the policy writes N = max n answers to each of grpo.py's
+held-out evaluation problems at temperature 1, and best_of_n.json holds, for each n, the gold accuracy and the verifier
+score of the verifier's favourite of n (unbiased: the mean over all n-subsets of the N) and the exact KL of best-of-n
+to the policy, pi_bon(y) = F(y)^n - F(y-)^n with F the policy's cumulative probability in score order (best_of_n_kl),
+beside its bound log n - (n - 1)/n (Beirami et al. 2024).
+
 The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
 head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
 score(model, tok, texts, device) gives the rewards of texts, and `--score TEXT` prints one.
@@ -55,6 +61,7 @@ Commands:
     torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
     python reward_model.py --task orm --samples_from out/arith/ckpt.pt  # a verifier of that policy's own answers
     python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
+    python reward_model.py --init_from out/verifier/ckpt.pt --policy out/arith/ckpt.pt --best_of 1,2,4,8,16,32,64
 From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
 start them from a model that can, as Cobbe et al. start the verifier from the generator (a run from scratch says
 so in one line on stderr). --samples_from starts from the policy unless --init_from names another model.
@@ -97,6 +104,8 @@ class Config:
     init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | ... | hub id | ckpt.pt of any script | HF folder
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
     score: str = ""  # print the reward of this text under the --init_from reward model (up to its block_size), exit
+    best_of: str = ""  # n values (e.g. 1,2,4,8): best_of_n.json of --policy under the --init_from verifier, exit
+    policy: str = ""  # --best_of: ckpt.pt of the policy whose answers the verifier ranks
     # task and data
     task: str = "preference"  # preference (HH-RLHF pairs) | orm (outcome RM) | prm (process RM) on arithmetic
     data: str = "Anthropic/hh-rlhf"  # preference: hub dataset of chosen/rejected dialogues (train/test splits)
@@ -136,7 +145,7 @@ class Config:
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     # evaluation, logging, checkpoints
-    eval_size: int = 0  # held-out examples per evaluation (0: all)
+    eval_size: int = 0  # held-out examples per evaluation (0: all); --best_of: held-out problem draws (0: 128)
     eval_every: int = 100  # steps between evaluations
     log_every: int = 25  # steps between log lines
     save_every: int = 500  # steps between checkpoints (one is always written at the end)
@@ -213,6 +222,32 @@ def per_problem_auc(rewards, labels, problems):
     if not aucs:
         return math.nan, 0
     return sum(aucs) / len(aucs), len(aucs)
+
+
+def best_of_n_kl(p, scores, n):
+    """KL(pi_bon || pi) in nats of best-of-n sampling (draw n answers of the policy pi, keep the one the verifier
+    scores highest), exactly, for a discrete policy. p (K,): the policy's probabilities of K distinct answers; their
+    sum may be below 1, and the rest is one more answer ranked below all (the answers never sampled). scores (K,):
+    the verifier's. In ascending score order (ties: the lower index ranks lower), with F the cumulative probability,
+    best-of-n picks y with probability pi_bon(y) = F(y)^n - F(y-)^n: all n draws rank at most y, not all below it.
+    0 at n = 1; at most log n - (n - 1)/n (Beirami et al. 2024), which it nears when many answers are each unlikely."""
+    p = p.double() / p.double().sum().clamp(min=1)  # a sum above 1 is rounding (float32 log-probs): renormalise
+    order = torch.argsort(scores.double(), stable=True)  # ascending; a stable sort keeps ties in index order
+    rest = (1 - p.sum()).clamp(min=0)
+    q = torch.cat([rest[None], p[order]])  # (K + 1,) in rank order, the unsampled rest lowest
+    F_hi = q.cumsum(0)  # F(y)
+    F_lo = torch.cat([q.new_zeros(1), F_hi[:-1]])  # F(y-)
+    pi_bon = F_hi**n - F_lo**n  # (K + 1,)
+    terms = torch.where(pi_bon > 0, pi_bon * (pi_bon.log() - q.log()), 0.0)  # 0 log 0 = 0
+    return max(terms.sum().item(), 0.0)  # not -1e-17 from rounding at n = 1
+
+
+def best_of_n_weights(N, n):
+    """(N,) weights of N samples in ascending score order whose dot product with their values is the mean, over all
+    C(N, n) subsets of n samples, of the value of the subset's best: the i-th lowest (i from 0) is the best of
+    C(i, n - 1) subsets. An unbiased estimate of best-of-n from N >= n i.i.d. samples (a U-statistic), with less
+    variance than the best of the first n alone."""
+    return torch.tensor([math.comb(i, n - 1) / math.comb(N, n) for i in range(N)], dtype=torch.float64)
 
 
 def truncate_pair(prompt, chosen, rejected, max_len):
@@ -742,6 +777,10 @@ def validate(cfg):
     check(not cfg.data_path or cfg.task == "preference", "--data_path is for --task preference; orm/prm make data")
     check(not cfg.samples_from or cfg.task == "orm", "--samples_from is for --task orm")
     check(cfg.pos_weight is None or cfg.task != "preference", "--pos_weight is for --task orm or prm")
+    n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)
+    check(not cfg.best_of or n_values, f"--best_of {cfg.best_of!r}: positive integers n, comma-separated (1,2,4,8)")
+    check(bool(cfg.best_of) == bool(cfg.policy), "--best_of n,n,.. and --policy CKPT go together")
+    check(not cfg.best_of or os.path.isfile(cfg.init_from), "--best_of needs --init_from PATH/ckpt.pt of a verifier")
 
 
 def make_tokenizer(cfg, spec, texts):
@@ -832,6 +871,10 @@ def main():
         cleanup(rt)
         return
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
+    if cfg.best_of:  # no training: best-of-n of the --policy under the --init_from verifier, and exit
+        best_of_n(cfg, rt, out_dir)
+        cleanup(rt)
+        return
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     if cfg.samples_from and cfg.init_from == "scratch":  # the verifier starts from its generator, as Cobbe et al.'s
         cfg.init_from = cfg.samples_from
@@ -909,6 +952,104 @@ def main():
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
     cleanup(rt)
+
+
+@torch.no_grad()
+def best_of_n(cfg, rt, out_dir):
+    """best_of_n.json: for each n of --best_of, best-of-n of the --policy's answers to held-out problems under the
+    --init_from verifier (orm or prm). The problems are grpo.py's evaluation problems: --eval_size draws of held-out
+    problems (0: 128) from random.Random(1234), the distinct ones kept. N = max n answers a problem at temperature 1
+    (an answer ends at its first newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate
+    from the N, per problem, then the mean over problems (gold_se: their standard error). kl: best_of_n_kl of the
+    distinct answers sampled, p(y) the policy's probability of y's tokens (the newline included), the rest
+    (uncovered: its mean) one answer ranked lowest. Every rank computes the same; rank 0 writes and prints."""
+    verifier, spec, task = load_reward_model(cfg.init_from)
+    check(task in ("orm", "prm"), f"--best_of needs an arithmetic verifier (--task orm or prm), not a {task} model")
+    policy, policy_spec, _ = load_model(cfg.policy)
+    check(policy_spec == spec, f"--policy {cfg.policy}: its tokenizer is not the verifier's")
+    tok = get_tokenizer(spec)
+    policy.to(rt.device).eval()
+    verifier.to(rt.device)
+    every_n = [int(n) for n in cfg.best_of.split(",")]
+    N = max(every_n)
+    rng = random.Random(1234)  # grpo.py's held-out problems, whatever --seed
+    problems = sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size or 128)})
+    E = len(problems)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    rows = [problem for problem in problems for _ in range(N)]  # N rows a problem, in a row
+    answers = []  # the text of each row's answer
+    for i in range(0, len(rows), 1024):
+        # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
+        prompts = [tok.encode(prompt) for prompt, _ in rows[i : i + 1024]]
+        tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
+        for ids in tokens.tolist():
+            head, newline, _ = tok.decode(ids).partition("\n")
+            answers.append(head + newline)
+    # each problem's distinct answers, in order of first appearance: their verifier score and policy log-prob
+    pairs = list(dict.fromkeys((prompt, y) for (prompt, _), y in zip(rows, answers)))
+    scores = score(verifier, tok, [prompt + y for prompt, y in pairs], rt.device)
+    logps = answer_logprobs(policy, tok, pairs, rt.device)
+    found = {}  # (prompt, answer) -> (score, log-prob)
+    distinct = {}  # prompt -> [(score, log-prob) of each of its distinct answers]
+    for pair, r, lp in zip(pairs, scores, logps):
+        found[pair] = (r, lp)
+        distinct.setdefault(pair[0], []).append((r, lp))
+    # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
+    s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
+    s, order = s.view(E, N).sort(stable=True)
+    right = torch.tensor([float(y == answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
+    right = right.view(E, N).gather(1, order)
+    W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
+    gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n
+    proxy = s @ W.T
+    kl = torch.zeros_like(gold)
+    uncovered = 0.0
+    for e, (prompt, _) in enumerate(problems):
+        s_y, logp_y = torch.tensor(distinct[prompt], dtype=torch.float64).T  # (K,) each
+        uncovered += (1 - logp_y.exp().sum()).clamp(min=0).item() / E
+        for j, n in enumerate(every_n):
+            kl[e, j] = best_of_n_kl(logp_y.exp(), s_y, n)
+    results = []
+    for j, n in enumerate(every_n):
+        results.append(
+            {
+                "n": n,
+                "gold": gold[:, j].mean().item(),  # exact answers of the pick
+                "gold_se": gold[:, j].std().item() / math.sqrt(E) if E > 1 else 0.0,
+                "proxy": proxy[:, j].mean().item(),  # the verifier's score of the pick
+                "kl": kl[:, j].mean().item(),  # exact, of the sampled answers and the uncovered rest
+                "kl_bound": math.log(n) - (n - 1) / n,
+                "n_problems": E,
+                "uncovered": uncovered,  # the policy's probability of the answers never sampled, mean over problems
+                "samples_per_problem": N,
+            }
+        )
+    if rt.master:
+        save_config(cfg, out_dir, rt)
+        with open(os.path.join(out_dir, "best_of_n.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"best-of-n of {cfg.policy} on {E} held-out problems, {N} answers each (uncovered {uncovered:.4f}):")
+        print("     n  gold            proxy       kl  kl_bound")
+        for r in results:
+            gold_text = f"{r['gold']:.3f} +- {r['gold_se']:.3f}"
+            print(f"{r['n']:6d}  {gold_text}  {r['proxy']:9.4f}  {r['kl']:.4f}  {r['kl_bound']:.4f}")
+
+
+@torch.no_grad()
+def answer_logprobs(policy, tok, pairs, device, batch_size=256):
+    """log p(answer | prompt) under the policy at temperature 1 of (prompt, answer) texts: the sum over the answer's
+    tokens, its newline included. A list of floats."""
+    out = []
+    for i in range(0, len(pairs), batch_size):
+        batch = pairs[i : i + batch_size]
+        idx, lengths = pad_right([tok.encode(prompt) + tok.encode(y) for prompt, y in batch], device)  # (B, T)
+        starts = torch.tensor([len(tok.encode(prompt)) for prompt, _ in batch], device=device)  # (B,)
+        logits, _ = policy(idx)  # (B, T, V)
+        logp = token_logprobs(logits[:, :-1], idx[:, 1:])  # (B, T - 1): position t - 1 predicts token t
+        t = torch.arange(1, idx.size(1), device=device)  # (T - 1,) the predicted token's position
+        is_answer = (t >= starts[:, None]) & (t < lengths[:, None])  # (B, T - 1)
+        out += (logp * is_answer).sum(1).tolist()
+    return out
 
 
 def mfu(model, seq_len, tokens, seconds, rt):

@@ -1,0 +1,236 @@
+"""reward_model.py's best-of-n: the exact KL of best-of-n sampling (best_of_n_kl) against its bound and a brute-force
+enumeration, the unbiased best-of-n estimate from N samples (best_of_n_weights), the answers' log-probs, and
+`--best_of` end to end (best_of_n.json, the printed table, refusals)."""
+
+import contextlib
+import io
+import itertools
+import json
+import math
+import random
+import sys
+
+import pytest
+import torch
+from conftest import char_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reward_model as rm
+
+
+def bound(n):
+    return math.log(n) - (n - 1) / n
+
+
+def brute_force_kl(p, scores, n):
+    """KL(pi_bon || pi) by enumerating every n-tuple of answers: index K is the rest of the probability, ranked below
+    every answer; among answers the higher score wins, ties to the higher index (the lower index ranks lower)."""
+    K = len(p)
+    q = p + [1 - sum(p)]
+    rank = [(scores[i], i) for i in range(K)] + [(-math.inf, -1)]
+    pi_bon = [0.0] * (K + 1)
+    for draw in itertools.product(range(K + 1), repeat=n):
+        best = max(draw, key=lambda i: rank[i])
+        pi_bon[best] += math.prod(q[i] for i in draw)
+    return sum(b * math.log(b / q[i]) for i, b in enumerate(pi_bon) if b > 0)
+
+
+# a policy: K answers' probabilities (the rest: the leftover bucket) and their scores, ties likely
+policies = st.integers(1, 8).flatmap(
+    lambda K: st.tuples(
+        st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K),
+        st.floats(0.0, 1.0),
+        st.lists(st.integers(-2, 2), min_size=K, max_size=K),
+    )
+)
+
+
+def normalized(weights, rest):
+    """Probabilities of the answers whose sum is 1 - rest' with rest' = rest when the weights allow it."""
+    total = sum(weights)
+    if total == 0:
+        return [0.0] * len(weights)
+    return [w / total * (1 - rest) for w in weights]
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=policies)
+def test_best_of_n_kl_is_0_at_n_1(policy):
+    """Best-of-1 is the policy itself."""
+    weights, rest, scores = policy
+    p = torch.tensor(normalized(weights, rest))
+    assert rm.best_of_n_kl(p, torch.tensor(scores, dtype=torch.float), 1) == pytest.approx(0.0, abs=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policy=policies, n=st.integers(1, 200))
+def test_best_of_n_kl_never_exceeds_log_n_minus_n_minus_1_over_n(policy, n):
+    """Beirami et al. 2024: KL(pi_bon || pi) <= log n - (n - 1)/n for every discrete policy, ties and leftover too."""
+    weights, rest, scores = policy
+    p = torch.tensor(normalized(weights, rest))
+    kl = rm.best_of_n_kl(p, torch.tensor(scores, dtype=torch.float), n)
+    assert -1e-12 <= kl <= bound(n) + 1e-9
+
+
+def test_best_of_n_kl_nears_the_bound_for_many_equally_likely_answers():
+    """10,000 answers of probability 1e-4 each, distinct scores: within 1e-3 of log 16 - 15/16 at n = 16."""
+    K = 10_000
+    scores = torch.randperm(K, generator=torch.Generator().manual_seed(0)).float()
+    kl = rm.best_of_n_kl(torch.full((K,), 1 / K), scores, 16)
+    assert kl <= bound(16) and bound(16) - kl < 1e-3
+
+
+def test_best_of_n_kl_of_a_right_answer_among_ten_wrong_ones_hand_values():
+    """The right answer at 0.23 scored above ten wrong ones at 0.077: 1.40 nats at n = 16, 1.47 at n = 32, where
+    the bound says 1.84 and 2.50."""
+    p = torch.tensor([0.23] + [0.077] * 10)
+    scores = torch.tensor([1.0] + [0.0] * 10)
+    assert rm.best_of_n_kl(p, scores, 16) == pytest.approx(1.3987, abs=1e-4)
+    assert rm.best_of_n_kl(p, scores, 32) == pytest.approx(1.4677, abs=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "p, scores",
+    [
+        ([0.5, 0.3, 0.2], [0.1, -1.0, 2.0]),  # distinct scores, no leftover
+        ([0.5, 0.3, 0.2], [1.0, 1.0, 0.0]),  # a tie: index 0 ranks below index 1
+        ([0.2, 0.3, 0.1], [0.0, 2.0, 0.0]),  # a tie and a leftover of 0.4 ranked lowest
+        ([0.6, 0.05, 0.05], [3.0, 3.0, 3.0]),  # all tied, a leftover of 0.3
+    ],
+)
+def test_best_of_n_kl_equals_brute_force_enumeration_of_all_n_tuples(p, scores, n):
+    """K = 3 answers (and the leftover bucket): the formula F(y)^n - F(y-)^n equals counting every n-tuple."""
+    kl = rm.best_of_n_kl(torch.tensor(p, dtype=torch.float64), torch.tensor(scores), n)
+    assert kl == pytest.approx(brute_force_kl(p, scores, n), abs=1e-9)
+
+
+@pytest.mark.parametrize("N, n", [(1, 1), (5, 1), (5, 2), (6, 3), (6, 6)])
+def test_best_of_n_weights_give_the_mean_best_over_all_n_subsets(N, n):
+    """Samples in ascending score order: the weighted sum is the mean over all C(N, n) subsets of the subset's best
+    (the highest-ranked) value."""
+    values = torch.randn(N, generator=torch.Generator().manual_seed(N + n), dtype=torch.float64)
+    subsets = list(itertools.combinations(range(N), n))
+    brute = sum(values[max(s)].item() for s in subsets) / len(subsets)
+    w = rm.best_of_n_weights(N, n)
+    assert (w * values).sum().item() == pytest.approx(brute, abs=1e-12) and w.sum().item() == pytest.approx(1.0)
+
+
+def test_answer_logprobs_is_the_sum_of_next_token_log_probs(tmp_path):
+    """log p(answer | prompt): each answer token's log-softmax given everything before it, newline included,
+    computed one prefix at a time; batches of different lengths do not change it."""
+    policy, _, _ = rm.load_model(str(char_checkpoint(tmp_path / "p.pt", rm.ARITHMETIC_CHARS, block_size=32)))
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+    pairs = [("12+3=", "15\n"), ("7*8=", "56\n"), ("1-2=", "-1\n"), ("99*99=", "9801\n")]
+    got = rm.answer_logprobs(policy, tok, pairs, "cpu", batch_size=3)
+    for (prompt, answer), value in zip(pairs, got):
+        ids = tok.encode(prompt + answer)
+        want = 0.0
+        for t in range(len(prompt), len(ids)):
+            logits, _ = policy(torch.tensor([ids[:t]]))
+            want += torch.log_softmax(logits[0, -1], -1)[ids[t]].item()
+        assert value == pytest.approx(want, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def run_main(monkeypatch, *args):
+    """reward_model.main() in this process: (exit code, stdout, stderr lines)."""
+    monkeypatch.setattr(sys, "argv", ["reward_model.py", *map(str, args)])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rm.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue().strip().splitlines()
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    """(an orm verifier, a policy, a preference reward model): tiny random char models of the arithmetic vocabulary."""
+    paths = []
+    for name, task in (("verifier", "orm"), ("policy", None), ("preference", "preference")):
+        path = char_checkpoint(tmp_path / f"{name}.pt", rm.ARITHMETIC_CHARS, block_size=32, reward_head=bool(task))
+        if task:
+            ckpt = torch.load(path, weights_only=True)
+            ckpt["reward_task"] = task
+            torch.save(ckpt, path)
+        paths.append(path)
+    return paths
+
+
+def test_best_of_writes_best_of_n_json_and_prints_its_table(tmp_path, monkeypatch, checkpoints):
+    """A tiny run: a row per n with every field, 0 <= kl <= kl_bound, kl 0 at n = 1, the problems those of grpo.py's
+    held-out draw (--eval_size draws from random.Random(1234), distinct ones), and the table printed."""
+    verifier, policy, _ = checkpoints
+    out = tmp_path / "bon"
+    args = ["--init_from", verifier, "--policy", policy, "--best_of", "1,2,4,8", "--eval_size", 12, "--digits", 1]
+    code, stdout, err = run_main(monkeypatch, *args, "--out_dir", out, "--device", "cpu")
+    assert code == 0, err[-5:]
+    rows = json.loads((out / "best_of_n.json").read_text())
+    rng = random.Random(1234)
+    problems = {rm.draw_problem(rng, 1, "+-*", True) for _ in range(12)}
+    assert [r["n"] for r in rows] == [1, 2, 4, 8]
+    for r in rows:
+        fields = {"n", "gold", "gold_se", "proxy", "kl", "kl_bound", "n_problems", "uncovered", "samples_per_problem"}
+        assert fields <= set(r)
+        assert r["n_problems"] == len(problems) and r["samples_per_problem"] == 8
+        assert r["kl_bound"] == pytest.approx(bound(r["n"]))
+        assert -1e-9 <= r["kl"] <= r["kl_bound"] + 1e-9 and 0 <= r["gold"] <= 1 and 0 <= r["uncovered"] <= 1
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[-1]["proxy"] >= rows[0]["proxy"]  # the mean best over n-subsets never falls as n grows
+    lines = stdout.splitlines()
+    assert f"on {len(problems)} held-out problems, 8 answers each" in lines[0]
+    for line, r in zip(lines[2:], rows):
+        cells = line.split()
+        assert int(cells[0]) == r["n"] and float(cells[5]) == pytest.approx(r["kl"], abs=1e-4)
+    assert not (out / "ckpt.pt").exists()
+
+
+def test_best_of_a_policy_that_always_answers_right_has_gold_1(tmp_path, monkeypatch, checkpoints):
+    """A stand-in generate writes the right answer every time: gold 1 +- 0 at every n, one distinct answer a
+    problem, so its probability under the policy is all that is covered."""
+    verifier, policy, _ = checkpoints
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+
+    def always_right(model, prompts, max_new_tokens, generator=None, **kwargs):
+        texts = [f"{eval(tok.decode(ids)[:-1])}\n".ljust(max_new_tokens, "=") for ids in prompts]
+        return torch.tensor([tok.encode(t) for t in texts]), torch.ones(len(texts), max_new_tokens)
+
+    monkeypatch.setattr(rm, "generate", always_right)
+    out = tmp_path / "bon"
+    args = ["--init_from", verifier, "--policy", policy, "--best_of", "1,3", "--eval_size", 8, "--digits", 1]
+    code, _, err = run_main(monkeypatch, *args, "--out_dir", out, "--device", "cpu")
+    assert code == 0, err[-5:]
+    rows = json.loads((out / "best_of_n.json").read_text())
+    assert all(r["gold"] == 1.0 and r["gold_se"] == 0.0 for r in rows)
+    assert 0 < rows[0]["uncovered"] < 1 and rows[1]["kl"] <= bound(3)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--best_of", "1,2"], "--policy"),  # no --policy
+        (["--policy", "POLICY"], "--policy"),  # no --best_of
+        (["--best_of", "0,2", "--policy", "POLICY"], "--best_of"),
+        (["--best_of", "1,,2", "--policy", "POLICY"], "--best_of"),
+        (["--best_of", "2.5", "--policy", "POLICY"], "--best_of"),
+        (["--best_of", "-1", "--policy", "POLICY"], "--best_of"),
+        (["--best_of", "1,2", "--policy", "POLICY", "--init_from", "PREFERENCE"], "arithmetic verifier"),
+        (["--best_of", "1,2", "--policy", "OTHER"], "tokenizer"),
+    ],
+)
+def test_best_of_refusals_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypatch, checkpoints, extra, needle):
+    """No --policy (or no --best_of), n values that are not positive integers, a preference model as the verifier,
+    a policy with another tokenizer: exit 2, one line, no run folder."""
+    verifier, policy, preference = checkpoints
+    other = char_checkpoint(tmp_path / "other.pt", rm.ARITHMETIC_CHARS + " ", block_size=32)  # another vocabulary
+    swap = {"POLICY": policy, "PREFERENCE": preference, "OTHER": other}
+    args = ["--init_from", verifier, *[swap.get(a, a) for a in extra], "--out_dir", tmp_path / "bon"]
+    code, _, err = run_main(monkeypatch, *args, "--device", "cpu")
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "bon").exists()
