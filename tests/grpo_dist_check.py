@@ -68,6 +68,7 @@ def check_rollouts(rt):
     lengths = torch.randint(1, H + 1, (N, 1))
     mask = (torch.arange(H) < lengths).float()  # (N, H)
     truncated = lengths[:, 0] == H
+    rollout_kl = torch.rand(N)  # k1 summed over each completion
     task = SimpleNamespace(eos_id=0, correct=lambda completion, mask, truth, r: (r == 1.0).float())
     one = grpo.Runtime(torch.device("cpu"), torch.float32)  # a single process
     rows = slice(rt.rank * N // 2, (rt.rank + 1) * N // 2)
@@ -80,9 +81,15 @@ def check_rollouts(rt):
         if not torch.allclose(part, whole[rows], atol=1e-6):
             errors.append(f"{kind} advantages, scale {scale}, {r.dim()}-d rewards: rank {rt.rank} differs")
     for r in (rewards, token_rewards):
-        first = {"completion": None, "info": None, "rewards": r, "mask": mask}
+        first = {"completion": None, "info": None, "rewards": r, "mask": mask, "rollout_kl": rollout_kl}
         whole = grpo.rollout_metrics(task, first, {"mask": mask, "truncated": truncated}, G, one)
-        first = {"completion": None, "info": None, "rewards": r[rows], "mask": mask[rows]}
+        first = {
+            "completion": None,
+            "info": None,
+            "rewards": r[rows],
+            "mask": mask[rows],
+            "rollout_kl": rollout_kl[rows],
+        }
         part = grpo.rollout_metrics(task, first, {"mask": mask[rows], "truncated": truncated[rows]}, G, rt)
         for k, v in whole.items():
             if v is None and part[k] is None:  # a metric this task does not have (rl/gold_reward)
