@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -93,3 +94,17 @@ def print_table(header, rows):
     for row in rows:
         print("| " + " | ".join(str(cell) for cell in row) + " |")
     print(flush=True)
+
+
+def tiny_hh(path, n=200):
+    """A tiny HH-RLHF-shaped .jsonl for --quick runs (no download): a polite chosen answer and a rude rejected one
+    to the same question."""
+    rng = random.Random(0)
+    topics = ["the weather", "a recipe", "my homework", "a poem", "the news", "a joke"]
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = f"\n\nHuman: Can you help me with {rng.choice(topics)}? ({i})\n\nAssistant:"
+            chosen = " Of course, here is what I know." + " Happy to help." * rng.randint(0, 2)
+            rejected = " No. Go away." + " Stop asking." * rng.randint(0, 2)
+            f.write(json.dumps({"chosen": prompt + chosen, "rejected": prompt + rejected}) + "\n")
+    return path

@@ -8,11 +8,9 @@ dialogues); without it the scripts read Anthropic/hh-rlhf from the hub. --quick 
 own and trains for a few steps (no network).
 """
 
-import json
 import os
-import random
 
-from common import final_results, fmt, metrics, parse_args, print_table, run
+from common import final_results, fmt, metrics, parse_args, print_table, run, tiny_hh
 
 LOSSES = [  # (row, flags)
     ("sigmoid, beta 0.1", ["--loss_type", "sigmoid", "--beta", "0.1"]),
@@ -20,19 +18,6 @@ LOSSES = [  # (row, flags)
     ("simpo, beta 2, gamma 1", ["--loss_type", "simpo", "--beta", "2", "--gamma", "1"]),
     ("kto, beta 0.1", ["--loss_type", "kto", "--beta", "0.1"]),
 ]
-
-
-def tiny_hh(path, n=200):
-    """HH-RLHF-shaped records: a polite chosen answer and a rude rejected one to the same question."""
-    rng = random.Random(0)
-    topics = ["the weather", "a recipe", "my homework", "a poem", "the news", "a joke"]
-    with open(path, "w") as f:
-        for i in range(n):
-            prompt = f"\n\nHuman: Can you help me with {rng.choice(topics)}? ({i})\n\nAssistant:"
-            chosen = " Of course, here is what I know." + " Happy to help." * rng.randint(0, 2)
-            rejected = " No. Go away." + " Stop asking." * rng.randint(0, 2)
-            f.write(json.dumps({"chosen": prompt + chosen, "rejected": prompt + rejected}) + "\n")
-    return path
 
 
 def both(first, last, key, digits=3):

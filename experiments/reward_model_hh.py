@@ -14,22 +14,9 @@ import os
 import random
 import sys
 
-from common import ROOT, final_results, fmt, metrics, parse_args, print_table, run
+from common import ROOT, final_results, fmt, metrics, parse_args, print_table, run, tiny_hh
 
 sys.path.insert(0, str(ROOT))
-
-
-def tiny_hh(path, n=200):
-    """HH-RLHF-shaped records: a polite chosen answer and a rude rejected one to the same question."""
-    rng = random.Random(0)
-    topics = ["the weather", "a recipe", "my homework", "a poem", "the news", "a joke"]
-    with open(path, "w") as f:
-        for i in range(n):
-            prompt = f"\n\nHuman: Can you help me with {rng.choice(topics)}? ({i})\n\nAssistant:"
-            chosen = " Of course, here is what I know." + " Happy to help." * rng.randint(0, 2)
-            rejected = " No. Go away." + " Stop asking." * rng.randint(0, 2)
-            f.write(json.dumps({"chosen": prompt + chosen, "rejected": prompt + rejected}) + "\n")
-    return path
 
 
 def held_out_pairs(data_path):
