@@ -111,6 +111,8 @@ class Config:
     data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, shipped in data/) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
     reward_model: str = ""  # ckpt.pt of reward_model.py: the reward_model task's scorer, or arithmetic's learned reward
+    rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
+    uwo_lambda: float = 0.5  # uwo's weight on the variance (Coste et al. 2023 find uwo robust to it)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
@@ -1137,13 +1139,56 @@ def reward_model_scores(rm, prompts, completion, mask):
 
 
 def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); it must share
-    the policy's tokenizer and hold a row of longest tokens."""
-    rm, rm_tok, task = load_reward_model(cfg.reward_model)
-    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-    size = rm.body.config.block_size
-    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
+    share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
+    trained for the same task."""
+    members = []
+    tasks = set()
+    for path in cfg.reward_model.split(","):
+        rm, rm_tok, task = load_reward_model(path)
+        check(rm_tok == tok.spec, f"--reward_model {path} uses another tokenizer than the policy")
+        size = rm.body.config.block_size
+        check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+        members.append(rm)
+        tasks.add(task)
+    check(len(tasks) == 1, f"--reward_model: the members were trained for different tasks ({sorted(tasks)})")
+    if len(members) > 1:
+        rm = RewardEnsemble(members, cfg.rm_ensemble, cfg.uwo_lambda)
     return rm.to(rt.device), task
+
+
+def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
+    """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
+    members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
+    uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
+    works: (K, ...) -> (...)."""
+    if kind == "min":
+        return scores.min(0).values
+    mean = scores.mean(0)
+    if kind == "uwo":
+        return mean - uwo_lambda * scores.var(0, correction=0)
+    return mean
+
+
+class RewardEnsemble(nn.Module):
+    """Reward models scored as one: ensemble_scores of their scores at every position."""
+
+    def __init__(self, members, kind, uwo_lambda):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.kind = kind
+        self.uwo_lambda = uwo_lambda
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
+        scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
+        return ensemble_scores(scores, self.kind, self.uwo_lambda)
+
+
+def reward_checksum(rm):
+    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
+    if isinstance(rm, RewardEnsemble):
+        return [weights_checksum(m) for m in rm.members]
+    return None if rm is None else weights_checksum(rm)
 
 
 def read_jsonl(path, required):
@@ -1300,6 +1345,7 @@ def validate(cfg):
     check(0 <= cfg.ref_mixup <= 1, f"--ref_mixup must be in [0, 1] (got {cfg.ref_mixup})")
     choices = {
         "task": ["next_token", "arithmetic", "reward_model"],
+        "rm_ensemble": ["mean", "min", "uwo"],
         "tokenizer": ["gpt2", "char"],
         "reward_mode": ["plus1", "pm1"],
         "adv": ["auto", "group", "rloo", "process"],
@@ -1335,6 +1381,9 @@ def validate(cfg):
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
     n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)  # arithmetic only, like --digits
     check(not cfg.best_of or n_values and cfg.reward_model, "--best_of n,n,..: answers ranked by a --reward_model")
+    n_rm = len(cfg.reward_model.split(","))
+    check(cfg.rm_ensemble == "mean" or n_rm > 1, f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..")
+    check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
 
 
 def setup(cfg):
@@ -1378,7 +1427,7 @@ def setup(cfg):
         prompt_len = cfg.max_prompt_len
     # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
     # check has no checksum, and is refused when a reward model is used)
-    rm_checksum = weights_checksum(task.rm) if task.rm is not None else None
+    rm_checksum = reward_checksum(task.rm)
     same = not cfg.resume or ckpt.get("rm_checksum") == rm_checksum
     check(same, f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on")
     longest = prompt_len + cfg.horizon

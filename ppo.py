@@ -113,6 +113,8 @@ class Config:
     data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, shipped in data/) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
     reward_model: str = ""  # reward_model.py's ckpt.pt: the learned reward (reward_model, arithmetic), --value_init
+    rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
+    uwo_lambda: float = 0.5  # uwo's weight on the variance (Coste et al. 2023 find uwo robust to it)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
@@ -1029,13 +1031,56 @@ def load_reward_model(path):
 
 
 def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); it must share
-    the policy's tokenizer and hold a row of longest tokens."""
-    rm, rm_tok, task = load_reward_model(cfg.reward_model)
-    check(rm_tok == tok.spec, f"--reward_model {cfg.reward_model} uses another tokenizer than the policy")
-    size = rm.body.config.block_size
-    check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
+    share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
+    trained for the same task."""
+    members = []
+    tasks = set()
+    for path in cfg.reward_model.split(","):
+        rm, rm_tok, task = load_reward_model(path)
+        check(rm_tok == tok.spec, f"--reward_model {path} uses another tokenizer than the policy")
+        size = rm.body.config.block_size
+        check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+        members.append(rm)
+        tasks.add(task)
+    check(len(tasks) == 1, f"--reward_model: the members were trained for different tasks ({sorted(tasks)})")
+    if len(members) > 1:
+        rm = RewardEnsemble(members, cfg.rm_ensemble, cfg.uwo_lambda)
     return rm.to(rt.device), task
+
+
+def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
+    """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
+    members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
+    uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
+    works: (K, ...) -> (...)."""
+    if kind == "min":
+        return scores.min(0).values
+    mean = scores.mean(0)
+    if kind == "uwo":
+        return mean - uwo_lambda * scores.var(0, correction=0)
+    return mean
+
+
+class RewardEnsemble(nn.Module):
+    """Reward models scored as one: ensemble_scores of their scores at every position."""
+
+    def __init__(self, members, kind, uwo_lambda):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.kind = kind
+        self.uwo_lambda = uwo_lambda
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
+        scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
+        return ensemble_scores(scores, self.kind, self.uwo_lambda)
+
+
+def reward_checksum(rm):
+    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
+    if isinstance(rm, RewardEnsemble):
+        return [weights_checksum(m) for m in rm.members]
+    return None if rm is None else weights_checksum(rm)
 
 
 @torch.no_grad()
@@ -1134,6 +1179,7 @@ def validate(cfg):
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     choices = {
         "task": ["next_token", "arithmetic", "reward_model"],
+        "rm_ensemble": ["mean", "min", "uwo"],
         "tokenizer": ["gpt2", "char"],
         "value_model": ["separate", "shared"],
         "reward_mode": ["plus1", "pm1"],
@@ -1150,6 +1196,10 @@ def validate(cfg):
     check(not cfg.adaptive_kl or cfg.reference != "none", "--adaptive_kl needs a reference (--reference none)")
     n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)  # arithmetic only, like --digits
     check(not cfg.best_of or n_values and cfg.reward_model, "--best_of n,n,..: answers ranked by a --reward_model")
+    n_rm = len(cfg.reward_model.split(","))
+    check(cfg.rm_ensemble == "mean" or n_rm > 1, f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..")
+    check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
+    check(cfg.value_init != "reward_model" or n_rm == 1, "--value_init reward_model takes one --reward_model")
 
 
 def setup(cfg):
@@ -1193,7 +1243,7 @@ def setup(cfg):
         prompt_len = cfg.max_prompt_len
     # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
     # check has no checksum, and is refused when a reward model is used)
-    run.rm_checksum = weights_checksum(run.task.rm) if run.task.rm is not None else None
+    run.rm_checksum = reward_checksum(run.task.rm)
     check(
         ckpt is None or ckpt.get("rm_checksum") == run.rm_checksum,
         f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on",
