@@ -112,9 +112,9 @@ class Config:
     task: str = "next_token"  # next_token | arithmetic | reward_model
     data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, shipped in data/) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
-    reward_model: str = ""  # reward_model.py's ckpt.pt: the learned reward (reward_model, arithmetic), --value_init
+    reward_model: str = ""  # reward_model.py's ckpt.pt (A,B,..: an ensemble): the learned reward, --value_init
     rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
-    uwo_lambda: float = 0.5  # uwo's weight on the variance (Coste et al. 2023 find uwo robust to it)
+    uwo_lambda: float = 0.5  # uwo's weight on the members' variance (0.5: not tuned here)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
