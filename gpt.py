@@ -548,6 +548,7 @@ def validate(cfg):
     )
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
+    check(cfg.num_samples >= 0, f"--num_samples must be >= 0 (got {cfg.num_samples})")
     check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.warmup_steps >= 0 and cfg.lr_decay_steps >= 0, "--warmup_steps and --lr_decay_steps must be >= 0")
@@ -608,6 +609,8 @@ def write_samples(model, tok, cfg, rt, out_dir, problems):
             with open(os.path.join(out_dir, "samples.txt"), "w") as f:
                 f.write("\n".join(texts) + "\n")
         return texts, n_tokens / (time.time() - t0)
+    if cfg.num_samples == 0:  # none asked for: no samples.txt
+        return [], None
     prompt = tok.encode(cfg.sample_prompt)
     if not prompt:  # an empty prompt: start from <|endoftext|>, or from token 0 of a char vocabulary
         prompt = [tok.eot_id] if tok.eot_id is not None else [0]
@@ -830,8 +833,9 @@ def main():
         accuracy = ""
         if problems:
             accuracy = f"accuracy {results['final_accuracy']:.3f} on {len(problems)} held-out problems; "
-        print(f"val loss {results['final_val_loss']:.4f}; {accuracy}samples in {out_dir}/samples.txt\n")
-        print("\n".join(texts[:5]) if problems else texts[0])
+        where = f"samples in {out_dir}/samples.txt" if texts else "no samples (--num_samples 0)"
+        print(f"val loss {results['final_val_loss']:.4f}; {accuracy}{where}\n")
+        print("\n".join(texts[:5] if problems else texts[:1]))
     cleanup(rt)
 
 

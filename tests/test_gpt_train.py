@@ -268,3 +268,15 @@ def test_fsdp_run_saves_a_checkpoint_that_loads_in_one_process(tmp_path, text_fi
     assert ckpt["step"] == 4 and len(ckpt["rng_ranks"]) == 2
     assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in ckpt["model"].values())
     assert len(metrics(out)) > 0 and (out / "samples.txt").is_file()
+
+
+def test_no_samples_asked_for_writes_no_samples_file(tmp_path, text_file, monkeypatch):
+    """--num_samples 0 finishes the run without samples.txt (it once crashed padding an empty batch of prompts), and a
+    negative count is refused."""
+    out = tmp_path / "run"
+    run_main(gpt, monkeypatch, "--data", text_file, "--out_dir", out, *RUN, "--max_steps", "2", "--num_samples", "0")
+    assert (out / "final_results.json").is_file() and (out / "ckpt.pt").is_file()
+    assert not (out / "samples.txt").exists()
+    with pytest.raises(SystemExit) as stop:
+        run_main(gpt, monkeypatch, "--data", text_file, "--out_dir", tmp_path / "bad", *RUN, "--num_samples", "-1")
+    assert stop.value.code == 2 and not (tmp_path / "bad").exists()
