@@ -2179,7 +2179,6 @@ class Logger:
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.master, dynamic_ncols=True)
-        self.last_log = time.time()
         if self.master and cfg.wandb:
             import wandb
 
@@ -2189,14 +2188,10 @@ class Logger:
     def log(self, step, metrics, echo=True):
         if not self.master:
             return
-        now = time.time()
         if any(k.startswith("eval/") for k in metrics):
-            # an evaluation: the time since the bar last moved or a step was logged (the evaluation, a checkpoint) is
-            # no step's, so the bar's clock skips it and its rate and time left stay those of the training steps
-            gap = now - max(self.last_log, self.bar.last_print_t)
-            self.bar.start_t += gap
-            self.bar.last_print_t += gap
-        self.last_log = now
+            # an evaluation: the time since the bar last moved (the evaluation, a checkpoint) is no step's, so the
+            # bar's clock skips it and its rate and time left stay those of the training steps
+            self.bar.unpause()
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         with open(self.path, "a") as f:  # closed at every line: a killed run keeps all it logged
             f.write(json.dumps({"step": step, **metrics}) + "\n")
