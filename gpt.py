@@ -427,12 +427,11 @@ def draw_problem(rng, digits, ops, held):
             return prompt, answer
 
 
-def eval_problems(cfg):
-    """The held-out problems of every arithmetic evaluation: grpo.py's ArithmeticTask draws them so (its default
-    --eval_size, 128 draws of a generator seeded 1234, repeats dropped, sorted), so gpt.py's eval/accuracy is the
-    number grpo.py measures at its step 0 on the same checkpoint."""
+def held_out_problems(digits, ops, draws):
+    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
+    in every run, whatever --seed), repeats dropped, sorted."""
     rng = random.Random(1234)
-    return sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(128)})
+    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
 
 
 @torch.no_grad()
@@ -739,7 +738,7 @@ def main():
     # --data arithmetic: greedy answers to held-out problems too (a denoiser has no left-to-right greedy answer)
     problems = []
     if cfg.data == "arithmetic" and mask_id is None:
-        problems = eval_problems(cfg)
+        problems = held_out_problems(cfg.digits, cfg.ops, 128)  # grpo.py's default --eval_size
         check(4 * cfg.digits + 4 <= block_size, f"--digits {cfg.digits}: a problem and its answer exceed the context")
 
     def batch(data, device, generator=None):

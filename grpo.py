@@ -877,9 +877,7 @@ class ArithmeticTask:
         self.eos_id = newline[0]
         if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
             print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
-        rng = random.Random(1234)  # the same held-out problems in every run, whatever --seed
-        # --eval_size draws of held-out problems; the distinct ones, sorted
-        self.eval_problems = sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size)})
+        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size)
         self.rm = None
         if cfg.reward_model:  # a learned reward; the gold one is only measured
             longest = 2 * cfg.digits + 2 + cfg.horizon  # "a*b=" with the longest operands, then the completion
@@ -1003,6 +1001,13 @@ def draw_problem(rng, digits, ops, held):
         prompt, answer = arithmetic_problem(rng, digits, ops)
         if held_out(prompt) == held:
             return prompt, answer
+
+
+def held_out_problems(digits, ops, draws):
+    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
+    in every run, whatever --seed), repeats dropped, sorted."""
+    rng = random.Random(1234)
+    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
 
 
 def arithmetic_reward(text, answer, format_reward=0.0):

@@ -631,6 +631,13 @@ def draw_problem(rng, digits, ops, held):
             return prompt, answer
 
 
+def held_out_problems(digits, ops, draws):
+    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
+    in every run, whatever --seed), repeats dropped, sorted."""
+    rng = random.Random(1234)
+    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+
+
 def corrupt(rng, value):
     """A wrong result near value: off by 1 to 3, or one digit changed (never to a new leading zero)."""
     if rng.random() < 0.5:
@@ -972,8 +979,7 @@ def best_of_n(cfg, rt, out_dir):
     verifier.to(rt.device)
     every_n = [int(n) for n in cfg.best_of.split(",")]
     N = max(every_n)
-    rng = random.Random(1234)  # grpo.py's held-out problems, whatever --seed
-    problems = sorted({draw_problem(rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size or 128)})
+    problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size or 128)  # grpo.py's evaluation problems
     E = len(problems)
     generator = torch.Generator().manual_seed(cfg.seed)
     rows = [problem for problem in problems for _ in range(N)]  # N rows a problem, in a row

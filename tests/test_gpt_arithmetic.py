@@ -71,10 +71,10 @@ def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writ
 
 
 def test_eval_problems_are_grpo_step0_evaluation_problems():
-    """gpt.eval_problems draws exactly grpo.py's ArithmeticTask evaluation problems (default --eval_size)."""
+    """gpt.held_out_problems draws exactly grpo.py's ArithmeticTask evaluation problems (default --eval_size)."""
     for digits, ops in ((1, "+"), (2, "+-*"), (3, "*")):
         cfg = gpt.Config(data="arithmetic", digits=digits, ops=ops)
         rl_cfg = grpo.Config(task="arithmetic", init_from="init.pt", digits=digits, ops=ops)
         rt = grpo.Runtime(torch.device("cpu"), torch.float32)
         task = grpo.ArithmeticTask(rl_cfg, grpo.CharTokenizer(CHARS), rt, "")
-        assert gpt.eval_problems(cfg) == task.eval_problems
+        assert gpt.held_out_problems(cfg.digits, cfg.ops, 128) == task.eval_problems
