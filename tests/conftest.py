@@ -3,6 +3,8 @@
 about exit codes, signals, stderr, torchrun or a fresh interpreter). The suite runs in parallel (pytest -n auto), so
 every run writes under its test's tmp_path."""
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -134,6 +136,28 @@ def run_main_in_fixture(module, *args):
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
+
+
+def run_main_captured(module, monkeypatch, *args):
+    """run_main with the output captured: (exit code, 0 when main returns; stdout; stderr lines)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_main(module, monkeypatch, *args)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue().strip().splitlines()
+
+
+def run_main_until_sigterm(module, monkeypatch, step, *args):
+    """run_main stopped as by a SIGTERM after `step` steps (FAULT_SIGTERM_AT_STEP): it must exit with 143, its
+    checkpoint saved."""
+    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", str(step))
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(module, monkeypatch, *args)
+    assert exit_info.value.code == 143
+    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
 
 
 def run_script(script, *args, timeout=300, env=None, cwd=None):

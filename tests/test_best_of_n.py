@@ -2,17 +2,14 @@
 enumeration, the unbiased best-of-n estimate from N samples (best_of_n_weights), the answers' log-probs, and
 `--best_of` end to end (best_of_n.json, the printed table, refusals)."""
 
-import contextlib
-import io
 import itertools
 import json
 import math
 import random
-import sys
 
 import pytest
 import torch
-from conftest import char_checkpoint
+from conftest import char_checkpoint, run_main_captured
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,16 +134,9 @@ def test_answer_logprobs_is_the_sum_of_next_token_log_probs(tmp_path):
 
 
 def run_main(monkeypatch, *args):
-    """reward_model.main() in this process: (exit code, stdout, stderr lines)."""
-    monkeypatch.setattr(sys, "argv", ["reward_model.py", *map(str, args)])
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rm.main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue().strip().splitlines()
+    """reward_model.main() in this process, its output captured: (exit code, 0 when main returns; stdout; stderr
+    lines)."""
+    return run_main_captured(rm, monkeypatch, *args)
 
 
 @pytest.fixture

@@ -10,7 +10,17 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, hh_file, metrics, needs_bpe, run_main, run_script, torchrun
+from conftest import (
+    ROOT,
+    char_checkpoint,
+    hh_file,
+    metrics,
+    needs_bpe,
+    run_main,
+    run_main_until_sigterm,
+    run_script,
+    torchrun,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -401,15 +411,11 @@ def test_float16_loss_scale_is_checkpointed_and_restored_on_resume(tmp_path, tex
     its growth tracker (steps since the last overflow) counts 2 + 1, not the 1 of a scaler started afresh."""
     out = tmp_path / "run"
     args = ["--data", text_file, *NEXT, "--device", "cpu", "--dtype", "float16", "--max_steps", "3"]
-    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "2")
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(grpo, monkeypatch, *args, "--eval_size", "4", "--out_dir", out)
-    assert exit_info.value.code == 143
+    run_main_until_sigterm(grpo, monkeypatch, 2, *args, "--eval_size", "4", "--out_dir", out)
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["scaler"]["scale"] == 2.0**16 and ckpt["scaler"]["_growth_tracker"] == 2
     ckpt["scaler"]["scale"] = 2.0**10
     torch.save(ckpt, out / "ckpt.pt")
-    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
     run_main(grpo, monkeypatch, "--resume", "--out_dir", out)
     resumed = torch.load(out / "ckpt.pt", weights_only=True)
     assert resumed["step"] == 3 and resumed["scaler"]["scale"] == 2.0**10 and resumed["scaler"]["_growth_tracker"] == 3

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, metrics, run_main, torchrun
+from conftest import ROOT, char_checkpoint, metrics, run_main, run_main_until_sigterm, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -375,14 +375,10 @@ def test_resume_with_ref_sync_steps_matches_the_uninterrupted_run(tmp_path, monk
     args = [*arithmetic_args(tmp_path, monkeypatch), "--reference", "init", "--beta_kl", "0.1"]
     args += ["--ref_sync_steps", "2", "--ref_mixup", "0.5", "--max_steps", "6", "--eval_every", "3"]
     run_main(grpo, monkeypatch, *args, "--out_dir", tmp_path / "full")
-    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "3")
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(grpo, monkeypatch, *args, "--out_dir", tmp_path / "part")
-    assert exit_info.value.code == 143
+    run_main_until_sigterm(grpo, monkeypatch, 3, *args, "--out_dir", tmp_path / "part")
     saved = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["reference"]
     init = torch.load(tmp_path / "init.pt", weights_only=True)["model"]
     assert any(not torch.equal(v, init[k]) for k, v in saved.items())  # synced after step 2: not the initial one
-    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
     run_main(grpo, monkeypatch, "--resume", "--out_dir", tmp_path / "part")
     assert metrics(tmp_path / "part") == metrics(tmp_path / "full")
 

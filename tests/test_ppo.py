@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, char_checkpoint, hh_file, metrics, run_main, run_script, torchrun
+from conftest import ROOT, char_checkpoint, hh_file, metrics, run_main, run_main_until_sigterm, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -409,11 +409,7 @@ def test_a_resumed_float16_run_continues_the_loss_scale_of_the_uninterrupted_run
     common += ["--max_steps", "2", "--eval_every", "2", "--eval_size", "8"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_main(ppo, monkeypatch, *common, "--out_dir", full)
-    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "1")
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(ppo, monkeypatch, *common, "--out_dir", part)
-    assert exit_info.value.code == 143
-    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    run_main_until_sigterm(ppo, monkeypatch, 1, *common, "--out_dir", part)
     run_main(ppo, monkeypatch, "--resume", "--out_dir", part)
     scaler = torch.load(full / "ckpt.pt", weights_only=True)["scaler"]
     assert scaler["_growth_tracker"] == 4  # 2 steps of 2 finite updates: the scaler is in use on this device

@@ -2,21 +2,27 @@
 at the last real token, the checkpoint and --score, and end-to-end runs (run folder, resume, grad accumulation,
 torchrun, learning, bad input)."""
 
-import contextlib
 import gzip
-import io
 import itertools
 import json
 import math
 import random
 import re
-import sys
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_main_in_fixture, run_script, torchrun
+from conftest import (
+    BPE_AVAILABLE,
+    ROOT,
+    metrics,
+    needs_bpe,
+    run_main_captured,
+    run_main_in_fixture,
+    run_script,
+    torchrun,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,18 +37,9 @@ def assert_ok(proc):
 
 
 def run_main(monkeypatch, *args):
-    """Run reward_model.main() with these flags in this process (no interpreter and torch start-up, which is most
-    of a tiny run; no signal handlers installed): (exit code, 0 when main returns; stdout; stderr lines)."""
-    monkeypatch.setattr(sys, "argv", ["reward_model.py", *map(str, args)])
-    monkeypatch.setattr(rm.signal, "signal", lambda *a: None)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rm.main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue().strip().splitlines()
+    """reward_model.main() in this process, its output captured: (exit code, 0 when main returns; stdout; stderr
+    lines)."""
+    return run_main_captured(rm, monkeypatch, *args)
 
 
 # ------------------------------------------------------------------------------------------ synthetic HH-RLHF data

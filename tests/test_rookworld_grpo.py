@@ -13,7 +13,17 @@ from types import SimpleNamespace
 import chess
 import pytest
 import torch
-from conftest import BPE_AVAILABLE, ROOT, metrics, needs_bpe, run_main, run_main_in_fixture, run_script, torchrun
+from conftest import (
+    BPE_AVAILABLE,
+    ROOT,
+    metrics,
+    needs_bpe,
+    run_main,
+    run_main_in_fixture,
+    run_main_until_sigterm,
+    run_script,
+    torchrun,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -604,11 +614,7 @@ def test_float16_resume_restores_the_loss_scale(tmp_path, sft, monkeypatch):
     common += ["--save_every", "1", "--beta_kl", "0", "--dtype", "float16", "--device", "cpu"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_main(rw, monkeypatch, *common, "--out_dir", full)
-    monkeypatch.setenv("FAULT_SIGTERM_AT_STEP", "1")
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(rw, monkeypatch, *common, "--out_dir", part)
-    assert exit_info.value.code == 143
-    monkeypatch.delenv("FAULT_SIGTERM_AT_STEP")
+    run_main_until_sigterm(rw, monkeypatch, 1, *common, "--out_dir", part)
     run_main(rw, monkeypatch, "--resume", "--out_dir", part)
     scalers = [torch.load(run / "ckpt.pt", weights_only=True)["scaler"] for run in (full, part)]
     assert scalers[0] and scalers[0] == scalers[1]
