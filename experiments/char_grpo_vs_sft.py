@@ -23,13 +23,8 @@ sft = [run("char_grpo.py", [*flags, "--supervised", "--seed", s], f"{args.out}/s
 
 
 def evals(out_dir):
-    """{step: the evaluation row} (eval/next_token_acc was called eval/next_char_acc)."""
-    rows = {}
-    for row in metrics(out_dir):
-        if "eval/greedy_match" in row:
-            row.setdefault("eval/next_token_acc", row.get("eval/next_char_acc"))
-            rows[row["step"]] = row
-    return rows
+    """{step: the evaluation row}."""
+    return {row["step"]: row for row in metrics(out_dir) if "eval/greedy_match" in row}
 
 
 grpo_evals = [evals(out) for out in grpo]

@@ -108,3 +108,26 @@ def tiny_hh(path, n=200):
             rejected = " No. Go away." + " Stop asking." * rng.randint(0, 2)
             f.write(json.dumps({"chosen": prompt + chosen, "rejected": prompt + rejected}) + "\n")
     return path
+
+
+# The HH-RLHF experiments (reward_model_hh.py, dpo_hh.py) start from one SFT model: gpt.py on the Assistant turns
+HH_FLAGS = {"--data_path": ("", "local .jsonl/.jsonl.gz of HH-RLHF records (default: the hub)")}
+HH_SFT = ["--block_size", "256", "--batch_size", "16", "--max_steps", "220", "--warmup_steps", "40", "--lr", "1e-3"]
+HH_SFT += ["--min_lr", "1e-4", "--eval_every", "110", "--eval_iters", "8"]
+HH_SFT_QUICK = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--batch_size", "4"]
+HH_SFT_QUICK += ["--max_steps", "4", "--warmup_steps", "1", "--eval_every", "4", "--eval_iters", "1"]
+HH_SFT_QUICK += ["--num_samples", "1", "--sample_tokens", "2"]
+
+
+def hh_data_path(args):
+    """The HH-RLHF file of an experiment: --data_path ("" reads the hub), or with --quick a tiny one written here."""
+    if not args.quick:
+        return args.data_path
+    os.makedirs(args.out, exist_ok=True)
+    return tiny_hh(f"{args.out}/tiny_hh.jsonl")
+
+
+def hh_sft(args, data, seed):
+    """The SFT model of the HH-RLHF tables (a tiny one with --quick) on the data flags: its run folder."""
+    flags = HH_SFT_QUICK if args.quick else HH_SFT
+    return run("gpt.py", ["--data", "hh_sft", *data, *flags, "--seed", seed], f"{args.out}/sft_s{seed}")

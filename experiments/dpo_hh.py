@@ -8,9 +8,7 @@ dialogues); without it the scripts read Anthropic/hh-rlhf from the hub. --quick 
 own and trains for a few steps (no network).
 """
 
-import os
-
-from common import final_results, fmt, metrics, parse_args, print_table, run, tiny_hh
+from common import HH_FLAGS, final_results, fmt, hh_data_path, hh_sft, metrics, parse_args, print_table, run
 
 LOSSES = [  # (row, flags)
     ("sigmoid, beta 0.1", ["--loss_type", "sigmoid", "--beta", "0.1"]),
@@ -26,29 +24,21 @@ def both(first, last, key, digits=3):
 
 
 def main():
-    extra = {"--data_path": ("", "local .jsonl/.jsonl.gz of HH-RLHF records (default: the hub)")}
-    args = parse_args("dpo_hh", __doc__.splitlines()[0], seeds=(1337,), extra=extra)
-    data_path = args.data_path
-    sft = ["--block_size", "256", "--batch_size", "16", "--max_steps", "220", "--warmup_steps", "40", "--lr", "1e-3"]
-    sft += ["--min_lr", "1e-4", "--eval_every", "110", "--eval_iters", "8"]
+    args = parse_args("dpo_hh", __doc__.splitlines()[0], seeds=(1337,), extra=HH_FLAGS)
     dpo = ["--lr", "2e-4", "--min_lr", "2e-5", "--warmup_steps", "4", "--max_steps", "40", "--eval_every", "20"]
     dpo += ["--log_every", "10", "--device", "cpu"]
     losses = LOSSES
     if args.quick:
-        os.makedirs(args.out, exist_ok=True)
-        data_path = tiny_hh(f"{args.out}/tiny_hh.jsonl")
-        sft = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--batch_size", "4"]
-        sft += ["--max_steps", "4", "--warmup_steps", "1", "--eval_every", "4", "--eval_iters", "1"]
-        sft += ["--num_samples", "1", "--sample_tokens", "2"]
         dpo = ["--lr", "2e-4", "--warmup_steps", "1", "--max_steps", "2", "--eval_every", "2", "--batch_size", "4"]
         dpo += ["--num_samples", "1", "--sample_tokens", "2", "--device", "cpu"]
         losses = LOSSES[:1]
+    data_path = hh_data_path(args)
     data = ["--data_path", data_path] if data_path else []
     table = []
     for name, flags in losses:
         runs = []
         for seed in args.seeds:
-            sft_dir = run("gpt.py", ["--data", "hh_sft", *data, *sft, "--seed", seed], f"{args.out}/sft_s{seed}")
+            sft_dir = hh_sft(args, data, seed)
             init = ["--init_from", f"{sft_dir}/ckpt.pt", "--seed", seed]
             runs.append(run("dpo.py", [*data, *init, *dpo, *flags], f"{args.out}/{flags[1]}_s{seed}"))
         first = [[r for r in metrics(d) if "eval/loss" in r][0] for d in runs]

@@ -26,24 +26,20 @@ else:
 runs = [run(script, [*flags, "--seed", seed], f"{args.out}/seed{seed}") for seed in args.seeds]
 
 
-def at(out_dir, names, step):
-    """The value of the first of names logged at the last step <= step (rl/ metrics end at step max_steps - 1)."""
-    for name in names:
-        values = [row[name] for row in metrics(out_dir) if name in row and row["step"] <= step]
-        if values:
-            return values[-1]
-    raise KeyError(f"{names} not logged in {out_dir}")
+def at(out_dir, name, step):
+    """The value of a metric logged at the last step <= step (rl/ metrics end at step max_steps - 1)."""
+    return [row[name] for row in metrics(out_dir) if name in row and row["step"] <= step][-1]
 
 
 ROWS = [
-    ("rl/reward_mean (matched characters per position)", ["rl/reward_mean"]),
-    ("rl/zero_std_frac (groups without signal)", ["rl/zero_std_frac"]),
-    ("eval/next_token_acc", ["eval/next_token_acc"]),
-    ("eval/greedy_match", ["eval/greedy_match"]),
-    ("eval/val_loss (nats per character)", ["eval/val_loss", "eval/loss"]),
-    ("rl/entropy (nats)", ["rl/entropy"]),
+    ("rl/reward_mean (matched characters per position)", "rl/reward_mean"),
+    ("rl/zero_std_frac (groups without signal)", "rl/zero_std_frac"),
+    ("eval/next_token_acc", "eval/next_token_acc"),
+    ("eval/greedy_match", "eval/greedy_match"),
+    ("eval/val_loss (nats per character)", "eval/val_loss"),
+    ("rl/entropy (nats)", "rl/entropy"),
 ]
 table = []
-for label, names in ROWS:
-    table.append([label] + [fmt([at(out, names, step) for out in runs]) for step in steps])
+for label, name in ROWS:
+    table.append([label] + [fmt([at(out, name, step) for out in runs]) for step in steps])
 print_table(["step"] + [str(step) for step in steps], table)

@@ -10,11 +10,10 @@ own and trains for a few steps (no network).
 
 import gzip
 import json
-import os
 import random
 import sys
 
-from common import ROOT, final_results, fmt, metrics, parse_args, print_table, run, tiny_hh
+from common import HH_FLAGS, ROOT, final_results, fmt, hh_data_path, hh_sft, metrics, parse_args, print_table, run
 
 sys.path.insert(0, str(ROOT))
 
@@ -51,28 +50,20 @@ def shorter_wins(pairs):
 
 
 def main():
-    extra = {"--data_path": ("", "local .jsonl/.jsonl.gz of HH-RLHF records (default: the hub)")}
-    args = parse_args("reward_model_hh", __doc__.splitlines()[0], seeds=(1337,), extra=extra)
-    data_path = args.data_path
-    sft = ["--block_size", "256", "--batch_size", "16", "--max_steps", "220", "--warmup_steps", "40", "--lr", "1e-3"]
-    sft += ["--min_lr", "1e-4", "--eval_every", "110", "--eval_iters", "8"]
+    args = parse_args("reward_model_hh", __doc__.splitlines()[0], seeds=(1337,), extra=HH_FLAGS)
     rm = ["--max_steps", "280", "--warmup_steps", "20", "--eval_every", "20"]
     if args.quick:
-        os.makedirs(args.out, exist_ok=True)
-        data_path = tiny_hh(f"{args.out}/tiny_hh.jsonl")
-        sft = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--batch_size", "4"]
-        sft += ["--max_steps", "4", "--warmup_steps", "1", "--eval_every", "4", "--eval_iters", "1"]
-        sft += ["--num_samples", "1", "--sample_tokens", "2"]
         rm = ["--max_steps", "4", "--warmup_steps", "1", "--eval_every", "2", "--batch_size", "4"]
+    data_path = hh_data_path(args)
     data = ["--data_path", data_path] if data_path else []
     rows = []
     for seed in args.seeds:
-        sft_dir = run("gpt.py", ["--data", "hh_sft", *data, *sft, "--seed", seed], f"{args.out}/sft_s{seed}")
+        sft_dir = hh_sft(args, data, seed)
         init = ["--init_from", f"{sft_dir}/ckpt.pt", "--seed", seed]
         rm_dir = run("reward_model.py", [*data, *init, *rm], f"{args.out}/rm_s{seed}")
         res = final_results(rm_dir)
         evals = [r for r in metrics(rm_dir) if "eval/loss" in r]
-        acc_name = "eval/reward_acc" if "eval/reward_acc" in evals[-1] else "eval/accuracy"
+        acc_name = "eval/reward_acc"
         best = evals[0]
         for row in evals:
             if row[acc_name] > best[acc_name]:
