@@ -20,7 +20,11 @@ def test_a_slow_evaluation_leaves_the_bar_rate_and_elapsed_time_to_the_steps(tmp
     rt = SimpleNamespace(master=True)
     logger = gpt.Logger(cfg, str(tmp_path), rt, total_steps=100)
     now = [1000.0]
-    logger.bar._time = lambda: now[0]  # tqdm's clock, moved by the test instead of by sleeping
+
+    def clock():  # tqdm's clock, moved by the test instead of by sleeping
+        return now[0]
+
+    logger.bar._time = clock
     logger.bar.start_t = logger.bar.last_print_t = now[0]
     logger.bar.mininterval = 0  # every update displays and moves the rate (tqdm's moving average of intervals)
     n_steps = 10
