@@ -46,21 +46,23 @@ def main():
     columns = {}
     for seed, (sft, verifier, grpo, _) in runs.items():
         sft_eval = [r for r in metrics(sft) if "eval/accuracy" in r][-1]
-        auc = read_json(f"{verifier}/final_results.json")["auc"]
+        verdicts = read_json(f"{verifier}/final_results.json")
         rows = {r["n"]: r for r in read_json(f"{grpo}/best_of_n.json")}
         top = max(n for n in rows if n <= 16)
         evals = [r for r in metrics(grpo) if "eval/sample_accuracy" in r]
         first, end = evals[0], evals[-1]
         columns[seed] = [
             f"{sft_eval['eval/accuracy']:.3f} ({int(sft_eval['eval/n_problems'])} problems)",
-            f"{auc:.3f}",
+            f"{verdicts['auc']:.3f}",
+            f"{verdicts['auc_per_problem']:.3f} ({verdicts['auc_problems']} problems)",
             f"{rows[1]['gold_accuracy']:.3f} -> {rows[top]['gold_accuracy']:.3f} (n = {top})",
             f"{first['eval/sample_accuracy']:.3f} -> {end['eval/sample_accuracy']:.3f}",
             f"{first['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}",
         ]
     names = [
         "SFT greedy accuracy (gpt.py's eval/accuracy)",
-        "verifier AUC (eval/auc)",
+        "verifier AUC, pooled (eval/auc)",
+        "verifier AUC within a problem (eval/auc_per_problem)",
         "best-of-1 -> best-of-16 gold accuracy",
         f"GRPO's sampled gold accuracy, step 0 -> {end['step']}",
         f"GRPO's greedy gold accuracy, step 0 -> {end['step']}",
