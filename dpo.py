@@ -147,6 +147,7 @@ class Config:
     eval_size: int = 256  # held-out pairs per evaluation (0: all); arithmetic: held-out draws (> 0), distinct kept
     judge: str = ""  # ckpt.pt of reward_model.py: scores greedy responses at the end; arithmetic: also ranks pairs
     judge_prompts: int = 64  # held-out prompts the judge scores
+    reward_model: str = ""  # arithmetic: ckpt.pt of reward_model.py whose score of sampled answers eval/ logs (a proxy)
     num_samples: int = 4  # greedy held-out responses written to samples.txt
     sample_tokens: int = 64  # longest greedy response (tokens)
     # logging and checkpoints
@@ -627,9 +628,38 @@ def evaluate(run, step, logger):
         n_right = all_reduce((right * weight).sum(), rt)
         metrics["eval/accuracy"] = (n_right / len(run.problems)).item()
         metrics["eval/n_problems"] = len(run.problems)  # distinct, all held out
+    if run.rm is not None:
+        metrics.update(sampled_measures(run))
     run.model.train()
     logger.log(step, metrics)
     return metrics
+
+
+@torch.no_grad()
+def sampled_measures(run):
+    """--reward_model's eval/ metrics, as grpo.py measures over-optimisation: four answers to each held-out problem
+    sampled at temperature 1 (a generator of their own), their exact share (over all problems, and over those at even
+    and odd places, to pick a peak on one half and report it on the other), the reward model's mean score, and k1
+    summed over each answer against the reference, mean (nats). Every rank computes all of it."""
+    rows = [problem for problem in run.problems for _ in range(4)]  # four rows a problem, in a row
+    generator = torch.Generator(run.rt.device).manual_seed(0)
+    texts = respond(run.model, [prompt for prompt, _ in rows], run.tok, run.cfg, run.rt, 1.0, generator)
+    right = torch.tensor([arithmetic_reward(text, answer) for text, (_, answer) in zip(texts, rows)])
+    per_problem = right.view(-1, 4).mean(1)  # (E,)
+    triples = [(prompt, text, text) for text, (prompt, _) in zip(texts, rows)]
+    kl = []
+    for i in range(0, len(triples), run.cfg.batch_size):
+        batch = triples[i : i + run.cfg.batch_size]
+        logp = pair_logprobs(run, run.model, batch)[0][: len(batch)]  # (b,): the rows of the first response
+        ref_logp = pair_logprobs(run, run.ref, batch)[0][: len(batch)]
+        kl.append(logp - ref_logp)
+    return {
+        "eval/sample_accuracy": per_problem.mean().item(),
+        "eval/sample_accuracy_a": per_problem[0::2].mean().item(),
+        "eval/sample_accuracy_b": per_problem[1::2].mean().item(),
+        "eval/sample_rm_score": judge_scores(run, triples, run.rm)[:, 0].mean().item(),
+        "eval/sample_kl": torch.cat(kl).mean().item(),
+    }
 
 
 def shard(n, rt):
@@ -792,6 +822,13 @@ def draw_problem(rng, digits, ops, held):
             return prompt, answer
 
 
+def held_out_problems(digits, ops, draws):
+    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
+    in every run, whatever --seed), repeats dropped, sorted."""
+    rng = random.Random(1234)
+    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+
+
 def arithmetic_reward(text, answer, format_reward=0.0):
     """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
     <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
@@ -811,9 +848,7 @@ def arithmetic_pairs(run, out_dir):
     rejected wrong (1 without --judge)."""
     cfg = run.cfg
     path = os.path.join(out_dir, "pairs.jsonl")
-    heldout_rng = random.Random(1234)  # the same held-out problems whatever --seed
-    draws = [draw_problem(heldout_rng, cfg.digits, cfg.ops, True) for _ in range(cfg.eval_size)]
-    run.problems = list(dict(draws).items())  # distinct: 1 digit has only 37 held-out problems
+    run.problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size)  # grpo.py's, whatever --seed
     if isinstance(run.tok, CharTokenizer):
         lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(run.tok.chars)))
         check(
@@ -861,7 +896,7 @@ def arithmetic_records(run):
         scores = [arithmetic_reward(text, answer) for text, (_, _, answer) in zip(texts, rows)]
     else:  # each answer as a pair of itself, twice (as reward_model.py's encode_orm)
         triples = [(prompt, text, text) for prompt, text in zip(prompts, texts)]
-        scores = judge_scores(run, triples)[:, 0].tolist()
+        scores = judge_scores(run, triples, run.judge)[:, 0].tolist()
     records = []
     for i in range(0, len(rows), G):
         group = range(i, i + G)  # the rows of one problem
@@ -929,11 +964,22 @@ def load_reward_model(path):
     return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
 
 
-def judge_scores(run, triples):
-    """--judge's rewards (n, 2) of both responses of (prompt, response, response) triples: each the score at its
-    last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
-    block_size = run.judge.body.config.block_size
-    pairs = [encode_pair(run.judge_tok, *triple, block_size) for triple in triples]
+def load_scorer(run, path, flag):
+    """--judge's or --reward_model's reward_model.py checkpoint, whose vocabulary must encode the policy's responses:
+    (model, tokenizer)."""
+    model, spec, _ = load_reward_model(path)
+    tok = get_tokenizer(spec)
+    fits = spec == "gpt2" or (run.tok.spec != "gpt2" and set(run.tok.chars) <= set(tok.chars))
+    check(fits, f"--{flag} {path}: its char vocabulary cannot encode this policy's responses")
+    return model.to(run.rt.device), tok
+
+
+def judge_scores(run, triples, scorer):
+    """A scorer's (load_scorer's) rewards (n, 2) of both responses of (prompt, response, response) triples: each the
+    score at its last token, as reward_model.py scores; the two are encoded as a pair, on the same prompt tokens."""
+    model, tok = scorer
+    block_size = model.body.config.block_size
+    pairs = [encode_pair(tok, *triple, block_size) for triple in triples]
     scores = []
     for i in range(0, len(pairs), run.cfg.batch_size):
         # the rows: each pair's first response, then its second
@@ -941,7 +987,7 @@ def judge_scores(run, triples):
         ids, _ = collate([(row, 0) for row in rows])
         last = torch.tensor([len(row) - 1 for row in rows])  # each row's last token
         with run.rt.autocast():
-            score = run.judge(ids.to(run.rt.device)).cpu()  # (2b, T)
+            score = model(ids.to(run.rt.device)).cpu()  # (2b, T)
         scores.append(score[torch.arange(len(rows)), last].view(-1, 2))  # (b, 2)
     return torch.cat(scores)
 
@@ -984,6 +1030,8 @@ def validate(cfg):
     check(cfg.loss_type != "kto" or cfg.batch_size >= 2, "--loss_type kto needs --batch_size >= 2: z0 uses other pairs")
     check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
     check(not cfg.judge or os.path.isfile(cfg.judge), f"--judge {cfg.judge}: no such checkpoint")
+    check(not cfg.reward_model or cfg.data == "arithmetic", "--reward_model scores answers of --data arithmetic")
+    check(not cfg.reward_model or os.path.isfile(cfg.reward_model), f"--reward_model {cfg.reward_model}: no checkpoint")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators of +-*")
     check(cfg.pair_samples >= 2, "--pair_samples must be >= 2: a pair is two answers to one problem")
     check(cfg.data != "arithmetic" or cfg.eval_size > 0, "--data arithmetic needs --eval_size > 0: held-out problems")
@@ -1010,7 +1058,7 @@ def reference_table(run, ref, pairs):
 def setup(cfg, out_dir, rt):
     """The run as a namespace: policy (raw and wrapped), reference, tokenizer, judge, pairs, optimizer, loss scaler, and
     what --resume restores (step, pairs seen, BCO's running mean, cached reference log-probs)."""
-    run = SimpleNamespace(cfg=cfg, rt=rt, ckpt_path=os.path.join(out_dir, "ckpt.pt"), problems=[], judge=None)
+    run = SimpleNamespace(cfg=cfg, rt=rt, ckpt_path=os.path.join(out_dir, "ckpt.pt"), problems=[], judge=None, rm=None)
     # the policy: the run's ckpt.pt on --resume, else --init_from; the reference: --reference, else a frozen copy of
     # the starting policy (reloaded from --init_from on --resume)
     model, spec, ckpt = load_model(run.ckpt_path if cfg.resume else cfg.init_from, cfg.dropout)
@@ -1033,12 +1081,10 @@ def setup(cfg, out_dir, rt):
     run.model = model.to(rt.device)
     run.tok = get_tokenizer(spec)
     ref.to(rt.device).eval().requires_grad_(False)
-    if cfg.judge:  # a reward_model.py checkpoint whose vocabulary can encode the policy's responses
-        judge, judge_spec, _ = load_reward_model(cfg.judge)
-        run.judge = judge.to(rt.device)
-        run.judge_tok = get_tokenizer(judge_spec)
-        fits = judge_spec == "gpt2" or (run.tok.spec != "gpt2" and set(run.tok.chars) <= set(run.judge_tok.chars))
-        check(fits, f"--judge {cfg.judge}: its char vocabulary cannot encode this policy's responses")
+    if cfg.judge:
+        run.judge = load_scorer(run, cfg.judge, "judge")
+    if cfg.reward_model:
+        run.rm = load_scorer(run, cfg.reward_model, "reward_model")
 
     # data: pairs as text, tokenized per batch (encode_pair truncates to --max_len)
     if cfg.data == "arithmetic":
@@ -1075,8 +1121,8 @@ def setup(cfg, out_dir, rt):
             "eval": reference_table(run, ref, run.eval_pairs),
         }
     run.ref = ref
-    if cfg.precompute_ref and cfg.loss_type != "kto" and run.judge is None:
-        run.ref = None  # every reference log-prob is cached (kto's z0 and --judge's responses still need the model)
+    if cfg.precompute_ref and cfg.loss_type != "kto" and run.judge is None and run.rm is None:
+        run.ref = None  # every reference log-prob is cached (kto's z0, --judge and --reward_model still need it)
     if rt.master:
         n_params = run.model.num_params() / 1e6
         sizes = f"{len(run.train_pairs)} train and {len(run.eval_pairs)} held-out pairs"
@@ -1153,7 +1199,7 @@ def held_out_outputs(run, out_dir, logger, last_eval, t_start):
     if run.ref is not None:
         ref_responses = respond(run.ref, prompts, run.tok, cfg, rt)
     if run.judge is not None:
-        scores = judge_scores(run, list(zip(prompts, responses, ref_responses)))  # (n, 2): policy, reference
+        scores = judge_scores(run, list(zip(prompts, responses, ref_responses)), run.judge)  # (n, 2): policy, ref
         win_rate = win_score(scores[:, 0] - scores[:, 1]).mean().item()
         last_eval["eval/win_rate"] = win_rate
         logger.log(cfg.max_steps, {"eval/win_rate": win_rate})

@@ -50,7 +50,7 @@ Metrics (metrics.jsonl, one object per logged step):
     eval/train_loss   mean loss on --eval_iters fixed train batches
     eval/val_loss     the same on the validation split (denoise: on fixed masked batches, the masked-token NLL)
     eval/accuracy     --data arithmetic: share of exact greedy answers to the held-out problems grpo.py evaluates
-                      (its --eval_size 128 draws with seed 1234, repeats dropped); samples.txt holds those answers
+                      (its --eval_size 1000 draws with seed 1234, repeats dropped); samples.txt holds those answers
     eval/n_problems   --data arithmetic: how many distinct held-out problems that is
     perf/tokens_per_s target tokens processed per second (all ranks)
     perf/step_ms      wall time of the optimizer step
@@ -738,7 +738,7 @@ def main():
     # --data arithmetic: greedy answers to held-out problems too (a denoiser has no left-to-right greedy answer)
     problems = []
     if cfg.data == "arithmetic" and mask_id is None:
-        problems = held_out_problems(cfg.digits, cfg.ops, 128)  # grpo.py's default --eval_size
+        problems = held_out_problems(cfg.digits, cfg.ops, 1000)  # 461 problems at --digits 2 (grpo.py --eval_size 1000)
         check(4 * cfg.digits + 4 <= block_size, f"--digits {cfg.digits}: a problem and its answer exceed the context")
 
     def batch(data, device, generator=None):

@@ -120,7 +120,6 @@ class Config:
     ops: str = "+-*"  # arithmetic: operators to draw from
     format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
-    best_of: str = ""  # arithmetic with --reward_model: n values (e.g. 1,2,4,8,16,32) for best_of_n.json at step 0
 
     # a new model (--init_from scratch)
     tokenizer: str = "char"  # new models only: char (the data's characters) | gpt2 (BPE, for pretrained models)
@@ -448,7 +447,8 @@ def sample_batch(run):
 #   ref_logp    (N, H) float             the reference's log-probs (same temperature, every token). None: no reference
 #   rewards     (N,) | (N, H) float      per sequence, or per token (next_token)
 #   rollout_kl  (N,) float               k1 summed over each completion, sampling policy against the reference: the
-#                                        KL of overoptimization.png, only logged. None: no learned arithmetic reward
+#                                        KL to the initial policy of the rollouts, only logged. None: no learned
+#                                        arithmetic reward
 def collect(task, raw, ref, cfg, rt, n_prompts):
     """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
     sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
@@ -745,7 +745,7 @@ def rollout_metrics(task, first, batch, group_size, rt):
         "rl/reward_std": rewards.std().item(),
         "rl/accuracy": mean(correct),
         "rl/gold_reward": mean(gold),
-        "rl/rollout_kl": mean(first["rollout_kl"]),  # overoptimization.png's KL
+        "rl/rollout_kl": mean(first["rollout_kl"]),
         "rl/zero_std_frac": mean(zero_std_groups(first["rewards"], group_size)),
         "rl/completion_len": mean(batch["mask"].sum(1)),
         "rl/truncated_frac": mean(batch["truncated"]),  # None for a task without an end token (next_token)
@@ -868,10 +868,9 @@ class ArithmeticTask:
 
     needs_logits = False  # rewards() ignores the sampling policy's logits
 
-    def __init__(self, cfg, tok, rt, out_dir):
+    def __init__(self, cfg, tok, rt):
         self.cfg = cfg
         self.tok = tok
-        self.out_dir = out_dir  # where best_of_n.json goes
         newline = tok.encode("\n")
         check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
         self.eos_id = newline[0]
@@ -906,39 +905,7 @@ class ArithmeticTask:
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
-        """eval/ metrics of the greedy answers to the held-out problems. At step 0 with --best_of, best_of_n.json
-        too: for each n, the answer the reward model scores highest among n answers of the initial policy to each
-        held-out problem (temperature 1; the first n of max(n) samples), its gold accuracy (exact answers) with the
-        standard error, the proxy score of the picks, and KL_bon = log n - (n - 1) / n, the KL of best-of-n sampling
-        to the policy (Stiennon et al. 2020)."""
-        if self.cfg.best_of and step == 0:
-            E = len(self.eval_problems)
-            every_n = [int(n) for n in self.cfg.best_of.split(",")]
-            prompts, completion, mask, exact = self.answer(model, rt, max(every_n), 1.0)
-            scores = reward_model_scores(self.rm, prompts, completion, mask).view(E, -1)  # (E, max n)
-            results = []
-            for n in every_n:
-                best, pick = scores[:, :n].max(1)  # (E,) the reward model's highest score of the first n, and which
-                accuracy = exact.view(E, -1)[:, :n].gather(1, pick[:, None]).mean().item()  # of the picks
-                results.append(
-                    {
-                        "n": n,
-                        "kl_bon": math.log(n) - (n - 1) / n,
-                        "gold_accuracy": accuracy,
-                        "gold_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / E),
-                        "proxy_score": best.mean().item(),
-                        "n_problems": E,
-                    }
-                )
-            if rt.master:
-                with open(os.path.join(self.out_dir, "best_of_n.json"), "w") as f:
-                    json.dump(results, f, indent=2)
-                lines = [f"best-of-n of the initial policy on {E} held-out problems (best_of_n.json):"]
-                lines.append("     n  gold accuracy     proxy score  KL_bon")
-                for r in results:
-                    gold = f"{r['gold_accuracy']:.3f} +- {r['gold_accuracy_se']:.3f}"
-                    lines.append(f"{r['n']:6d}  {gold}  {r['proxy_score']:11.4f}  {r['kl_bon']:6.3f}")
-                tqdm.write("\n".join(lines))
+        """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
         prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
         texts = self.texts(completion, mask)
         well_formed = [bool(re.fullmatch(r"-?\d+\n", t)) for t in texts]
@@ -952,12 +919,16 @@ class ArithmeticTask:
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         if self.rm is not None and ref is not None:
             # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
-            # the held-out problems, as best_of_n.json's n = 1 (overoptimization.png's axes)
+            # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
+            # places), to pick a peak on one half and report it on the other
             prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
+            per_problem = exact.view(-1, 4).mean(1)  # (E,)
             seq, attn = join(prompts, completion)
             logp = completion_logprobs(model, seq, attn, self.cfg.horizon)[0]  # (4E, H)
             ref_logp = completion_logprobs(ref, seq, attn, self.cfg.horizon)[0]  # (4E, H)
             metrics["eval/sample_accuracy"] = exact.mean().item()
+            metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
+            metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
             metrics["eval/sample_rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
             metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
         return metrics, "\n".join(shown)
@@ -1227,47 +1198,6 @@ def download(url, path):
     return path
 
 
-def plot_overoptimization(out_dir, kl_key):
-    """overoptimization.png in the run folder, Gao et al. 2022's axes: the proxy (the learned reward) and the gold
-    reward of each step's rollouts (metrics.jsonl) against sqrt(KL to the initial policy), kl_key the metric of the KL
-    per completion in nats of the same rollouts. Dots are steps, lines the means of tenths of them in KL order;
-    squares are best-of-n of the initial policy (best_of_n.json, when there is one). Over-optimisation: the proxy
-    keeps rising while the gold reward falls."""
-    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
-
-    rows = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if "rl/gold_reward" in r and kl_key in r]
-    rows.sort(key=lambda r: r[kl_key])
-    x = [math.sqrt(max(r[kl_key], 0.0)) for r in rows]  # k1 can dip < 0
-    best_of_n = []
-    path = os.path.join(out_dir, "best_of_n.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            best_of_n = json.load(f)
-    fig = Figure(figsize=(6, 4), layout="tight")
-    gold_ax = fig.subplots()
-    proxy_ax = gold_ax.twinx()  # the proxy has its own scale (reward model scores)
-    n = max(1, len(rows) // 10)
-
-    def bins(v):  # the means of consecutive tenths
-        return [sum(v[i : i + n]) / len(v[i : i + n]) for i in range(0, len(v), n)]
-
-    curves = [  # axis, RL metric, best-of-n key, label, colour
-        (gold_ax, "rl/gold_reward", "gold_accuracy", "gold reward (exact answer)", "tab:green"),
-        (proxy_ax, "rl/reward_mean", "proxy_score", "proxy reward (reward model score)", "tab:blue"),
-    ]
-    for ax, key, best_key, name, color in curves:
-        y = [r[key] for r in rows]
-        ax.plot(x, y, ".", color=color, alpha=0.3)
-        ax.plot(bins(x), bins(y), "-", color=color, label=name)
-        if best_of_n:  # squares: best-of-n of the initial policy, n = 1, 2, 4, ...
-            kl_bon = [math.sqrt(b["kl_bon"]) for b in best_of_n]
-            ax.plot(kl_bon, [b[best_key] for b in best_of_n], "s--", color=color, label="best-of-n")
-        ax.set_ylabel(name)
-    gold_ax.set_xlabel("sqrt(KL to the initial policy per completion, nats)")
-    fig.legend(loc="upper left")
-    fig.savefig(os.path.join(out_dir, "overoptimization.png"), dpi=100)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Setup, evaluation, checkpoints and main()
 
@@ -1384,8 +1314,6 @@ def validate(cfg):
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
-    n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)  # arithmetic only, like --digits
-    check(not cfg.best_of or n_values and cfg.reward_model, "--best_of n,n,..: answers ranked by a --reward_model")
     n_rm = len(cfg.reward_model.split(","))
     check(cfg.rm_ensemble == "mean" or n_rm > 1, f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..")
     check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
@@ -1425,7 +1353,7 @@ def setup(cfg):
         task = NextTokenTask(cfg, tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        task = ArithmeticTask(cfg, tok, rt, out_dir)
+        task = ArithmeticTask(cfg, tok, rt)
         prompt_len = 2 * cfg.digits + 2  # "a*b=" with the longest operands
     else:
         task = RewardModelTask(cfg, tok, rt)
@@ -1560,8 +1488,6 @@ def write_results(run, last_eval, wall_time_s):
         json.dump(results, f, indent=2)
     summary = ", ".join(f"{k} {results['before'][k]:.4g} -> {v:.4g}" for k, v in results["after"].items())
     print(f"{cfg.task} ({cfg.loss_type}): {summary}; {wall_time_s:.0f} s")
-    if cfg.task == "arithmetic" and cfg.reward_model:  # a learned reward, with the gold one beside it
-        plot_overoptimization(run.out_dir, "rl/rollout_kl")
 
 
 def main():

@@ -1022,6 +1022,8 @@ def best_of_n(cfg, rt, out_dir):
                 "n": n,
                 "gold": gold[:, j].mean().item(),  # exact answers of the pick
                 "gold_se": gold[:, j].std().item() / math.sqrt(E) if E > 1 else 0.0,
+                "gold_a": gold[0::2, j].mean().item(),  # the problems at even places: pick a peak on one half,
+                "gold_b": gold[1::2, j].mean().item(),  # report it on the other
                 "proxy": proxy[:, j].mean().item(),  # the verifier's score of the pick
                 "kl": kl[:, j].mean().item(),  # exact, of the sampled answers and the uncovered rest
                 "kl_bound": math.log(n) - (n - 1) / n,

@@ -1,167 +1,177 @@
-"""The over-optimisation figure and table of docs/rlhf_loop.md: GRPO and PPO trained on a learned verifier at three KL
-coefficients, the gold reward (exact answers) watched beside the proxy (the verifier's score).
+"""The over-optimisation figure, table and fits of docs/rlhf_loop.md: best-of-n, GRPO, PPO and DPO optimising a
+learned verifier, the gold reward (exact answers) watched beside the proxy (the verifier's score), at three
+whole-pipeline seeds.
 
-    python experiments/overoptimization.py --figure docs/overoptimization.png     # 18 + 3 RL runs
+    python experiments/overoptimization.py --figure docs/overoptimization.png
 
-The 18 GRPO and PPO runs took 104 min of wall time together on 2 CPU cores, two to five at a time
-(2026-11-27, PyTorch 2.13, float32).
-
-It runs the SFT model and the verifier of docs/rlhf_loop.md (one run each, default seed), then GRPO (150 steps of
-32 prompts x 8 answers, --scale_rewards none) and PPO (100 steps of 256 prompts x 1 answer) on the verifier at
---beta_kl 0, 0.05 and 0.2 with --seed 1, 2, 3, and GRPO at --beta_kl 0 with its default std-scaled advantages.
-Everything is measured on the held-out problems, on answers sampled at temperature 1. The figure has Gao et al.
-(2022) Fig. 1's axes: the gold reward and the proxy against sqrt(KL to the initial policy), for best-of-n of the
-initial policy (squares, best_of_n.json) and for RL (a dot for each evaluation: eval/sample_accuracy,
-eval/sample_rm_score and eval/sample_kl, the mean of the seeds). The table: gold at step 0, at the peak of the seeds'
-mean and at the end, the KL at the peak, the proxy at the peak and at the end, each the mean of the seeds +- its
-standard error; and the greedy answers' gold accuracy (eval/accuracy) at step 0 and at the end.
+For each seed S it takes the SFT model and the verifier of experiments/rlhf_loop.py (the same run folders: the
+default --out is that experiment's), best-of-n of the SFT model under the verifier (reward_model.py --best_of, with
+the exact KL), GRPO on the verifier at --beta_kl 0.2 (the loop's run) and 0, PPO at --beta_kl 0, and DPO on pairs
+the verifier judges (--judge) at --beta 0.01, 0.05, 0.1 and 0.5, each logging the same held-out measures
+(--reward_model: eval/sample_accuracy, eval/sample_rm_score, eval/sample_kl; four answers a held-out problem at
+temperature 1). The figure has Gao et al. (2022) Fig. 1's axes: gold and proxy against sqrt(KL to the SFT model),
+the mean of the seeds; best-of-n at its exact KL, and at the bound log n - (n - 1)/n (hollow). The table: gold at
+the start, at the peak and at the end, the KL and the proxy there, mean +- s.e. over the seeds; the peak (a step, or
+best-of-n's n) is picked on the seeds' mean over the held-out problems at even places of their sorted list (half a)
+and every gold value is reported on the others (half b). The fits: Gao et al.'s functional forms for the gain in
+gold over the start, R = gold - gold at the start, against d = sqrt(KL), fitted by least squares to the seeds' mean
+curve (all held-out problems): best-of-n R(d) = d (alpha - beta d), RL and DPO R(d) = d (alpha - beta log d).
 """
 
-import argparse
-import json
 import math
 import os
 import sys
 from collections import defaultdict
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import mean_se, print_table, run  # noqa: E402
-from rlhf_loop import QUICK, QUICK_BEST_OF, flags, rl_flags, train_sft, train_verifier  # noqa: E402
+from common import fmt, mean_se, metrics, parse_args, print_table, run  # noqa: E402
+from rlhf_loop import GRPO, best_of_n, flags, quick, read_json, rl_flags, start  # noqa: E402
 
-GRPO = dict(batch_size=32, group_size=8, max_steps=150, lr=3e-5, best_of="1,2,4,8,16,32")
 PPO = dict(batch_size=256, max_steps=100, lr=1e-5)  # the same 256 answers a step as GRPO's 32 x 8
+DPO = dict(
+    data="arithmetic", digits=2, ops="+-", pair_prompts=1024, lr=3e-4, max_steps=300, eval_every=25, eval_size=1000,
+)  # fmt: skip
+QUICK_DPO = dict(pair_prompts=16, batch_size=4, max_steps=2, eval_every=1, eval_size=16)
+DPO_BETAS = [0.01, 0.05, 0.1, 0.5]
 
 
 def sweep(args):
-    """Run the SFT model, the verifier and every RL run (those already finished are kept); returns the RL folders."""
-    sft = train_sft(args)
-    rl = rl_flags(args, sft, train_verifier(args, sft))
-    grpo = flags(GRPO, {**QUICK["grpo"], "best_of": QUICK_BEST_OF} if args.quick else None)
-    ppo = flags(PPO, QUICK["ppo"] if args.quick else None)
-    betas = [0.2] if args.quick else [0, 0.05, 0.2]  # --quick: one coefficient
-    folders = []
+    """Every run of every seed (finished ones are kept): {seed: {label: run folder}}."""
+    runs = {}
     for seed in args.seeds:
-        for beta in betas:
-            common = rl + ["--beta_kl", beta, "--seed", seed]
-            dr_grpo = common + grpo + ["--scale_rewards", "none"]  # Dr. GRPO's advantages: no division by the std
-            folders.append(run("grpo.py", dr_grpo, f"{args.out}/grpo_{beta}_{seed}"))
-            folders.append(run("ppo.py", common + ppo, f"{args.out}/ppo_{beta}_{seed}"))
-        if not args.quick:  # GRPO's default advantages, divided by each group's std
-            std_scaled = rl + ["--beta_kl", 0, "--seed", seed] + grpo + ["--scale_rewards", "group"]
-            folders.append(run("grpo.py", std_scaled, f"{args.out}/grpo_std_scaled_0_{seed}"))
-    return folders
+        sft, verifier = start(args, seed)
+        out = f"{args.out}/seed{seed}"
+        rl = rl_flags(args, sft, verifier) + ["--seed", seed]
+        grpo = rl + flags(GRPO, quick(args, "grpo"))  # the loop's run: --beta_kl 0.2
+        grpo_beta0 = rl + flags({**GRPO, "beta_kl": 0}, quick(args, "grpo"))
+        ppo = rl + flags(PPO, quick(args, "ppo")) + ["--beta_kl", 0]
+        folders = {"best-of-n": best_of_n(args, seed, sft, verifier)}
+        folders["GRPO, beta_kl 0.2"] = run("grpo.py", grpo, f"{out}/grpo")
+        folders["GRPO, beta_kl 0"] = run("grpo.py", grpo_beta0, f"{out}/grpo_beta0")
+        folders["PPO, beta_kl 0"] = run("ppo.py", ppo, f"{out}/ppo_beta0")
+        dpo = flags(DPO, QUICK_DPO if args.quick else None) + ["--init_from", sft, "--seed", seed]
+        dpo += ["--judge", verifier, "--reward_model", verifier]
+        for beta in DPO_BETAS[-1:] if args.quick else DPO_BETAS:
+            folders[f"DPO, beta {beta:g}"] = run("dpo.py", dpo + ["--beta", beta], f"{out}/dpo_beta{beta:g}")
+        runs[seed] = folders
+    return runs
 
 
-def read_run(folder):
-    """(run label, --beta_kl, {step: eval row}) of a run folder."""
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    evals = {}
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "eval/sample_accuracy" in row:
-                evals[row["step"]] = row
-    if "ppo_epochs" in config:
-        label = "PPO"
-    elif config.get("scale_rewards") == "group":
-        label = "GRPO, std-scaled advantages"
-    else:
-        label = "GRPO"
-    return label, config["beta_kl"], evals
-
-
-def over_seeds(seeds, key, step):
-    """mean_se of one metric at one step over the seeds' runs."""
-    return mean_se([evals[step][key] for evals in seeds])
-
-
-def cell(m_se):
-    return f"{m_se[0]:.3f} +- {m_se[1]:.3f}"
-
-
-def figure_and_table(figure, folders):
-    groups = defaultdict(list)  # (label, beta_kl) -> [{step: eval row}], one a seed
-    best_of_n = None
+def curve(folders):
+    """The seeds' runs of one label as {x: [row of each seed]}: best-of-n by n (best_of_n.json), a run by step."""
+    by_x = defaultdict(list)
     for folder in folders:
-        label, beta, evals = read_run(folder)
-        groups[(label, beta)].append(evals)
         path = os.path.join(folder, "best_of_n.json")
-        if best_of_n is None and os.path.exists(path):
-            with open(path) as f:
-                best_of_n = json.load(f)
+        if os.path.exists(path):
+            rows = {r["n"]: r for r in read_json(path)}
+        else:
+            rows = {r["step"]: r for r in metrics(folder) if "eval/sample_accuracy" in r}
+        for x, row in rows.items():
+            by_x[x].append(row)
+    return {x: rows for x, rows in sorted(by_x.items()) if len(rows) == len(folders)}  # measured in every seed
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex="col", sharey="row")
-    header = [
-        "run", "--beta_kl", "seeds", "held-out problems", "gold at step 0", "gold at its peak (step)",
-        "KL at the peak", "gold at the end", "proxy at the peak", "proxy at the end", "greedy gold at 0 / end",
-    ]  # fmt: skip
-    rows = []
-    for label in ["GRPO", "PPO", "GRPO, std-scaled advantages"]:
-        column = {"GRPO": 0, "PPO": 1}.get(label)  # the std-scaled runs are in the table only
-        betas = sorted(beta for s, beta in groups if s == label)
-        colors = plt.cm.viridis([0.85 * i / max(1, len(betas) - 1) for i in range(len(betas))])
-        for beta, color in zip(betas, colors):
-            seeds = groups[(label, beta)]
-            steps = sorted(set.intersection(*[set(evals) for evals in seeds]))  # evaluated in every seed
-            kl = [over_seeds(seeds, "eval/sample_kl", s)[0] for s in steps]
-            gold = [over_seeds(seeds, "eval/sample_accuracy", s)[0] for s in steps]
-            proxy = [over_seeds(seeds, "eval/sample_rm_score", s)[0] for s in steps]
-            if column is not None:
-                x = [math.sqrt(max(k, 0.0)) for k in kl]
-                axes[0, column].plot(x, gold, "o-", markersize=3, color=color, label=f"--beta_kl {beta:g}")
-                axes[1, column].plot(x, proxy, "o-", markersize=3, color=color, label=f"--beta_kl {beta:g}")
-            peak = steps[gold.index(max(gold))]  # the step of the seeds' mean's peak
-            end = steps[-1]
-            rows.append(
-                [
-                    label,
-                    f"{beta:g}",
-                    str(len(seeds)),
-                    f"{seeds[0][end]['eval/n_problems']:.0f}",
-                    cell(over_seeds(seeds, "eval/sample_accuracy", 0)),
-                    f"{cell(over_seeds(seeds, 'eval/sample_accuracy', peak))} ({peak})",
-                    f"{over_seeds(seeds, 'eval/sample_kl', peak)[0]:.2f}",
-                    cell(over_seeds(seeds, "eval/sample_accuracy", end)),
-                    cell(over_seeds(seeds, "eval/sample_rm_score", peak)),
-                    cell(over_seeds(seeds, "eval/sample_rm_score", end)),
-                    f"{over_seeds(seeds, 'eval/accuracy', 0)[0]:.3f} / {cell(over_seeds(seeds, 'eval/accuracy', end))}",
-                ]
-            )
-    for column, label in enumerate(["GRPO", "PPO"]):
-        for row, key in [(0, "gold_accuracy"), (1, "proxy_score")]:
-            if best_of_n:
-                bon_x = [math.sqrt(b["kl_bon"]) for b in best_of_n]
-                bon_label = "best-of-n, n = " + ", ".join(str(b["n"]) for b in best_of_n)
-                axes[row, column].plot(bon_x, [b[key] for b in best_of_n], "s--", color="tab:red", label=bon_label)
-            axes[row, column].grid(alpha=0.3)
-        axes[0, column].set_title(f"{label} on the verifier (mean of the seeds)")
-        axes[1, column].set_xlabel("sqrt(KL to the initial policy, nats per answer)")
+
+BEST_OF_KEYS = {"gold": "gold", "gold_a": "gold_a", "gold_b": "gold_b", "proxy": "proxy", "kl": "kl"}
+RUN_KEYS = {
+    "gold": "eval/sample_accuracy",
+    "gold_a": "eval/sample_accuracy_a",
+    "gold_b": "eval/sample_accuracy_b",
+    "proxy": "eval/sample_rm_score",
+    "kl": "eval/sample_kl",
+}
+
+
+def values(rows, key, keys):
+    return [row[keys[key]] for row in rows]
+
+
+def gao_fit(d, gain, form):
+    """Least-squares alpha, beta and R^2 of Gao et al.'s gain in gold against d = sqrt(KL): best-of-n (form "bon")
+    R = d (alpha - beta d), RL R = d (alpha - beta log d). Both are linear in (alpha, beta), with no intercept."""
+    d = np.asarray(d, dtype=float)
+    gain = np.asarray(gain, dtype=float)
+    second = d**2 if form == "bon" else d * np.log(np.where(d > 0, d, 1.0))  # d log d -> 0 at d = 0
+    design = np.stack([d, -second], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, gain, rcond=None)
+    residual = gain - design @ np.array([alpha, beta])
+    total = ((gain - gain.mean()) ** 2).sum()
+    return alpha, beta, 1 - (residual**2).sum() / total if total > 0 else float("nan")
+
+
+def figure_and_tables(figure, runs):
+    labels = list(next(iter(runs.values())))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True, sharey="row")
+    table = []
+    fits = []
+    rl_colors = {"GRPO, beta_kl 0.2": "tab:blue", "GRPO, beta_kl 0": "tab:cyan", "PPO, beta_kl 0": "tab:purple"}
+    dpo_colors = plt.cm.viridis(np.linspace(0, 0.85, len([label for label in labels if label.startswith("DPO")])))
+    dpo_colors = dict(zip([label for label in labels if label.startswith("DPO")], dpo_colors))
+    for label in labels:
+        points = curve([runs[seed][label] for seed in runs])
+        keys = BEST_OF_KEYS if label == "best-of-n" else RUN_KEYS
+        xs = list(points)
+        mean = {key: [mean_se(values(points[x], key, keys))[0] for x in xs] for key in keys}
+        d = [math.sqrt(max(k, 0.0)) for k in mean["kl"]]  # k1 can dip below 0
+        columns = [0, 1] if label == "best-of-n" else [1 if label.startswith("DPO") else 0]
+        for column in columns:
+            color = "tab:red" if label == "best-of-n" else {**rl_colors, **dpo_colors}[label]
+            marker = "s-" if label == "best-of-n" else "o-"
+            axes[0, column].plot(d, mean["gold"], marker, markersize=3, color=color, label=label)
+            axes[1, column].plot(d, mean["proxy"], marker, markersize=3, color=color, label=label)
+            if label == "best-of-n":  # at the bound, where best-of-n is often drawn
+                bound = [math.sqrt(points[n][0]["kl_bound"]) for n in xs]
+                hollow = dict(mfc="none", color=color, alpha=0.5)
+                axes[0, column].plot(bound, mean["gold"], "s--", **hollow, label="best-of-n at the bound")
+                axes[1, column].plot(bound, mean["proxy"], "s--", **hollow)
+        peak = xs[max(range(len(xs)), key=lambda i: mean["gold_a"][i])]  # picked on half a
+        start_x, end = xs[0], xs[-1]
+        table.append(
+            [
+                label,
+                fmt(values(points[start_x], "gold_b", keys)),
+                f"{fmt(values(points[peak], 'gold_b', keys))} ({'n = ' if label == 'best-of-n' else 'step '}{peak})",
+                fmt(values(points[peak], "kl", keys), 2),
+                fmt(values(points[end], "gold_b", keys)),
+                fmt(values(points[end], "kl", keys), 2),
+                fmt(values(points[peak], "proxy", keys), 2),
+                fmt(values(points[end], "proxy", keys), 2),
+            ]
+        )
+        gain = [g - mean["gold"][0] for g in mean["gold"]]
+        alpha, beta, r2 = gao_fit(d, gain, "bon" if label == "best-of-n" else "rl")
+        form = "d (alpha - beta d)" if label == "best-of-n" else "d (alpha - beta log d)"
+        fits.append([label, form, f"{alpha:.3f}", f"{beta:.3f}", f"{r2:.2f}", len(xs)])
+    for column, title in enumerate(["GRPO and PPO on the verifier", "DPO on verifier-judged pairs"]):
+        axes[0, column].set_title(f"{title} (mean of {len(runs)} seeds)")
+        axes[1, column].set_xlabel("sqrt(KL to the SFT model, nats per answer)")
         axes[0, column].legend(fontsize=8)
+        for row in range(2):
+            axes[row, column].grid(alpha=0.3)
     axes[0, 0].set_ylabel("gold: exact answers, held-out")
     axes[1, 0].set_ylabel("proxy: the verifier's score")
     fig.tight_layout()
     fig.savefig(figure, dpi=100)
-    print_table(header, rows)
+    n_problems = int(read_json(f"{runs[next(iter(runs))]['best-of-n']}/best_of_n.json")[0]["n_problems"])
+    header = [
+        "run", "gold at the start", "gold at the peak (where)", "KL at the peak", "gold at the end", "KL at the end",
+        "proxy at the peak", "proxy at the end",
+    ]  # fmt: skip
+    print(f"gold on half b of the {n_problems} held-out problems, the peak picked on half a; KL in nats per answer")
+    print_table(header, table)
+    print_table(["run", "form of R(d)", "alpha", "beta", "R^2", "points"], fits)
     print(f"figure: {figure}")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps, one seed, one coefficient: does it run?")
-    parser.add_argument("--out", default="out/experiments/overoptimization", help="folder of this experiment's runs")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds of the RL runs")
-    parser.add_argument("--figure", default="", help="where the PNG goes (default: OUT/overoptimization.png)")
-    args = parser.parse_args()
-    if args.quick:
-        args.seeds = args.seeds[:1]
-    folders = sweep(args)
-    figure_and_table(args.figure or os.path.join(args.out, "overoptimization.png"), folders)
+    extra = {"--figure": ("", "where the PNG goes (default: OUT/overoptimization.png)")}
+    args = parse_args("rlhf_loop", __doc__.splitlines()[0], extra=extra)  # the loop's runs are this sweep's start
+    figure_and_tables(args.figure or os.path.join(args.out, "overoptimization.png"), sweep(args))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""The RLHF loop's pipeline and best-of-n tables of docs/rlhf_loop.md: an SFT model, a verifier trained on its own
-answers, and GRPO on the verifier with best-of-n of the SFT model measured at step 0, on 2-digit `+`/`-` arithmetic
-whose gold reward (the exact answer) is known.
+"""The RLHF loop's tables of docs/rlhf_loop.md and README.md, at three whole-pipeline seeds: an SFT model, a verifier
+trained on its own answers, best-of-n of the SFT model under the verifier, and GRPO on the verifier, all at seed S,
+on 2-digit `+`/`-` arithmetic whose gold reward (the exact answer) is known.
 
-    python experiments/rlhf_loop.py          # the three commands of docs/rlhf_loop.md, about 10 minutes on 2 CPU cores
+    python experiments/rlhf_loop.py          # seeds 1, 2 and 3: about 12 minutes a seed on 2 CPU cores
 
-The other experiments of that page (overoptimization.py, dpo_gold_vs_judged.py, ppo_vs_grpo.py) start from the
-same SFT model and verifier, through train_sft(), train_verifier() and rl_flags() here.
+Every measure is on the 461 distinct held-out problems (1000 held-out draws, repeats dropped). A best n is picked on
+the problems at even places of their sorted list and reported on those at odd places.
+
+The other experiments of that page (overoptimization.py, rm_size_and_ensembles.py, dpo_gold_vs_judged.py,
+ppo_vs_grpo.py) start from the same SFT models and verifiers, through start() and rl_flags() here.
 """
 
 import json
@@ -13,18 +16,18 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import final_results, fmt, metrics, parse_args, print_table, run  # noqa: E402
+from common import final_results, fmt, mean_se, metrics, parse_args, print_table, run  # noqa: E402
 
 SFT = dict(
-    data="arithmetic", tokenizer="char", digits=2, ops="+-", n_layer=3, n_head=4, n_embd=96, block_size=32,
-    batch_size=64, lr=3e-3, warmup_steps=50, max_steps=2000, eval_every=1000,
+    data="arithmetic", tokenizer="char", digits=2, ops="+-", n_layer=4, n_head=4, n_embd=128, block_size=32,
+    batch_size=64, lr=2e-3, warmup_steps=100, max_steps=3000, eval_every=500,
 )  # fmt: skip
 VERIFIER = dict(
     task="orm", digits=2, ops="+-", n_train=50000, n_val=2000, batch_size=64, max_steps=2000, eval_every=500
 )
-RL = dict(task="arithmetic", digits=2, ops="+-", horizon=6, eval_every=10, eval_size=300, warmup_steps=5)
+RL = dict(task="arithmetic", digits=2, ops="+-", horizon=6, eval_every=10, eval_size=1000, warmup_steps=5)
 GRPO = dict(batch_size=32, group_size=8, max_steps=150, lr=3e-5, scale_rewards="none", beta_kl=0.2)
-BEST_OF = "1,2,4,8,16,32"
+BEST_OF = dict(digits=2, ops="+-", best_of="1,2,4,8,16,32,64", eval_size=1000)
 # --quick: a tiny SFT model, a verifier of a few steps, 2 RL steps on a few held-out problems
 QUICK = {
     "sft": {
@@ -42,8 +45,8 @@ QUICK = {
     "rl": dict(eval_every=1, eval_size=16, warmup_steps=1),
     "grpo": dict(batch_size=4, group_size=4, max_steps=2),
     "ppo": dict(batch_size=16, max_steps=2),
+    "best_of": dict(best_of="1,2,4", eval_size=16),
 }
-QUICK_BEST_OF = "1,2,4"
 
 
 def flags(settings, quick=None):
@@ -52,63 +55,97 @@ def flags(settings, quick=None):
     return [item for key, value in merged.items() for item in (f"--{key}", value)]
 
 
-def train_sft(args):
-    """The SFT model (gpt.py, its default seed): the path of its ckpt.pt."""
-    return run("gpt.py", flags(SFT, QUICK["sft"] if args.quick else None), f"{args.out}/sft") + "/ckpt.pt"
+def quick(args, stage):
+    """The --quick overrides of a stage, or None."""
+    return QUICK[stage] if args.quick else None
 
 
-def train_verifier(args, sft):
-    """The verifier (reward_model.py --task orm) trained on answers sampled from the SFT model: its ckpt.pt."""
-    verifier_flags = flags(VERIFIER, QUICK["verifier"] if args.quick else None) + ["--samples_from", sft]
-    return run("reward_model.py", verifier_flags, f"{args.out}/verifier") + "/ckpt.pt"
+def start(args, seed):
+    """The SFT model (gpt.py) and the verifier (reward_model.py --task orm on the SFT model's own answers) of one
+    whole-pipeline seed, in OUT/seedS: their ckpt.pt paths."""
+    sft = run("gpt.py", flags(SFT, quick(args, "sft")) + ["--seed", seed], f"{args.out}/seed{seed}/sft")
+    verifier_flags = flags(VERIFIER, quick(args, "verifier")) + ["--samples_from", f"{sft}/ckpt.pt", "--seed", seed]
+    verifier = run("reward_model.py", verifier_flags, f"{args.out}/seed{seed}/verifier")
+    return f"{sft}/ckpt.pt", f"{verifier}/ckpt.pt"
+
+
+def best_of_n(args, seed, policy, verifier, name="best_of_n"):
+    """reward_model.py --best_of: best-of-n of the policy's answers under the verifier (exact KL): its folder."""
+    bon_flags = flags(BEST_OF, quick(args, "best_of")) + ["--init_from", verifier, "--policy", policy, "--seed", seed]
+    return run("reward_model.py", bon_flags, f"{args.out}/seed{seed}/{name}")
 
 
 def rl_flags(args, sft, reward_model=None):
     """grpo.py's and ppo.py's arithmetic flags, from the SFT model, on the verifier's reward when given (else gold)."""
-    start = ["--init_from", sft] + (["--reward_model", reward_model] if reward_model else [])
-    return flags(RL, QUICK["rl"] if args.quick else None) + start
+    start_flags = ["--init_from", sft] + (["--reward_model", reward_model] if reward_model else [])
+    return flags(RL, quick(args, "rl")) + start_flags
+
+
+def loop(args, seed):
+    """The whole pipeline at one seed: {stage: run folder}."""
+    sft, verifier = start(args, seed)
+    grpo_flags = rl_flags(args, sft, verifier) + flags(GRPO, quick(args, "grpo")) + ["--seed", seed]
+    return {
+        "sft": os.path.dirname(sft),
+        "verifier": os.path.dirname(verifier),
+        "best_of_n": best_of_n(args, seed, sft, verifier),
+        "grpo": run("grpo.py", grpo_flags, f"{args.out}/seed{seed}/grpo"),
+    }
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def with_mean(values, digits=3):
+    """Each seed's value, then their mean +- s.e."""
+    return [f"{v:.{digits}f}" for v in values] + [fmt(values, digits)]
 
 
 def main():
-    args = parse_args("rlhf_loop", __doc__.splitlines()[0], seeds=(1337,))
-    sft_ckpt = train_sft(args)
-    rl = rl_flags(args, sft_ckpt, train_verifier(args, sft_ckpt))
-    best_of = QUICK_BEST_OF if args.quick else BEST_OF
-    grpo = []
-    for seed in args.seeds:
-        grpo_flags = rl + flags(GRPO, QUICK["grpo"] if args.quick else None) + ["--best_of", best_of, "--seed", seed]
-        grpo.append(run("grpo.py", grpo_flags, f"{args.out}/grpo_verifier_seed{seed}"))
+    args = parse_args("rlhf_loop", __doc__.splitlines()[0])
+    runs = [loop(args, seed) for seed in args.seeds]
+    sft = [[r for r in metrics(run["sft"]) if "eval/accuracy" in r][-1] for run in runs]
+    verifier = [final_results(run["verifier"]) for run in runs]
+    bon = [{row["n"]: row for row in read_json(f"{run['best_of_n']}/best_of_n.json")} for run in runs]
+    grpo = [[r for r in metrics(run["grpo"]) if "eval/sample_accuracy" in r] for run in runs]
+    wall = [sum(final_results(run[stage])["wall_time_s"] for stage in ("sft", "verifier", "grpo")) for run in runs]
+    ns = sorted(bon[0])
+    pick = max(ns, key=lambda n: mean_se([b[n]["gold_a"] for b in bon])[0])  # the best n on the even places
+    rows = [
+        ["SFT greedy gold (gpt.py eval/accuracy)", *with_mean([r["eval/accuracy"] for r in sft])],
+        ["verifier AUC, pooled (eval/auc)", *with_mean([v["auc"] for v in verifier])],
+        ["verifier AUC within a problem (eval/auc_per_problem)", *with_mean([v["auc_per_problem"] for v in verifier])],
+        ["best-of-1 sampled gold", *with_mean([b[1]["gold"] for b in bon])],
+        [f"best-of-{pick} gold (n picked on half a, reported on half b)", *with_mean([b[pick]["gold_b"] for b in bon])],
+        ["GRPO sampled gold, step 0", *with_mean([g[0]["eval/sample_accuracy"] for g in grpo])],
+        [f"GRPO sampled gold, step {grpo[0][-1]['step']}", *with_mean([g[-1]["eval/sample_accuracy"] for g in grpo])],
+        ["GRPO greedy gold, step 0", *with_mean([g[0]["eval/accuracy"] for g in grpo])],
+        [f"GRPO greedy gold, step {grpo[0][-1]['step']}", *with_mean([g[-1]["eval/accuracy"] for g in grpo])],
+        ["GRPO KL to the SFT model (nats per answer), end", *with_mean([g[-1]["eval/sample_kl"] for g in grpo], 2)],
+        ["wall time of SFT + verifier + GRPO (s)", *with_mean(wall, 0)],
+    ]
+    n_problems = int(sft[0]["eval/n_problems"])
+    header = ["measure", *[f"seed {s}" for s in args.seeds], f"mean +- s.e. ({n_problems} held-out problems)"]
+    print_table(header, rows)
 
-    sft = final_results(f"{args.out}/sft")
-    verifier = final_results(f"{args.out}/verifier")
-    first = [metrics(folder)[0] for folder in grpo]  # step 0: the SFT model
-    last = [[row for row in metrics(folder) if "eval/accuracy" in row][-1] for folder in grpo]
-    wall = [final_results(folder)["wall_time_s"] for folder in grpo]
-    verdicts = f"{verifier['auc']:.3f} / {verifier['accuracy_wrong']:.3f} / {verifier['accuracy_correct']:.3f}"
-    print_table(
-        ["stage", "measure (held-out problems)", "value", "wall time (s)"],
-        [
-            ["SFT (gpt.py)", "parameters / validation loss", f"{sft['params']} / {sft['final_val_loss']:.3f}",
-             f"{sft['wall_time_s']:.0f}"],
-            ["SFT (gpt.py)", "greedy / sampled exact answers", f"{fmt([r['eval/accuracy'] for r in first])} / "
-             f"{fmt([r['eval/sample_accuracy'] for r in first])}", ""],
-            ["verifier (reward_model.py)", "auc / accuracy_wrong / accuracy_correct", verdicts,
-             f"{verifier['wall_time_s']:.0f}"],
-            ["GRPO on the verifier (grpo.py)", f"greedy / sampled exact answers at step {last[0]['step']}",
-             f"{fmt([r['eval/accuracy'] for r in last])} / {fmt([r['eval/sample_accuracy'] for r in last])}",
-             fmt(wall, 0)],
-        ],
-    )  # fmt: skip
-    with open(os.path.join(grpo[0], "best_of_n.json")) as f:
-        best_of_n = json.load(f)
-    print_table(
-        ["n", "KL_bon (nats)", f"gold accuracy (+- s.e., {best_of_n[0]['n_problems']} problems)", "proxy"],
-        [
-            [b["n"], f"{b['kl_bon']:.2f}", f"{b['gold_accuracy']:.3f} +- {b['gold_accuracy_se']:.3f}",
-             f"{b['proxy_score']:.2f}"]
-            for b in best_of_n
-        ],
-    )  # fmt: skip
+    table = []
+    for n in ns:
+        kl = [b[n]["kl"] for b in bon]
+        table.append(
+            [
+                n,
+                fmt([b[n]["gold"] for b in bon]),
+                fmt([b[n]["gold_a"] for b in bon]),
+                fmt([b[n]["gold_b"] for b in bon]),
+                fmt([b[n]["proxy"] for b in bon], 2),
+                fmt(kl, 2),
+                f"{bon[0][n]['kl_bound']:.2f}",
+            ]
+        )
+    header = ["n", "gold", "gold, half a", "gold, half b", "proxy (verifier's score)", "exact KL (nats)", "bound"]
+    print_table(header, table)
 
 
 if __name__ == "__main__":

@@ -224,3 +224,29 @@ def test_best_of_refusals_exit_2_with_one_line_and_write_nothing(tmp_path, monke
     code, _, err = run_main(monkeypatch, *args, "--device", "cpu")
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "bon").exists()
+
+
+def test_best_of_gold_on_each_half_of_the_problems(tmp_path, monkeypatch, checkpoints):
+    """A stand-in generate answers right exactly the problems at even places of the sorted held-out list: gold_a is 1
+    and gold_b 0 at every n (a peak picked on one half is reported on the other), gold the share of even places."""
+    verifier, policy, _ = checkpoints
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+    problems = rm.held_out_problems(1, "+-*", 20)
+    even = {prompt for prompt, _ in problems[0::2]}
+
+    def right_on_even_places(model, prompts, max_new_tokens, generator=None, **kwargs):
+        texts = []
+        for ids in prompts:
+            prompt = tok.decode(ids)
+            value = eval(prompt[:-1]) + (0 if prompt in even else 1)
+            texts.append(f"{value}\n".ljust(max_new_tokens, "="))
+        return torch.tensor([tok.encode(t) for t in texts]), torch.ones(len(texts), max_new_tokens)
+
+    monkeypatch.setattr(rm, "generate", right_on_even_places)
+    out = tmp_path / "bon"
+    args = ["--init_from", verifier, "--policy", policy, "--best_of", "1,2", "--eval_size", 20, "--digits", 1]
+    code, _, err = run_main(monkeypatch, *args, "--out_dir", out, "--device", "cpu")
+    assert code == 0, err[-5:]
+    rows = json.loads((out / "best_of_n.json").read_text())
+    assert all(r["gold_a"] == 1.0 and r["gold_b"] == 0.0 for r in rows)
+    assert all(r["gold"] == pytest.approx(len(even) / len(problems)) for r in rows)

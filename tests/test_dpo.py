@@ -1032,6 +1032,68 @@ def test_arithmetic_judge_ranks_the_pairs_and_its_agreement_with_gold_is_reporte
     assert "win_rate" in results
 
 
+def answer_logprob(model, tok, prompt, answer):
+    """log p(answer | prompt) by a plain forward: the sum over the answer's tokens."""
+    ids = tok.encode(prompt + answer)
+    n = len(tok.encode(prompt))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0][0]  # (T, V)
+    logp = torch.log_softmax(logits.float(), -1)
+    return sum(logp[t - 1, ids[t]].item() for t in range(n, len(ids)))
+
+
+def test_reward_model_measures_sampled_answers_as_grpo_does(tmp_path, arith, monkeypatch):
+    """--reward_model's eval/sample_*: four answers a held-out problem at temperature 1 (here a stand-in that answers
+    right or off by one); the exact share over all problems and over those at even (a) and odd (b) places of the
+    sorted list; the reward model's mean score (its score at the answer's last token); and the mean over answers of
+    log pi(answer) - log pi_ref(answer), each by the test's own forward."""
+    rm = save_arith_judge(tmp_path / "rm.pt", arith)
+    ref = dpo.GPT(arith.config)
+    ref.load_state_dict(arith.model.state_dict())
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(1.5)  # another model: a KL to measure
+    cfg = dpo.Config(data="arithmetic", ops="+", digits=1, batch_size=8, max_len=16)
+    rt = dpo.Runtime(torch.device("cpu"), torch.float32)
+    run = SimpleNamespace(cfg=cfg, rt=rt, model=arith.model, ref=ref.eval(), tok=arith.tok)
+    run.problems = dpo.held_out_problems(1, "+", 40)
+    assert run.problems == sorted(heldout_problems(40))  # the held-out problems, sorted
+    run.rm = dpo.load_scorer(run, str(tmp_path / "rm.pt"), "reward_model")
+    rng = random.Random(0)
+    sampled = []
+
+    def stand_in(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0):
+        assert net is arith.model and temperature == 1.0
+        texts = [f"{int(addition(p)) + rng.choice([0, 0, 1])}\n" for p in prompts]
+        sampled.extend(zip(prompts, texts))
+        return texts
+
+    monkeypatch.setattr(dpo, "respond", stand_in)
+    metrics = dpo.sampled_measures(run)
+    prompts = sorted(p for p, _ in run.problems)
+    assert [p for p, _ in sampled] == [p for p in prompts for _ in range(4)]
+    right = [sum(a == addition(p) for q, a in sampled if q == p) / 4 for p in prompts]
+    assert metrics["eval/sample_accuracy"] == pytest.approx(sum(right) / len(right), abs=1e-6)
+    assert metrics["eval/sample_accuracy_a"] == pytest.approx(sum(right[0::2]) / len(right[0::2]), abs=1e-6)
+    assert metrics["eval/sample_accuracy_b"] == pytest.approx(sum(right[1::2]) / len(right[1::2]), abs=1e-6)
+    with torch.no_grad():
+        scores = [rm(torch.tensor([arith.tok.encode(p + a)]))[0, -1].item() for p, a in sampled]
+    assert metrics["eval/sample_rm_score"] == pytest.approx(sum(scores) / len(scores), abs=1e-4)
+    kl = [answer_logprob(arith.model, arith.tok, p, a) - answer_logprob(ref, arith.tok, p, a) for p, a in sampled]
+    assert metrics["eval/sample_kl"] == pytest.approx(sum(kl) / len(kl), abs=1e-4) and abs(sum(kl)) > 1e-2
+
+
+@pytest.mark.slow
+def test_reward_model_is_logged_at_every_evaluation_and_kl_starts_at_0(tmp_path, arith):
+    """End to end: with --reward_model, every evaluation logs eval/sample_*; at step 0 the policy is its reference."""
+    save_arith_judge(tmp_path / "rm.pt", arith)
+    args = arith_args(arith, "--reward_model", tmp_path / "rm.pt", "--max_steps", "2", "--eval_every", "1")
+    _, rows = train_in_process(tmp_path / "run", *args)
+    evals = [r for r in rows if "eval/sample_kl" in r]
+    assert len(evals) == 3 and evals[0]["eval/sample_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert all({"eval/sample_accuracy_a", "eval/sample_accuracy_b", "eval/sample_rm_score"} <= set(r) for r in evals)
+    assert evals[-1]["eval/sample_kl"] != evals[0]["eval/sample_kl"]
+
+
 @pytest.mark.slow
 def test_arithmetic_resume_reads_the_pairs_back_and_reproduces_the_run(tmp_path, arith, monkeypatch):
     """Stopped after 2 of 4 steps and resumed: the pairs come from pairs.jsonl (not rebuilt from the trained policy)
@@ -1076,6 +1138,7 @@ def without_newline(folder, arith):
         ),
         (lambda t, a, hh: ["--pair_samples", "1"], "--pair_samples"),
         (lambda t, a, hh: ["--ops", "/"], "--ops"),
+        (lambda t, a, hh: ["--reward_model", str(t / "missing.pt")], "--reward_model"),
     ],
 )
 def test_arithmetic_bad_input_is_refused_before_training(tmp_path, arith, hh, capsys, make, needle):

@@ -47,8 +47,8 @@ def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writ
     args = [*FLAGS, *TINY, "--max_steps", "60", "--eval_every", "30", "--eval_iters", "2", "--lr", "1e-2"]
     run_main(gpt, monkeypatch, *args, "--warmup_steps", "5", "--out_dir", out)
 
-    rng = random.Random(1234)  # grpo.py's evaluation problems: its --eval_size 128 draws, repeats dropped
-    problems = sorted({grpo.draw_problem(rng, 1, "+-", True) for _ in range(128)})
+    rng = random.Random(1234)  # grpo.py's evaluation problems at --eval_size 1000: 1000 draws, repeats dropped
+    problems = sorted({grpo.draw_problem(rng, 1, "+-", True) for _ in range(1000)})
     assert problems and all(held(p) for p, _ in problems)
     evals = [r for r in metrics(out) if "eval/val_loss" in r]
     assert [r["step"] for r in evals] == [0, 30, 60]
@@ -71,10 +71,10 @@ def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writ
 
 
 def test_eval_problems_are_grpo_step0_evaluation_problems():
-    """gpt.held_out_problems draws exactly grpo.py's ArithmeticTask evaluation problems (default --eval_size)."""
+    """gpt.py's evaluation problems (1000 held-out draws) are exactly grpo.py's ArithmeticTask's at --eval_size 1000."""
     for digits, ops in ((1, "+"), (2, "+-*"), (3, "*")):
         cfg = gpt.Config(data="arithmetic", digits=digits, ops=ops)
-        rl_cfg = grpo.Config(task="arithmetic", init_from="init.pt", digits=digits, ops=ops)
+        rl_cfg = grpo.Config(task="arithmetic", init_from="init.pt", digits=digits, ops=ops, eval_size=1000)
         rt = grpo.Runtime(torch.device("cpu"), torch.float32)
-        task = grpo.ArithmeticTask(rl_cfg, grpo.CharTokenizer(CHARS), rt, "")
-        assert gpt.held_out_problems(cfg.digits, cfg.ops, 128) == task.eval_problems
+        task = grpo.ArithmeticTask(rl_cfg, grpo.CharTokenizer(CHARS), rt)
+        assert gpt.held_out_problems(cfg.digits, cfg.ops, 1000) == task.eval_problems

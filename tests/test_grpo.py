@@ -593,7 +593,7 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
     cfg = grpo.Config(task="arithmetic", init_from="init.pt", reward_model=str(rm_path), horizon=4, eval_size=4)
     rt = grpo.Runtime(torch.device("cpu"), torch.float32)
     tok = grpo.CharTokenizer(chars)
-    task = grpo.ArithmeticTask(cfg, tok, rt, tmp_path)
+    task = grpo.ArithmeticTask(cfg, tok, rt)
     problems = ["3+4=", "9*9=", "2-7=", "8*7=", "0+0=", "5-5="]
     texts = ["7\n", "18\n", "-5\n", "56\n", "1234", "00\n"]  # right, wrong, right, right, no end, not the answer
     completion = torch.tensor([tok.encode(t.ljust(4, "\n")) for t in texts])
@@ -619,9 +619,9 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_path, script, monkeypatch):
-    """End to end: a policy trained on a reward model's score logs rl/gold_reward every step, evaluates the greedy
-    answers' gold accuracy and reward-model score, and draws overoptimization.png. next_token refuses --reward_model."""
+def test_rl_on_a_learned_arithmetic_reward_measures_the_gold_reward_beside_it(tmp_path, script, monkeypatch):
+    """End to end: a policy trained on a reward model's score logs rl/gold_reward every step and evaluates the greedy
+    and sampled answers' gold accuracy, reward-model score and KL. next_token refuses --reward_model."""
     chars = grpo.ARITHMETIC_CHARS
     init = char_checkpoint(tmp_path / "init.pt", chars, block_size=32)
     rm = orm_checkpoint(tmp_path / "rm.pt", seed=1)
@@ -629,16 +629,15 @@ def test_rl_on_a_learned_arithmetic_reward_writes_the_overoptimisation_plot(tmp_
     args = ["--task", "arithmetic", "--init_from", init, "--reward_model", rm, "--horizon", "4", "--batch_size", "4"]
     if script == "grpo.py":
         args += ["--group_size", "4"]
-    args += ["--max_steps", "3", "--eval_every", "3", "--eval_size", "8", "--best_of", "1,2,4"]
+    args += ["--max_steps", "3", "--eval_every", "3", "--eval_size", "8"]
     run_main({"grpo.py": grpo, "ppo.py": ppo}[script], monkeypatch, *args, "--out_dir", out)
     rows = [r for r in metrics(out) if "rl/reward_mean" in r]
     assert len(rows) == 3 and all(0.0 <= r["rl/gold_reward"] <= 1.0 and "rl/kl" in r for r in rows)
     results = json.loads((out / "final_results.json").read_text())
     assert {"accuracy", "rm_score"} <= set(results["before"]) and {"accuracy", "rm_score"} <= set(results["after"])
-    assert (out / "overoptimization.png").stat().st_size > 0
-    best_of_n = json.loads((out / "best_of_n.json").read_text())
-    assert [b["n"] for b in best_of_n] == [1, 2, 4]
-    assert all(b["n_problems"] == results["before"]["n_problems"] for b in best_of_n)
+    sampled = {"sample_accuracy", "sample_accuracy_a", "sample_accuracy_b", "sample_rm_score", "sample_kl"}
+    assert sampled <= set(results["before"]) and sampled <= set(results["after"])
+    assert not (out / "overoptimization.png").exists() and not (out / "best_of_n.json").exists()
     if script == "grpo.py":
         bad = run_script(script, "--task", "next_token", "--reward_model", rm, "--out_dir", tmp_path / "bad")
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -62,7 +62,7 @@ def reward_checkpoint(path, chars, task):
 @needs_bpe
 def test_every_logged_metric_name_is_documented_and_every_documented_name_is_logged(tmp_path, monkeypatch):
     """Runs of every script (gpt text and arithmetic; char_grpo; grpo next_token, arithmetic with a reward model,
-    --best_of, --dynamic_sampling, --top_entropy_quantile and --off_policy_mask, and the reward_model task; ppo
+    --dynamic_sampling, --top_entropy_quantile and --off_policy_mask, and the reward_model task; ppo
     next_token with --dual_clip and arithmetic with a reward model; dpo kto with --judge and bco_pair; reward_model
     preference, orm and prm; rookworld_grpo with --adv ema and with --value_head) log only names docs/metrics.md
     lists, and together log every name it lists."""
@@ -97,7 +97,7 @@ def test_every_logged_metric_name_is_documented_and_every_documented_name_is_log
     small = ["--horizon", "4", "--batch_size", "2", "--group_size", "4", "--eval_size", "8", *steps]
     next_token = [*TINY, "--tokenizer", "char", "--context_len", "8", "--data", text]
     logged |= run("grpo", monkeypatch, next(out), *next_token, *small, "--reference", "init")
-    flags = ["--best_of", "1,2", "--dynamic_sampling", "--top_entropy_quantile", "0.5", "--off_policy_mask", "1e-3"]
+    flags = ["--dynamic_sampling", "--top_entropy_quantile", "0.5", "--off_policy_mask", "1e-3"]
     arithmetic = ["--task", "arithmetic", "--init_from", arith_init, "--reward_model", arith_rm]
     logged |= run("grpo", monkeypatch, next(out), *arithmetic, *flags, "--num_iterations", "2", *small)
     hh_task = ["--task", "reward_model", "--init_from", hh_init, "--reward_model", hh_rm, "--data_path", hh]
