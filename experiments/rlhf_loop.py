@@ -20,7 +20,7 @@ from common import final_results, fmt, mean_se, metrics, parse_args, print_table
 
 SFT = dict(
     data="arithmetic", tokenizer="char", digits=2, ops="+-", n_layer=4, n_head=4, n_embd=128, block_size=32,
-    batch_size=64, lr=2e-3, warmup_steps=100, max_steps=3000, eval_every=500,
+    batch_size=64, lr=2e-3, warmup_steps=100, max_steps=2500, eval_every=500,
 )  # fmt: skip
 VERIFIER = dict(
     task="orm", digits=2, ops="+-", n_train=50000, n_val=2000, batch_size=64, max_steps=2000, eval_every=500
