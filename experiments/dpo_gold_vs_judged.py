@@ -1,6 +1,6 @@
 """The DPO table of docs/rlhf_loop.md: DPO (with RPO's SFT term) on gold-labelled pairs against pairs judged by the
-verifier, from the SFT model of the RLHF loop at each seed (and that seed's verifier), greedy exact answers on the
-held-out problems.
+verifier, from one SFT model of the RLHF loop's earlier recipe (rlhf_loop.EARLIER_SFT, 3 layers of width 96, 2,000
+steps, gpt.py's default seed) and its verifier, greedy exact answers on the held-out problems.
 
     python experiments/dpo_gold_vs_judged.py       # the SFT model, the verifier, 2 x 3 DPO runs of 150 steps
 
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import final_results, fmt, metrics, parse_args, print_table, run  # noqa: E402
-from rlhf_loop import flags, start  # noqa: E402
+from rlhf_loop import EARLIER_SFT, QUICK, VERIFIER, flags  # noqa: E402
 
 DPO = dict(
     data="arithmetic", digits=2, ops="+-", pair_prompts=1024, lr=3e-4, sft_weight=1, max_steps=150, eval_every=25,
@@ -29,16 +29,17 @@ def accuracy_at(folder, step):
 
 def main():
     args = parse_args("dpo_gold_vs_judged", __doc__.splitlines()[0])
-    dpo = flags(DPO, QUICK_DPO if args.quick else None)
-    starts = {seed: start(args, seed) for seed in args.seeds}  # whole-pipeline seeds: (SFT model, verifier)
+    sft = run("gpt.py", flags(EARLIER_SFT, QUICK["sft"] if args.quick else None), f"{args.out}/sft") + "/ckpt.pt"
+    verifier_flags = flags(VERIFIER, QUICK["verifier"] if args.quick else None) + ["--samples_from", sft]
+    verifier = run("reward_model.py", verifier_flags, f"{args.out}/verifier") + "/ckpt.pt"
+    dpo = flags(DPO, QUICK_DPO if args.quick else None) + ["--init_from", sft]
     end = QUICK_DPO["max_steps"] if args.quick else DPO["max_steps"]
     rows = []
-    for tag, name in [("gold", "gold-labelled"), ("judged", "judged by the verifier (--judge)")]:
-        folders = []
-        for seed in args.seeds:
-            sft, verifier = starts[seed]
-            seed_flags = ["--init_from", sft, "--seed", seed] + (["--judge", verifier] if tag == "judged" else [])
-            folders.append(run("dpo.py", dpo + seed_flags, f"{args.out}/{tag}_{seed}"))
+    for tag, name, extra in [
+        ("gold", "gold-labelled", []),
+        ("judged", "judged by the verifier (--judge)", ["--judge", verifier]),
+    ]:
+        folders = [run("dpo.py", dpo + extra + ["--seed", seed], f"{args.out}/{tag}_{seed}") for seed in args.seeds]
         results = [final_results(folder) for folder in folders]
         pairs = [r["train_pairs"] for r in results]
         rows.append(

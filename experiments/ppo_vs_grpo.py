@@ -1,7 +1,6 @@
 """The "PPO against GRPO" table of docs/ppo.md: PPO (three value-model and update settings) against GRPO (one and four
-updates per batch) on the gold reward of 2-digit `+`/`-` arithmetic, from the SFT model of docs/rlhf_loop.md (each
-seed from the SFT model of its own seed), the same 256 answers a step (GRPO: 32 prompts x 8 answers; PPO: 256 prompts
-x 1) for 100 steps at lr 1e-4.
+updates per batch) on the gold reward of 2-digit `+`/`-` arithmetic, from one SFT model of the RLHF loop's earlier
+recipe (rlhf_loop.EARLIER_SFT, 3 layers of width 96, 2,000 steps, gpt.py's default seed), the same 256 answers a step (GRPO: 32 prompts x 8 answers; PPO: 256 prompts x 1) for 100 steps at lr 1e-4.
 
     python experiments/ppo_vs_grpo.py     # the SFT model, then 5 rows x 3 seeds (median steps of 2026-11-27: ~45 min)
 
@@ -15,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fmt, metrics, parse_args, print_table, run  # noqa: E402
-from rlhf_loop import flags, start  # noqa: E402
+from rlhf_loop import EARLIER_SFT, QUICK, flags  # noqa: E402
 
 GOLD = dict(
     task="arithmetic", digits=2, ops="+-", horizon=6, max_steps=100, lr=1e-4, warmup_steps=5, eval_every=25,
@@ -45,18 +44,14 @@ def median_step_ms(folder):
 
 def main():
     args = parse_args("ppo_vs_grpo", __doc__.splitlines()[0])
-    gold = flags(GOLD, QUICK_GOLD if args.quick else None)
-    sft = {seed: start(args, seed)[0] for seed in args.seeds}  # whole-pipeline seeds: the SFT model's too
+    sft = run("gpt.py", flags(EARLIER_SFT, QUICK["sft"] if args.quick else None), f"{args.out}/sft") + "/ckpt.pt"
+    gold = flags(GOLD, QUICK_GOLD if args.quick else None) + ["--init_from", sft]
     batch = QUICK_BATCH if args.quick else BATCH
     rows = [ROWS[i] for i in QUICK_ROWS] if args.quick else ROWS
     table = []
     for i, (name, script, updates, row_flags) in enumerate(rows):
         folders = [
-            run(
-                script,
-                gold + batch[script] + row_flags + ["--init_from", sft[seed], "--seed", seed],
-                f"{args.out}/row{i}_{seed}",
-            )
+            run(script, gold + batch[script] + row_flags + ["--seed", seed], f"{args.out}/row{i}_{seed}")
             for seed in args.seeds
         ]
         evals = [accuracy_by_step(folder) for folder in folders]
