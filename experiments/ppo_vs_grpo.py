@@ -1,6 +1,7 @@
 """The "PPO against GRPO" table of docs/ppo.md: PPO (three value-model and update settings) against GRPO (one and four
 updates per batch) on the gold reward of 2-digit `+`/`-` arithmetic, from one SFT model of the RLHF loop's earlier
-recipe (rlhf_loop.EARLIER_SFT, 3 layers of width 96, 2,000 steps, gpt.py's default seed), the same 256 answers a step (GRPO: 32 prompts x 8 answers; PPO: 256 prompts x 1) for 100 steps at lr 1e-4.
+recipe (rlhf_loop.EARLIER_SFT, 3 layers of width 96, 2,000 steps, gpt.py's default seed), the same 256 answers a
+step (GRPO: 32 prompts x 8 answers; PPO: 256 prompts x 1) for 100 steps at lr 1e-4.
 
     python experiments/ppo_vs_grpo.py     # the SFT model, then 5 rows x 3 seeds (median steps of 2026-11-27: ~45 min)
 
