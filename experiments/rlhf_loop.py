@@ -7,8 +7,8 @@ on 2-digit `+`/`-` arithmetic whose gold reward (the exact answer) is known.
 Every measure is on the 461 distinct held-out problems (1000 held-out draws, repeats dropped). A best n is picked on
 the problems at even places of their sorted list and reported on those at odd places.
 
-The other experiments of that page (overoptimization.py, rm_size_and_ensembles.py, dpo_gold_vs_judged.py,
-ppo_vs_grpo.py) start from the same SFT models and verifiers, through start() and rl_flags() here.
+The other experiments of that page (sft_seeds.py, overoptimization.py, verifier_size.py, rm_ensembles.py) start
+from the same SFT models and verifiers, in the same run folders, through start() and rl_flags() here.
 """
 
 import json
