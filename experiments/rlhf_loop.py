@@ -74,8 +74,11 @@ def start(args, seed):
 
 def best_of_n(args, seed, policy, verifier, name="best_of_n"):
     """reward_model.py --best_of: best-of-n of the policy's answers under the verifier (exact KL): its folder."""
+    folder = f"{args.out}/seed{seed}/{name}"
+    if os.path.exists(f"{folder}/best_of_n.json"):  # finished (--best_of writes no final_results.json)
+        return folder
     bon_flags = flags(BEST_OF, quick(args, "best_of")) + ["--init_from", verifier, "--policy", policy, "--seed", seed]
-    return run("reward_model.py", bon_flags, f"{args.out}/seed{seed}/{name}")
+    return run("reward_model.py", bon_flags, folder)
 
 
 def rl_flags(args, sft, reward_model=None):
