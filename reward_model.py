@@ -604,38 +604,73 @@ def load_preference_data(cfg, rt):
 ARITHMETIC_CHARS = "\n*+-0123456789="
 
 
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
-    if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits and its
+    solution (arithmetic_solution), e.g. ("12+345=", "357\\n") or ("17+25-9=", "17+25=42\\n42-9=33\\n"). The first
+    number is drawn, then for each operation its number, then its operator."""
+    prompt = str(rng.randint(0, 10 ** rng.randint(1, digits) - 1))
+    for _ in range(steps):
+        b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+        prompt += f"{rng.choice(ops)}{b}"
+    return f"{prompt}=", arithmetic_solution(f"{prompt}=")
+
+
+def arithmetic_solution(prompt):
+    """The solution of a prompt "a op b op c ...=", evaluated left to right (so "2+3*4=" is (2+3)*4 = 20), one step a
+    line "x op y=r" whose x is the previous step's result: "17+25=42\\n42-9=33\\n". A one-operation prompt's solution
+    is its result alone: "357\\n"."""
+    numbers = [int(n) for n in re.findall(r"\d+", prompt)]
+    x = numbers[0]
+    lines = []
+    for op, y in zip(re.findall(r"[-+*]", prompt), numbers[1:]):
+        if op == "+":
+            result = x + y
+        elif op == "-":
+            result = x - y
+        else:
+            result = x * y
+        lines.append(f"{x}{op}{y}={result}\n")
+        x = result
+    if len(lines) == 1:
+        return f"{x}\n"
+    return "".join(lines)
 
 
 def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
-def draw_problem(rng, digits, ops, held):
+def draw_problem(rng, digits, ops, held, steps=1):
     """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
     while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops)
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
         if held_out(prompt) == held:
             return prompt, answer
 
 
-def held_out_problems(digits, ops, draws):
+def held_out_problems(digits, ops, draws, steps=1):
     """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
     in every run, whatever --seed), repeats dropped, sorted."""
     rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
+
+
+def answer_tokens(digits, steps):
+    """Most tokens a right answer takes, its newlines included, and one more: its characters (a BPE token holds one
+    or more). One operation: a result of up to 2 * digits digits (or a sign), a newline. Several: step i's line
+    "x op y=r" with x of up to i * digits digits and r of up to (i + 1) * digits, each maybe signed."""
+    if steps == 1:
+        return 2 * digits + 2
+    return sum((2 * i + 2) * digits + 5 for i in range(1, steps + 1)) + 1
+
+
+def first_lines(text, k):
+    """The text up to and including its k-th newline, or the whole text when it has fewer (an answer of k lines)."""
+    lines = text.split("\n")
+    if len(lines) > k:
+        return "\n".join(lines[:k]) + "\n"
+    return text
 
 
 def corrupt(rng, value):
