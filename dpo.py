@@ -56,7 +56,7 @@ Data: HH-RLHF dialogues split at the last "\\n\\nAssistant:", from the hub (`--d
 .jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's. `--data arithmetic`: the starting policy samples
 answers to training problems and the exact-answer checker (or a reward_model.py checkpoint, `--judge`) picks chosen
 and rejected; a problem is held out iff zlib.crc32(prompt) % 10 == 0, and eval/accuracy counts greedy exact answers
-on held-out problems only.
+on held-out problems only. `--steps K`: problems of K operations, an answer being K lines, one step a line.
 
 Commands:
     python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
@@ -108,6 +108,7 @@ class Config:
     data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --data (1 in 20 held out)
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
+    steps: int = 1  # arithmetic: operations per problem (K), evaluated left to right, solved one step a line
     pair_prompts: int = 256  # arithmetic: training problems whose sampled answers give the pairs
     pair_samples: int = 8  # arithmetic: answers sampled per problem (temperature 1); a pair is two of them
     # models: the policy, the reference, a run to continue
@@ -796,35 +797,32 @@ def load_pairs(cfg, rt):
 
 
 def arithmetic_problem(rng, digits, ops, steps=1):
-    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits and its
-    solution (arithmetic_solution), e.g. ("12+345=", "357\\n") or ("17+25-9=", "17+25=42\\n42-9=33\\n"). The first
-    number is drawn, then for each operation its number, then its operator."""
-    prompt = str(rng.randint(0, 10 ** rng.randint(1, digits) - 1))
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    prompt = f"{x}"
+    solution = ""
     for _ in range(steps):
-        b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-        prompt += f"{rng.choice(ops)}{b}"
-    return f"{prompt}=", arithmetic_solution(f"{prompt}=")
-
-
-def arithmetic_solution(prompt):
-    """The solution of a prompt "a op b op c ...=", evaluated left to right (so "2+3*4=" is (2+3)*4 = 20), one step a
-    line "x op y=r" whose x is the previous step's result: "17+25=42\\n42-9=33\\n". A one-operation prompt's solution
-    is its result alone: "357\\n"."""
-    numbers = [int(n) for n in re.findall(r"\d+", prompt)]
-    x = numbers[0]
-    lines = []
-    for op, y in zip(re.findall(r"[-+*]", prompt), numbers[1:]):
-        if op == "+":
-            result = x + y
-        elif op == "-":
-            result = x - y
-        else:
-            result = x * y
-        lines.append(f"{x}{op}{y}={result}\n")
+        y = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
         x = result
-    if len(lines) == 1:
-        return f"{x}\n"
-    return "".join(lines)
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
@@ -854,12 +852,13 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
     steps = answer.count("\n")
-    line = r"-?\d+"
+    step = ""  # one operation: a line is its result alone
     if steps > 1:
-        line = r"-?\d+[-+*]\d+=-?\d+"
-    if not re.fullmatch(rf"(?:{line}\n){{{steps - 1}}}{line}(?:\n|<\|endoftext\|>)", text):
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
         return 0.0
-    if re.findall(r"-?\d+", text)[-1] == re.findall(r"-?\d+", answer)[-1]:
+    if m.group(1) == answer.split("=")[-1].strip():
         return 1.0
     return format_reward
 
@@ -870,7 +869,7 @@ def answer_tokens(digits, steps):
     "x op y=r" with x of up to i * digits digits and r of up to (i + 1) * digits, each maybe signed."""
     if steps == 1:
         return 2 * digits + 2
-    return sum((2 * i + 2) * digits + 5 for i in range(1, steps + 1)) + 1
+    return digits * steps * (steps + 3) + 5 * steps + 1  # the sum over i of (2 i + 2) * digits + 5, and one
 
 
 def first_lines(text, k):
@@ -888,7 +887,7 @@ def arithmetic_pairs(run, out_dir):
     rejected wrong (1 without --judge)."""
     cfg = run.cfg
     path = os.path.join(out_dir, "pairs.jsonl")
-    run.problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size)  # grpo.py's, whatever --seed
+    run.problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)  # grpo.py's, whatever --seed
     if isinstance(run.tok, CharTokenizer):
         lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(run.tok.chars)))
         check(
@@ -926,7 +925,7 @@ def arithmetic_records(run):
     cfg = run.cfg
     G = cfg.pair_samples
     rng = random.Random(cfg.seed)
-    problems = [("train", *draw_problem(rng, cfg.digits, cfg.ops, False)) for _ in range(cfg.pair_prompts)]
+    problems = [("train", *draw_problem(rng, cfg.digits, cfg.ops, False, cfg.steps)) for _ in range(cfg.pair_prompts)]
     problems += [("heldout", *p) for p in run.problems]
     rows = [row for row in problems for _ in range(G)]  # (split, prompt, answer), each problem G times in a row
     prompts = [prompt for _, prompt, _ in rows]
@@ -949,16 +948,16 @@ def arithmetic_records(run):
 
 
 def response_tokens(cfg):
-    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer (a product of two --digits
-    numbers), its newline and one more."""
-    return 2 * cfg.digits + 2 if cfg.data == "arithmetic" else cfg.sample_tokens
+    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer and one more
+    (answer_tokens)."""
+    return answer_tokens(cfg.digits, cfg.steps) if cfg.data == "arithmetic" else cfg.sample_tokens
 
 
 def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0):
     """Responses (text) of a model to prompts, in batches of `batch` (default --batch_size): greedy, or sampled at
-    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the first newline
-    (arithmetic). No early stop at the end: under FSDP every rank must run as many forwards. Leaves the model in eval
-    mode."""
+    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the --steps-th
+    newline (arithmetic: one step a line). No early stop at the end: under FSDP every rank must run as many forwards.
+    Leaves the model in eval mode."""
     net.eval()
     n_tokens = response_tokens(cfg)
     batch = batch or cfg.batch_size
@@ -972,8 +971,8 @@ def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0
             if tok.eot_id in row:
                 row = row[: row.index(tok.eot_id)]
             texts.append(tok.decode(row))
-    if cfg.data == "arithmetic":  # an answer ends at its first newline
-        texts = [re.match(r"[^\n]*\n?", t).group() for t in texts]
+    if cfg.data == "arithmetic":  # an answer ends at its --steps-th newline
+        texts = [first_lines(t, cfg.steps) for t in texts]
     return texts
 
 
@@ -1039,7 +1038,7 @@ def judge_scores(run, triples, scorer):
 def validate(cfg):
     positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"]
     positive += ["lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"]
-    positive += ["digits", "pair_prompts"]
+    positive += ["digits", "steps", "pair_prompts"]
     non_negative = ["eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay"]
     non_negative += ["grad_clip", "sft_weight", "gamma", "ref_sync_steps"]
     for name in positive:
@@ -1117,7 +1116,13 @@ def setup(cfg, out_dir, rt):
     if not cfg.max_len:  # unset: as long as the models allow
         cfg.max_len = block
     check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
-    check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
+    prompt_len = 1  # a response needs a prompt token before it; arithmetic: the longest prompt, whole
+    if cfg.data == "arithmetic":
+        prompt_len = (cfg.steps + 1) * (cfg.digits + 1)
+    longest = prompt_len + response_tokens(cfg)
+    check(
+        longest <= block, f"a prompt and its response (--sample_tokens, or --digits and --steps) exceed {block} tokens"
+    )
     run.model = model.to(rt.device)
     run.tok = get_tokenizer(spec)
     ref.to(rt.device).eval().requires_grad_(False)

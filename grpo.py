@@ -955,35 +955,32 @@ class ArithmeticTask:
 
 
 def arithmetic_problem(rng, digits, ops, steps=1):
-    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits and its
-    solution (arithmetic_solution), e.g. ("12+345=", "357\\n") or ("17+25-9=", "17+25=42\\n42-9=33\\n"). The first
-    number is drawn, then for each operation its number, then its operator."""
-    prompt = str(rng.randint(0, 10 ** rng.randint(1, digits) - 1))
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    prompt = f"{x}"
+    solution = ""
     for _ in range(steps):
-        b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-        prompt += f"{rng.choice(ops)}{b}"
-    return f"{prompt}=", arithmetic_solution(f"{prompt}=")
-
-
-def arithmetic_solution(prompt):
-    """The solution of a prompt "a op b op c ...=", evaluated left to right (so "2+3*4=" is (2+3)*4 = 20), one step a
-    line "x op y=r" whose x is the previous step's result: "17+25=42\\n42-9=33\\n". A one-operation prompt's solution
-    is its result alone: "357\\n"."""
-    numbers = [int(n) for n in re.findall(r"\d+", prompt)]
-    x = numbers[0]
-    lines = []
-    for op, y in zip(re.findall(r"[-+*]", prompt), numbers[1:]):
-        if op == "+":
-            result = x + y
-        elif op == "-":
-            result = x - y
-        else:
-            result = x * y
-        lines.append(f"{x}{op}{y}={result}\n")
+        y = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
         x = result
-    if len(lines) == 1:
-        return f"{x}\n"
-    return "".join(lines)
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
@@ -1013,26 +1010,38 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
     steps = answer.count("\n")
-    line = r"-?\d+"
+    step = ""  # one operation: a line is its result alone
     if steps > 1:
-        line = r"-?\d+[-+*]\d+=-?\d+"
-    if not re.fullmatch(rf"(?:{line}\n){{{steps - 1}}}{line}(?:\n|<\|endoftext\|>)", text):
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
         return 0.0
-    if re.findall(r"-?\d+", text)[-1] == re.findall(r"-?\d+", answer)[-1]:
+    if m.group(1) == answer.split("=")[-1].strip():
         return 1.0
     return format_reward
 
 
 def step_correct(prompt, solution):
-    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is written exactly
-    as arithmetic_solution writes it, the prompt's next operation applied to the previous step's result (the first:
-    the prompt's first operation), its result right, and every step before it is right. So a right final answer
-    reached through a wrong step is wrong, and so is right arithmetic that does not continue the chain."""
-    right = arithmetic_solution(prompt).splitlines()
-    out = []
-    for i, line in enumerate(solution.splitlines()):
-        out.append(i < len(right) and line == right[i] and (i == 0 or out[-1]))
-    return out
+    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
+    operation applied to the previous step's result (the first: the prompt's first operation), written as
+    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
+    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
+    arithmetic that does not continue the chain; a line past the last operation is wrong."""
+    x = int(re.match(r"\d+", prompt).group())
+    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
+    right = []  # each written step's
+    for line in solution.splitlines():
+        if len(right) == len(operations):  # no operation left
+            right.append(False)
+            continue
+        op, y = operations[len(right)]
+        result = operate(x, op, int(y))
+        step = f"{x}{op}{y}={result}"
+        if len(operations) == 1:
+            step = f"{result}"
+        right.append(line == step and all(right))
+        x = result
+    return right
 
 
 HH_TURN = "\n\nAssistant:"

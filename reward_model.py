@@ -83,6 +83,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -119,6 +120,7 @@ class Config:
     # generated arithmetic (orm, prm)
     digits: int = 2  # orm/prm: largest number of digits of an operand (prm: of the first number; each b has one)
     ops: str = "+-*"  # orm/prm: operators to draw from
+    steps: int = 1  # orm, --best_of: operations per problem (K), evaluated left to right, solved one step a line
     chain_len: int = 4  # prm: most steps in a chain (2..chain_len)
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
     n_train: int = 20000  # orm/prm: generated training examples (never of a held-out problem)
@@ -589,7 +591,7 @@ def load_preference_data(cfg, rt):
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     train, skipped_train = hh_pairs(train_records)
     val, skipped_val = hh_pairs(val_records)
-    skipped = {k: skipped_train.get(k, 0) + skipped_val.get(k, 0) for k in {**skipped_train, **skipped_val}}
+    skipped = dict(Counter(skipped_train) + Counter(skipped_val))
     reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none"
     check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {reasons})")
     check(val, f"{source}: the held-out split has no usable preference pair")
@@ -605,35 +607,32 @@ ARITHMETIC_CHARS = "\n*+-0123456789="
 
 
 def arithmetic_problem(rng, digits, ops, steps=1):
-    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits and its
-    solution (arithmetic_solution), e.g. ("12+345=", "357\\n") or ("17+25-9=", "17+25=42\\n42-9=33\\n"). The first
-    number is drawn, then for each operation its number, then its operator."""
-    prompt = str(rng.randint(0, 10 ** rng.randint(1, digits) - 1))
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    prompt = f"{x}"
+    solution = ""
     for _ in range(steps):
-        b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-        prompt += f"{rng.choice(ops)}{b}"
-    return f"{prompt}=", arithmetic_solution(f"{prompt}=")
-
-
-def arithmetic_solution(prompt):
-    """The solution of a prompt "a op b op c ...=", evaluated left to right (so "2+3*4=" is (2+3)*4 = 20), one step a
-    line "x op y=r" whose x is the previous step's result: "17+25=42\\n42-9=33\\n". A one-operation prompt's solution
-    is its result alone: "357\\n"."""
-    numbers = [int(n) for n in re.findall(r"\d+", prompt)]
-    x = numbers[0]
-    lines = []
-    for op, y in zip(re.findall(r"[-+*]", prompt), numbers[1:]):
-        if op == "+":
-            result = x + y
-        elif op == "-":
-            result = x - y
-        else:
-            result = x * y
-        lines.append(f"{x}{op}{y}={result}\n")
+        y = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
         x = result
-    if len(lines) == 1:
-        return f"{x}\n"
-    return "".join(lines)
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
@@ -656,13 +655,31 @@ def held_out_problems(digits, ops, draws, steps=1):
     return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
 
 
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = answer.count("\n")
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.split("=")[-1].strip():
+        return 1.0
+    return format_reward
+
+
 def answer_tokens(digits, steps):
     """Most tokens a right answer takes, its newlines included, and one more: its characters (a BPE token holds one
     or more). One operation: a result of up to 2 * digits digits (or a sign), a newline. Several: step i's line
     "x op y=r" with x of up to i * digits digits and r of up to (i + 1) * digits, each maybe signed."""
     if steps == 1:
         return 2 * digits + 2
-    return sum((2 * i + 2) * digits + 5 for i in range(1, steps + 1)) + 1
+    return digits * steps * (steps + 3) + 5 * steps + 1  # the sum over i of (2 i + 2) * digits + 5, and one
 
 
 def first_lines(text, k):
@@ -686,11 +703,13 @@ def corrupt(rng, value):
 
 def orm_example(rng, cfg):
     """(prompt, answer, label): a problem in gpt.py's arithmetic format with its answer (label 1) or, with
-    probability --error_frac, a corrupted answer (label 0)."""
-    prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
+    probability --error_frac, its answer with the final result corrupted (label 0; --steps K > 1: the last step's
+    result, the steps before it right)."""
+    prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops, cfg.steps)
     right = rng.random() >= cfg.error_frac
     if not right:
-        answer = f"{corrupt(rng, int(answer))}\n"
+        head, sep, result = answer[:-1].rpartition("=")  # "17+25=42\n42-9", "=", "33"; one operation: "", "", "42"
+        answer = f"{head}{sep}{corrupt(rng, int(result))}\n"
     return prompt, answer, int(right)
 
 
@@ -707,12 +726,7 @@ def prm_chain(rng, cfg):
     for i in range(n):
         op = rng.choice(cfg.ops)
         b = rng.randint(1, 9)
-        if op == "+":
-            y = x + b
-        elif op == "-":
-            y = x - b
-        else:
-            y = x * b
+        y = operate(x, op, b)
         if i == wrong:
             y = corrupt(rng, y)
         steps.append((f"{x}{op}{b}={y}", int(i < wrong)))
@@ -720,23 +734,29 @@ def prm_chain(rng, cfg):
     return tuple(steps)
 
 
-def problem_of(task, example):
-    """The prompt of a preference or orm example (e.g. "12+3="), or a prm chain's first step's problem ("3+4=")."""
-    return example[0] if task != "prm" else example[0][0].split("=")[0] + "="
+def step_problems(task, example):
+    """The problems of an example: its prompt, for a preference or orm example (["12+3="]), or each step's problem,
+    for a prm chain (["3+4=", "7*2=", ...]). The first is the example's problem."""
+    if task == "prm":
+        return [text.split("=")[0] + "=" for text, _ in example]
+    return [example[0]]
 
 
 def synthetic_data(cfg, rt):
     """(train, held-out) lists of orm examples (prompt, answer, label) or prm chains, and {} (nothing is skipped).
     They are split by problem (held_out), not by text: a problem's right answer is one text, and holding out
-    texts would take the right answers of every held-out problem out of training, but not its wrong ones."""
+    texts would take the right answers of every held-out problem out of training, but not its wrong ones. A prm
+    chain is held out when its first step's problem is, and trains only when none of its steps' problems is: a
+    chain whose first step is not held out but a later one is, is drawn again."""
     rng = random.Random(cfg.seed)
     train = []
     val = []
     while len(train) < cfg.n_train or len(val) < cfg.n_val:
         example = orm_example(rng, cfg) if cfg.task == "orm" else prm_chain(rng, cfg)
-        if held_out(problem_of(cfg.task, example)):
+        problems = step_problems(cfg.task, example)
+        if held_out(problems[0]):
             val.append(example)
-        else:
+        elif not any(map(held_out, problems)):
             train.append(example)
     return train[: cfg.n_train], val[: cfg.n_val], {}
 
@@ -746,8 +766,9 @@ def sampled_data(cfg, tok, rt):
     """(train, held-out) lists of orm examples (prompt, answer, label) whose answers the --samples_from policy wrote
     (Cobbe et al. 2021: the verifier learns the generator's own mistakes), and {}. Batches of 64 problems, each
     --samples_per_problem times, sampled at temperature 1 until --n_train (--n_val) answers, the last batch cut;
-    training problems are never held out, held-out ones always (held_out). An answer ends at its first
-    newline; its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward), else 0."""
+    training problems are never held out, held-out ones always (held_out). An answer ends at its --steps-th newline
+    (sample_answers); its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward),
+    else 0."""
     policy, spec, _ = load_model(cfg.samples_from)
     check(spec == tok.spec, f"--samples_from {cfg.samples_from}: its tokenizer is not the reward model's")
     policy.to(rt.device)
@@ -759,15 +780,20 @@ def sampled_data(cfg, tok, rt):
         while len(examples) < n:
             # a generation batch: 64 problems, each --samples_per_problem times, sorted so that a problem's answers
             # sit side by side and cutting the last batch leaves at most one problem short
-            batch = sorted([draw_problem(rng, cfg.digits, cfg.ops, held) for _ in range(64)] * cfg.samples_per_problem)
-            prompts = [tok.encode(prompt) for prompt, _ in batch]
-            # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
-            tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
-            for (prompt, answer), ids in zip(batch, tokens.tolist()):
-                head, newline, _ = tok.decode(ids).partition("\n")
-                examples.append((prompt, head + newline, int(head + newline == answer)))
+            batch = [draw_problem(rng, cfg.digits, cfg.ops, held, cfg.steps) for _ in range(64)]
+            batch = sorted(batch * cfg.samples_per_problem)
+            for (prompt, answer), y in zip(batch, sample_answers(policy, tok, batch, cfg, generator)):
+                examples.append((prompt, y, int(arithmetic_reward(y, answer))))
         splits.append(examples[:n])
     return splits[0], splits[1], {}
+
+
+def sample_answers(policy, tok, problems, cfg, generator):
+    """The policy's answers to (prompt, answer) problems, sampled at temperature 1 in answer_tokens(--digits, --steps)
+    tokens (more than any right answer takes), each cut after its --steps-th newline (first_lines): texts."""
+    prompts = [tok.encode(prompt) for prompt, _ in problems]
+    tokens, _ = generate(policy, prompts, answer_tokens(cfg.digits, cfg.steps), generator=generator)
+    return [first_lines(tok.decode(ids), cfg.steps) for ids in tokens.tolist()]
 
 
 def encode(task, tok, example, max_len):
@@ -802,7 +828,7 @@ def encode(task, tok, example, max_len):
 
 def validate(cfg):
     positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val"]
-    positive += ["digits", "n_layer", "n_head", "n_embd", "block_size", "lr", "samples_per_problem"]
+    positive += ["digits", "steps", "n_layer", "n_head", "n_embd", "block_size", "lr", "samples_per_problem"]
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
@@ -933,7 +959,7 @@ def main():
     train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
     val_text = val_text[: cfg.eval_size or len(val_text)]
     eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text]
-    eval_problems = [problem_of(cfg.task, ex) for ex in val_text]  # each held-out row's problem (or prompt)
+    eval_problems = [step_problems(cfg.task, ex)[0] for ex in val_text]  # each held-out row's problem (or prompt)
     problems = len(set(eval_problems))  # distinct held-out problems (or prompts)
     if rt.master:
         model_size = f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}"
@@ -1014,31 +1040,25 @@ def best_of_n(cfg, rt, out_dir):
     verifier.to(rt.device)
     every_n = [int(n) for n in cfg.best_of.split(",")]
     N = max(every_n)
-    problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size or 128)  # grpo.py's evaluation problems
+    problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size or 128, cfg.steps)  # grpo.py's evaluation problems
     E = len(problems)
     generator = torch.Generator().manual_seed(cfg.seed)
     rows = [problem for problem in problems for _ in range(N)]  # N rows a problem, in a row
     answers = []  # the text of each row's answer
     for i in range(0, len(rows), 1024):
-        # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
-        prompts = [tok.encode(prompt) for prompt, _ in rows[i : i + 1024]]
-        tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
-        for ids in tokens.tolist():
-            head, newline, _ = tok.decode(ids).partition("\n")
-            answers.append(head + newline)
+        answers += sample_answers(policy, tok, rows[i : i + 1024], cfg, generator)
     # each problem's distinct answers, in order of first appearance: their verifier score and policy log-prob
     pairs = list(dict.fromkeys((prompt, y) for (prompt, _), y in zip(rows, answers)))
     scores = score(verifier, tok, [prompt + y for prompt, y in pairs], rt.device)
     logps = answer_logprobs(policy, tok, pairs, rt.device)
-    found = {}  # (prompt, answer) -> (score, log-prob)
+    found = dict(zip(pairs, scores))  # (prompt, answer) -> its score
     distinct = {}  # prompt -> [(score, log-prob) of each of its distinct answers]
-    for pair, r, lp in zip(pairs, scores, logps):
-        found[pair] = (r, lp)
-        distinct.setdefault(pair[0], []).append((r, lp))
+    for (prompt, _), r, lp in zip(pairs, scores, logps):
+        distinct.setdefault(prompt, []).append((r, lp))
     # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
-    s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
+    s = torch.tensor([found[prompt, y] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
     s, order = s.view(E, N).sort(stable=True)
-    right = torch.tensor([float(y == answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
+    right = torch.tensor([arithmetic_reward(y, answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
     right = right.view(E, N).gather(1, order)
     W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
     gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n
