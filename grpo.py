@@ -959,11 +959,11 @@ def arithmetic_problem(rng, digits, ops, steps=1):
     left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
     step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
     ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
-    x = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    x = draw_number(rng, digits)
     prompt = f"{x}"
     solution = ""
     for _ in range(steps):
-        y = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+        y = draw_number(rng, digits)
         op = rng.choice(ops)
         result = operate(x, op, y)
         prompt += f"{op}{y}"
@@ -972,6 +972,11 @@ def arithmetic_problem(rng, digits, ops, steps=1):
     if steps == 1:
         solution = f"{x}\n"
     return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many drawn first, then the number (so one digit is as likely as two)."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
 
 
 def operate(x, op, y):
@@ -1009,7 +1014,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
-    steps = answer.count("\n")
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
     step = ""  # one operation: a line is its result alone
     if steps > 1:
         step = r"-?\d+[-+*]\d+="

@@ -275,8 +275,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 # ranks and divided by summarize() (a count of 0 gives 0.0), then logged as train/<name> and eval/<name>:
 #   every task   loss                     train/loss, eval/loss                  per pair or labelled position
 #   preference   accuracy, margin         train/accuracy, train/margin           per pair
-#                chosen, chosen_sq        train/chosen_mean, train/chosen_std    per pair (std: from the squares)
-#                rejected, rejected_sq    train/rejected_mean, train/rejected_std
+#                chosen_mean, chosen_sq   train/chosen_mean, train/chosen_std    per pair (std: from the squares)
+#                rejected_mean, rejected_sq  train/rejected_mean, train/rejected_std
 #   orm          accuracy                 train/accuracy                         per sequence
 #                accuracy_correct         train/accuracy_correct                 per right answer
 #                accuracy_wrong           train/accuracy_wrong                   per wrong answer
@@ -346,9 +346,9 @@ def batch_loss(model, batch, cfg, rt):
         values = {
             "reward_acc": (d > 0).float() + 0.5 * (d == 0).float(),  # ties count one half
             "margin": d,
-            "chosen": r_c,
+            "chosen_mean": r_c,
             "chosen_sq": r_c**2,  # the squares give summarize() the std
-            "rejected": r_r,
+            "rejected_mean": r_r,
             "rejected_sq": r_r**2,
         }
     else:
@@ -362,11 +362,13 @@ def batch_loss(model, batch, cfg, rt):
             y = last_token_rewards(labels, lengths)  # (B,) outcome labels
             right = r[y == 1]  # the rewards of right answers
             wrong = r[y == 0]  # and of wrong ones
-            values = {"label_acc": ((r > 0) == (y == 1)).float()}
-            values["accuracy_correct"] = (right > 0).float()
-            values["accuracy_wrong"] = (wrong <= 0).float()
-            values["reward_correct"] = right
-            values["reward_wrong"] = wrong
+            values = {
+                "label_acc": ((r > 0) == (y == 1)).float(),
+                "accuracy_correct": (right > 0).float(),
+                "accuracy_wrong": (wrong <= 0).float(),
+                "reward_correct": right,
+                "reward_wrong": wrong,
+            }
         else:
             values = {
                 "step_accuracy": ((scores > 0) == (labels == 1))[labelled].float(),
@@ -393,20 +395,14 @@ def summarize(stats, rt):
     out = {}
     for name, (total, count) in zip(names, totals.tolist()):
         out[name] = total / max(count, 1)
-    if "chosen" in out:
-        chosen = out.pop("chosen")
-        chosen_sq = out.pop("chosen_sq")
-        rejected = out.pop("rejected")
-        rejected_sq = out.pop("rejected_sq")
-        out["chosen_mean"] = chosen
-        out["chosen_std"] = math.sqrt(max(chosen_sq - chosen**2, 0.0))
-        out["rejected_mean"] = rejected
-        out["rejected_std"] = math.sqrt(max(rejected_sq - rejected**2, 0.0))
+    if "chosen_sq" in out:  # the std is the square root of the mean square less the squared mean
+        out["chosen_std"] = math.sqrt(max(out.pop("chosen_sq") - out["chosen_mean"] ** 2, 0.0))
+        out["rejected_std"] = math.sqrt(max(out.pop("rejected_sq") - out["rejected_mean"] ** 2, 0.0))
     return out
 
 
 @torch.no_grad()
-def held_out_metrics(model, eval_data, cfg, rt, problems=None):
+def held_out_metrics(model, eval_data, cfg, rt, problems):
     """eval/ metrics of the held-out rows; problems: each row's problem (orm: its prompt), for eval/auc_per_problem.
     The rows are dealt out over ranks, which all run the same number of batches (under FSDP a forward pass is
     collective), the last ones possibly on a dummy row with weight 0."""
@@ -430,7 +426,7 @@ def held_out_metrics(model, eval_data, cfg, rt, problems=None):
         outcomes = torch.tensor([labels[-1] for _, labels in eval_data])
         rewards = all_reduce(rewards, rt).cpu()
         metrics["eval/auc"] = roc_auc(rewards, outcomes)
-        if cfg.task == "orm" and problems is not None:  # within each problem, as best-of-n and RL rank answers
+        if cfg.task == "orm":  # within each problem, as best-of-n and RL rank answers
             auc, n_problems = per_problem_auc(rewards, outcomes, problems)
             metrics["eval/auc_per_problem"] = auc  # nan when no problem has both labels
             metrics["eval/auc_problems"] = n_problems
@@ -611,11 +607,11 @@ def arithmetic_problem(rng, digits, ops, steps=1):
     left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
     step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
     ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
-    x = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+    x = draw_number(rng, digits)
     prompt = f"{x}"
     solution = ""
     for _ in range(steps):
-        y = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+        y = draw_number(rng, digits)
         op = rng.choice(ops)
         result = operate(x, op, y)
         prompt += f"{op}{y}"
@@ -624,6 +620,11 @@ def arithmetic_problem(rng, digits, ops, steps=1):
     if steps == 1:
         solution = f"{x}\n"
     return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many drawn first, then the number (so one digit is as likely as two)."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
 
 
 def operate(x, op, y):
@@ -661,7 +662,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
-    steps = answer.count("\n")
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
     step = ""  # one operation: a line is its result alone
     if steps > 1:
         step = r"-?\d+[-+*]\d+="
@@ -684,10 +685,7 @@ def answer_tokens(digits, steps):
 
 def first_lines(text, k):
     """The text up to and including its k-th newline, or the whole text when it has fewer (an answer of k lines)."""
-    lines = text.split("\n")
-    if len(lines) > k:
-        return "\n".join(lines[:k]) + "\n"
-    return text
+    return re.match(rf"(?:[^\n]*\n){{,{k - 1}}}[^\n]*\n?", text).group()  # k - 1 lines at most, then one more
 
 
 def corrupt(rng, value):
@@ -721,7 +719,7 @@ def prm_chain(rng, cfg):
     wrong = n  # the index of the wrong step; n: none
     if rng.random() < cfg.error_frac:
         wrong = rng.randrange(n)
-    x = rng.randint(0, 10 ** rng.randint(1, cfg.digits) - 1)
+    x = draw_number(rng, cfg.digits)
     steps = []
     for i in range(n):
         op = rng.choice(cfg.ops)
@@ -739,10 +737,10 @@ def step_problems(task, example):
     for a prm chain (["3+4=", "7*2=", ...]). The first is the example's problem."""
     if task == "prm":
         return [text.split("=")[0] + "=" for text, _ in example]
-    return [example[0]]
+    return example[:1]
 
 
-def synthetic_data(cfg, rt):
+def synthetic_data(cfg):
     """(train, held-out) lists of orm examples (prompt, answer, label) or prm chains, and {} (nothing is skipped).
     They are split by problem (held_out), not by text: a problem's right answer is one text, and holding out
     texts would take the right answers of every held-out problem out of training, but not its wrong ones. A prm
@@ -951,7 +949,7 @@ def main():
         train_text, val_text, skipped = load_preference_data(cfg, rt)
         texts = [t for pair in train_text + val_text for t in pair]  # a char vocabulary must cover them
     elif not cfg.samples_from:
-        train_text, val_text, skipped = synthetic_data(cfg, rt)
+        train_text, val_text, skipped = synthetic_data(cfg)
     raw, model, tok, optimizer, scaler, start_step = build_reward_model(cfg, ckpt_path, texts, rt)
     if cfg.samples_from:
         train_text, val_text, skipped = sampled_data(cfg, tok, rt)
@@ -1094,8 +1092,8 @@ def best_of_n(cfg, rt, out_dir):
         print(f"best-of-n of {cfg.policy} on {E} held-out problems, {N} answers each (uncovered {uncovered:.4f}):")
         print("     n  gold            proxy       kl  kl_bound")
         for r in results:
-            gold_text = f"{r['gold']:.3f} +- {r['gold_se']:.3f}"
-            print(f"{r['n']:6d}  {gold_text}  {r['proxy']:9.4f}  {r['kl']:.4f}  {r['kl_bound']:.4f}")
+            gold = f"{r['gold']:.3f} +- {r['gold_se']:.3f}"
+            print(f"{r['n']:6d}  {gold}  {r['proxy']:9.4f}  {r['kl']:.4f}  {r['kl_bound']:.4f}")
 
 
 @torch.no_grad()
