@@ -10,14 +10,15 @@ sequence's reward is the score at its last real token.
           L = mean(-log sigmoid(r_c - r_r - m)) + c * mean((r_c + r_r)^2)
       with a margin m (`--margin`, Touvron et al. 2023) and a centering weight c (`--center_coef`, Eisenstein et
       al. 2023) that keeps rewards near 0. Chosen and rejected rows go through one forward pass.
-  --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems with their answer or a corrupted one (off by 1-3,
-      or one digit changed); binary cross-entropy of sigmoid(s_t) against the outcome label at every answer
-      token; the reward is the last token's score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy)
-      the answers are the policy's own instead, --samples_per_problem per problem at temperature 1, each labelled
-      by the exact-answer check (1 when it is the right number then a newline), as Cobbe et al. train the verifier
-      on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will meet. The held-out
-      AUC is logged pooled over all answers (eval/auc) and within each problem (eval/auc_per_problem), the ranking
-      best-of-n and RL use.
+  --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems (--steps K: K operations, solved one step a
+      line) with their answer or one whose final result is corrupted (off by 1-3, or one digit changed); binary
+      cross-entropy of sigmoid(s_t) against the outcome label at every answer token; the reward is the last token's
+      score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy) the answers are the policy's own
+      instead, --samples_per_problem per problem at temperature 1, each labelled by the exact-answer check (1 when
+      it is the right number then a newline; K steps: K well-formed lines, the last result right), as Cobbe et al.
+      train the verifier on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will
+      meet. The held-out AUC is logged pooled over all answers (eval/auc) and within each problem
+      (eval/auc_per_problem), the ranking best-of-n and RL use.
   --task prm (process RM, Lightman et al. 2023): chains `3+4=7\\n7*2=14\\n14-5=9\\n` of 2..--chain_len steps, one
       a line in gpt.py's arithmetic format, some with one wrong result; binary cross-entropy at the newline after
       each step (the last step: at <|endoftext|> when the tokenizer has one) against the label "every step so far is
@@ -42,9 +43,10 @@ dialogue is split at its last "\\n\\nAssistant:" into prompt and response; a pai
 start of its prompt, the same tokens for both responses (truncate_pair), so both are scored on one context.
 Pairs with a missing field, no Assistant response, different prompts or identical responses are counted and
 skipped. orm and prm generate their data, split by problem: a problem is held out iff zlib.crc32(prompt) % 10 == 0
-(held_out); no training example is of a held-out problem (a prm chain counts as its first step's problem), every
-held-out example is. Split by text instead, every held-out problem would lose its right answer (one text) from
-training, but not its wrong ones. The run prints how many distinct problems the held-out examples hold.
+(held_out); no training example is of a held-out problem, every held-out example is (a prm chain is held out with
+its first step's problem, and trains only when none of its steps is a held-out problem). Split by text instead,
+every held-out problem would lose its right answer (one text) from training, but not its wrong ones. The run prints
+how many distinct problems the held-out examples hold.
 
 Best-of-n (--best_of 1,2,4,.. --policy CKPT, no training): the policy writes N = max n answers to each of grpo.py's
 held-out evaluation problems at temperature 1, and best_of_n.json holds, for each n, the gold accuracy and the verifier
@@ -1025,9 +1027,9 @@ def best_of_n(cfg, rt, out_dir):
     """best_of_n.json: for each n of --best_of, best-of-n of the --policy's answers to held-out problems under the
     --init_from verifier (orm or prm). The problems are grpo.py's evaluation problems: --eval_size draws of held-out
     problems (0: 128) from random.Random(1234), the distinct ones kept. N = max n answers a problem at temperature 1
-    (an answer ends at its first newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate
+    (an answer ends at its --steps-th newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate
     from the N, per problem, then the mean over problems (gold_se: their standard error). kl: best_of_n_kl of the
-    distinct answers sampled, p(y) the policy's probability of y's tokens (the newline included), the rest
+    distinct answers sampled, p(y) the policy's probability of y's tokens (the newlines included), the rest
     (uncovered: its mean) one answer ranked lowest. Every rank computes the same; rank 0 writes and prints."""
     verifier, spec, task = load_reward_model(cfg.init_from)
     check(task in ("orm", "prm"), f"--best_of needs an arithmetic verifier (--task orm or prm), not a {task} model")
