@@ -817,7 +817,7 @@ def arithmetic_problem(rng, digits, ops, steps=1):
 
 
 def draw_number(rng, digits):
-    """A number of 1..digits digits: how many drawn first, then the number (so one digit is as likely as two)."""
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
     return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
 
 

@@ -38,7 +38,7 @@ Commands:
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
 (procedurally generated `12+345=357` lines, or with `--steps K` expressions of K operations evaluated left to right
-and solved one step a line, `17+25-9=17+25=42\n42-9=33\n`; the validation split holds only the held-out problems of
+and solved one step a line, `17+25-9=17+25=42\\n42-9=33\\n`; the validation split holds only the held-out problems of
 held_out's rule, which the training split and every later stage never see), or the path of any text file
 (`--tokenizer char|gpt2`).
 
@@ -426,7 +426,7 @@ def arithmetic_problem(rng, digits, ops, steps=1):
 
 
 def draw_number(rng, digits):
-    """A number of 1..digits digits: how many drawn first, then the number (so one digit is as likely as two)."""
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
     return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
 
 

@@ -277,8 +277,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 # ranks and divided by summarize() (a count of 0 gives 0.0), then logged as train/<name> and eval/<name>:
 #   every task   loss                     train/loss, eval/loss                  per pair or labelled position
 #   preference   accuracy, margin         train/accuracy, train/margin           per pair
-#                chosen_mean, chosen_sq   train/chosen_mean, train/chosen_std    per pair (std: from the squares)
-#                rejected_mean, rejected_sq  train/rejected_mean, train/rejected_std
+#                chosen_mean              train/chosen_mean, train/chosen_std    per pair (std: from chosen_sq)
+#                rejected_mean            train/rejected_mean, train/rejected_std (std: from rejected_sq)
 #   orm          accuracy                 train/accuracy                         per sequence
 #                accuracy_correct         train/accuracy_correct                 per right answer
 #                accuracy_wrong           train/accuracy_wrong                   per wrong answer
@@ -625,7 +625,7 @@ def arithmetic_problem(rng, digits, ops, steps=1):
 
 
 def draw_number(rng, digits):
-    """A number of 1..digits digits: how many drawn first, then the number (so one digit is as likely as two)."""
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
     return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
 
 
@@ -1094,8 +1094,8 @@ def best_of_n(cfg, rt, out_dir):
         print(f"best-of-n of {cfg.policy} on {E} held-out problems, {N} answers each (uncovered {uncovered:.4f}):")
         print("     n  gold            proxy       kl  kl_bound")
         for r in results:
-            gold = f"{r['gold']:.3f} +- {r['gold_se']:.3f}"
-            print(f"{r['n']:6d}  {gold}  {r['proxy']:9.4f}  {r['kl']:.4f}  {r['kl_bound']:.4f}")
+            gold_text = f"{r['gold']:.3f} +- {r['gold_se']:.3f}"
+            print(f"{r['n']:6d}  {gold_text}  {r['proxy']:9.4f}  {r['kl']:.4f}  {r['kl_bound']:.4f}")
 
 
 @torch.no_grad()
