@@ -56,7 +56,7 @@ Data: HH-RLHF dialogues split at the last "\\n\\nAssistant:", from the hub (`--d
 .jsonl/.jsonl.gz whose held-out 5% is exactly gpt.py --data hh_sft's. `--data arithmetic`: the starting policy samples
 answers to training problems and the exact-answer checker (or a reward_model.py checkpoint, `--judge`) picks chosen
 and rejected; a problem is held out iff zlib.crc32(prompt) % 10 == 0, and eval/accuracy counts greedy exact answers
-on held-out problems only.
+on held-out problems only. `--steps K`: problems of K operations, an answer being K lines, one step a line.
 
 Commands:
     python gpt.py --data hh_sft --data_path hh.jsonl.gz --block_size 256 --out_dir out/sft   # SFT first (CPU)
@@ -108,6 +108,7 @@ class Config:
     data_path: str = ""  # local .jsonl/.jsonl.gz of HH-RLHF records instead of --data (1 in 20 held out)
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
+    steps: int = 1  # arithmetic: operations per problem (K), evaluated left to right, solved one step a line
     pair_prompts: int = 256  # arithmetic: training problems whose sampled answers give the pairs
     pair_samples: int = 8  # arithmetic: answers sampled per problem (temperature 1); a pair is two of them
     # models: the policy, the reference, a run to continue
@@ -795,50 +796,90 @@ def load_pairs(cfg, rt):
 # Data: arithmetic problems and their gold reward, copied verbatim from grpo.py, and the pairs of sampled answers.
 
 
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = draw_number(rng, digits)
+    prompt = f"{x}"
+    solution = ""
+    for _ in range(steps):
+        y = draw_number(rng, digits)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
+        x = result
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
     if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
-def draw_problem(rng, digits, ops, held):
+def draw_problem(rng, digits, ops, held, steps=1):
     """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
     while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops)
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
         if held_out(prompt) == held:
             return prompt, answer
 
 
-def held_out_problems(digits, ops, draws):
+def held_out_problems(digits, ops, draws, steps=1):
     """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
     in every run, whatever --seed), repeats dropped, sorted."""
     rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
 
 
 def arithmetic_reward(text, answer, format_reward=0.0):
-    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
-    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
-    horizon, anything else before the end, not a number)."""
-    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
     if m is None:
         return 0.0
-    if m.group(1) == answer.strip():
+    if m.group(1) == answer.split("=")[-1].strip():
         return 1.0
     return format_reward
+
+
+def answer_tokens(digits, steps):
+    """Most tokens a right answer takes, its newlines included, and one more: its characters (a BPE token holds one
+    or more). One operation: a result of up to 2 * digits digits (or a sign), a newline. Several: step i's line
+    "x op y=r" with x of up to i * digits digits and r of up to (i + 1) * digits, each maybe signed."""
+    if steps == 1:
+        return 2 * digits + 2
+    return digits * steps * (steps + 3) + 5 * steps + 1  # the sum over i of (2 i + 2) * digits + 5, and one
+
+
+def first_lines(text, k):
+    """The text up to and including its k-th newline, or the whole text when it has fewer (an answer of k lines)."""
+    return re.match(rf"(?:[^\n]*\n){{,{k - 1}}}[^\n]*\n?", text).group()  # k - 1 lines at most, then one more
 
 
 def arithmetic_pairs(run, out_dir):
@@ -848,7 +889,7 @@ def arithmetic_pairs(run, out_dir):
     rejected wrong (1 without --judge)."""
     cfg = run.cfg
     path = os.path.join(out_dir, "pairs.jsonl")
-    run.problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size)  # grpo.py's, whatever --seed
+    run.problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)  # grpo.py's, whatever --seed
     if isinstance(run.tok, CharTokenizer):
         lacking = "".join(sorted(set(f"0123456789=\n{cfg.ops}") - set(run.tok.chars)))
         check(
@@ -886,7 +927,7 @@ def arithmetic_records(run):
     cfg = run.cfg
     G = cfg.pair_samples
     rng = random.Random(cfg.seed)
-    problems = [("train", *draw_problem(rng, cfg.digits, cfg.ops, False)) for _ in range(cfg.pair_prompts)]
+    problems = [("train", *draw_problem(rng, cfg.digits, cfg.ops, False, cfg.steps)) for _ in range(cfg.pair_prompts)]
     problems += [("heldout", *p) for p in run.problems]
     rows = [row for row in problems for _ in range(G)]  # (split, prompt, answer), each problem G times in a row
     prompts = [prompt for _, prompt, _ in rows]
@@ -909,16 +950,16 @@ def arithmetic_records(run):
 
 
 def response_tokens(cfg):
-    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer (a product of two --digits
-    numbers), its newline and one more."""
-    return 2 * cfg.digits + 2 if cfg.data == "arithmetic" else cfg.sample_tokens
+    """Tokens of a generated response: --sample_tokens, or arithmetic's longest answer and one more
+    (answer_tokens)."""
+    return answer_tokens(cfg.digits, cfg.steps) if cfg.data == "arithmetic" else cfg.sample_tokens
 
 
 def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0):
     """Responses (text) of a model to prompts, in batches of `batch` (default --batch_size): greedy, or sampled at
-    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the first newline
-    (arithmetic). No early stop at the end: under FSDP every rank must run as many forwards. Leaves the model in eval
-    mode."""
+    temperature with generator; response_tokens(cfg) tokens, cut at <|endoftext|> (HH) or after the --steps-th
+    newline (arithmetic: one step a line). No early stop at the end: under FSDP every rank must run as many forwards.
+    Leaves the model in eval mode."""
     net.eval()
     n_tokens = response_tokens(cfg)
     batch = batch or cfg.batch_size
@@ -932,8 +973,8 @@ def respond(net, prompts, tok, cfg, rt, temperature=0.0, generator=None, batch=0
             if tok.eot_id in row:
                 row = row[: row.index(tok.eot_id)]
             texts.append(tok.decode(row))
-    if cfg.data == "arithmetic":  # an answer ends at its first newline
-        texts = [re.match(r"[^\n]*\n?", t).group() for t in texts]
+    if cfg.data == "arithmetic":  # an answer ends at its --steps-th newline
+        texts = [first_lines(t, cfg.steps) for t in texts]
     return texts
 
 
@@ -999,7 +1040,7 @@ def judge_scores(run, triples, scorer):
 def validate(cfg):
     positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"]
     positive += ["lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"]
-    positive += ["digits", "pair_prompts"]
+    positive += ["digits", "steps", "pair_prompts"]
     non_negative = ["eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay"]
     non_negative += ["grad_clip", "sft_weight", "gamma", "ref_sync_steps"]
     for name in positive:
@@ -1077,7 +1118,13 @@ def setup(cfg, out_dir, rt):
     if not cfg.max_len:  # unset: as long as the models allow
         cfg.max_len = block
     check(cfg.max_len <= block, f"--max_len {cfg.max_len} is longer than the models' block_size {block}")
-    check(response_tokens(cfg) < block, f"responses (--sample_tokens, or 2 --digits + 2) leave no prompt in {block}")
+    prompt_len = 1  # a response needs a prompt token before it; arithmetic: the longest prompt, whole
+    if cfg.data == "arithmetic":
+        prompt_len = (cfg.steps + 1) * (cfg.digits + 1)
+    longest = prompt_len + response_tokens(cfg)
+    check(
+        longest <= block, f"a prompt and its response (--sample_tokens, or --digits and --steps) exceed {block} tokens"
+    )
     run.model = model.to(rt.device)
     run.tok = get_tokenizer(spec)
     ref.to(rt.device).eval().requires_grad_(False)

@@ -37,9 +37,10 @@ Commands:
 
 Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE), hh_sft (HH-RLHF "chosen"
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
-(procedurally generated `12+345=357` lines; the validation split holds only the held-out problems of held_out's
-rule, which the training split and every later stage never see), or the path of any text file (`--tokenizer
-char|gpt2`).
+(procedurally generated `12+345=357` lines, or with `--steps K` expressions of K operations evaluated left to right
+and solved one step a line, `17+25-9=17+25=42\\n42-9=33\\n`; the validation split holds only the held-out problems of
+held_out's rule, which the training split and every later stage never see), or the path of any text file
+(`--tokenizer char|gpt2`).
 
 The page docs/gpt.md holds the rest: formulas, implementation details, flags, results.
 
@@ -94,6 +95,7 @@ class Config:
     tokenizer: str = "auto"  # auto | char | gpt2 (auto: char for shakespeare_char and text files, else gpt2)
     digits: int = 2  # arithmetic: largest number of digits of an operand
     ops: str = "+-*"  # arithmetic: operators to draw from
+    steps: int = 1  # arithmetic: operations per problem, evaluated left to right and solved one step a line
     # model: a checkpoint, GPT-2 weights, or a new GPT of these sizes
     init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | hub id | ckpt.pt | HF folder
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
@@ -348,14 +350,17 @@ ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of --data arithmeti
 def load_splits(cfg, tok):
     """(train, val) as pairs of (ids LongTensor, target mask BoolTensor or None)."""
     if cfg.data == "arithmetic":
-        check(cfg.digits >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"), "--digits >= 1 and --ops from +-*")
+        check(
+            min(cfg.digits, cfg.steps) >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"),
+            "--digits, --steps >= 1 and --ops from +-*",
+        )
         splits = []
         # train, then val: the train split has no held-out problem, val only held-out ones (held_out's rule)
         for seed, n, held in ((cfg.seed, 20000, False), (cfg.seed + 1, 1000, True)):
             rng = random.Random(seed)
             examples = []
             for _ in range(n):
-                prompt, answer = draw_problem(rng, cfg.digits, cfg.ops, held)
+                prompt, answer = draw_problem(rng, cfg.digits, cfg.ops, held, cfg.steps)
                 p = tok.encode(prompt)
                 a = tok.encode(answer)
                 examples.append((p + a, [False] * len(p) + [True] * len(a)))  # only the answer is a target
@@ -400,52 +405,105 @@ def stream(examples):
     return ids, mask
 
 
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = draw_number(rng, digits)
+    prompt = f"{x}"
+    solution = ""
+    for _ in range(steps):
+        y = draw_number(rng, digits)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
+        x = result
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
     if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
-def draw_problem(rng, digits, ops, held):
+def draw_problem(rng, digits, ops, held, steps=1):
     """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
     while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops)
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
         if held_out(prompt) == held:
             return prompt, answer
 
 
-def held_out_problems(digits, ops, draws):
+def held_out_problems(digits, ops, draws, steps=1):
     """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
     in every run, whatever --seed), repeats dropped, sorted."""
     rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.split("=")[-1].strip():
+        return 1.0
+    return format_reward
+
+
+def answer_tokens(digits, steps):
+    """Most tokens a right answer takes, its newlines included, and one more: its characters (a BPE token holds one
+    or more). One operation: a result of up to 2 * digits digits (or a sign), a newline. Several: step i's line
+    "x op y=r" with x of up to i * digits digits and r of up to (i + 1) * digits, each maybe signed."""
+    if steps == 1:
+        return 2 * digits + 2
+    return digits * steps * (steps + 3) + 5 * steps + 1  # the sum over i of (2 i + 2) * digits + 5, and one
 
 
 @torch.no_grad()
-def arithmetic_answers(model, tok, problems, digits, rt):
+def arithmetic_answers(model, tok, problems, cfg, rt):
     """The model's greedy answers to arithmetic problems: (answers, exact). An answer is the text written after the
-    prompt up to the end token (a newline, or <|endoftext|>); exact is True where it is the result, then the end
-    token, as grpo.py's arithmetic_reward scores 1.0. Every rank answers every problem (FSDP: the forward is
-    collective)."""
+    prompt up to the end token: a newline or <|endoftext|>, or with --steps K > 1 the K-th newline (one step a line);
+    exact is True where it ends so and arithmetic_reward scores it 1.0 (the result, well formed). Every rank answers
+    every problem (FSDP: the forward is collective)."""
     ends = tok.encode("\n") + ([tok.eot_id] if tok.eot_id is not None else [])
     prompts = [tok.encode(p) for p, _ in problems]
-    n_new = 2 * digits + 2  # more than any right answer: a product's 2 * digits digits (or a sign), then the end
+    n_new = answer_tokens(cfg.digits, cfg.steps)  # more than any right answer takes
     model.eval()
     with rt.autocast():
-        tokens, mask = generate(model, prompts, n_new, 0.0, None, ends)
+        if cfg.steps == 1:
+            tokens, mask = generate(model, prompts, n_new, 0.0, None, ends)
+        else:  # generate() stops at the first end token: here every token is written, and the mask cut after the K-th
+            tokens, _ = generate(model, prompts, n_new, 0.0)
+            ends = ends[:1]  # a newline (not <|endoftext|>, as grpo.py's rollouts)
+            is_end = (tokens == ends[0]).float()  # (B, n_new)
+            mask = ((is_end.cumsum(1) - is_end) < cfg.steps).float()  # (B, n_new): up to the K-th newline
     model.train()
     answers = []
     exact = []
@@ -454,7 +512,7 @@ def arithmetic_answers(model, tok, problems, digits, rt):
         ended = ids[-1] in ends
         text = tok.decode(ids[:-1] if ended else ids)
         answers.append(text)
-        exact.append(ended and text == answer.strip())
+        exact.append(ended and arithmetic_reward(text + "\n", answer) == 1.0)
     return answers, exact
 
 
@@ -601,7 +659,7 @@ def write_samples(model, tok, cfg, rt, out_dir, problems):
     (generated tokens per second)."""
     if problems:
         t0 = time.time()
-        answers, _ = arithmetic_answers(model, tok, problems, cfg.digits, rt)
+        answers, _ = arithmetic_answers(model, tok, problems, cfg, rt)
         n_tokens = sum(len(tok.encode(a)) + 1 for a in answers)  # each answer and its end token
         texts = [p + a.replace("\n", "\\n") for (p, _), a in zip(problems, answers)]  # one a line: BPE has "\n\n"
         if rt.master:
@@ -738,8 +796,14 @@ def main():
     # --data arithmetic: greedy answers to held-out problems too (a denoiser has no left-to-right greedy answer)
     problems = []
     if cfg.data == "arithmetic" and mask_id is None:
-        problems = held_out_problems(cfg.digits, cfg.ops, 1000)  # 461 problems at --digits 2 (grpo.py --eval_size 1000)
-        check(4 * cfg.digits + 4 <= block_size, f"--digits {cfg.digits}: a problem and its answer exceed the context")
+        problems = held_out_problems(
+            cfg.digits, cfg.ops, 1000, cfg.steps
+        )  # 461 at --digits 2 (grpo.py --eval_size 1000)
+        longest = (cfg.steps + 1) * (cfg.digits + 1) + answer_tokens(cfg.digits, cfg.steps)  # the longest prompt too
+        check(
+            longest <= block_size,
+            f"--digits {cfg.digits} --steps {cfg.steps}: a problem and its answer exceed the context",
+        )
 
     def batch(data, device, generator=None):
         return get_batch(data, cfg.batch_size, cfg.block_size, device, generator, mask_id)
@@ -781,7 +845,7 @@ def main():
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             last_eval = evaluate(model, eval_batches, rt)
             if problems:
-                _, exact = arithmetic_answers(raw_model, tok, problems, cfg.digits, rt)
+                _, exact = arithmetic_answers(raw_model, tok, problems, cfg, rt)
                 last_eval["eval/accuracy"] = sum(exact) / len(exact)
                 last_eval["eval/n_problems"] = len(exact)  # distinct held-out problems
             evals.append(last_eval["eval/val_loss"])

@@ -47,7 +47,8 @@ loss term rather than a reward penalty. The default k3 = exp(-d) - 1 + d (DeepSe
 but its gradient as a loss is that of KL(pi_ref || pi) (Tang & Munos 2025); k2 = d^2 / 2 has the gradient of
 KL(pi || pi_ref) on-policy; k1 = d is refused (its expected gradient on-policy is zero; it belongs in the reward).
 Tasks (--task): next_token (a generated token scores 1 if it equals the true continuation of tiny Shakespeare or
---data), arithmetic (1.0 for the exact answer and a newline; held out of training iff
+--data), arithmetic (1.0 for the exact answer and a newline; --steps K: K operations evaluated left to right, solved
+one step a line, 1.0 for K well-formed lines whose last result is the answer; held out of training iff
 zlib.crc32(prompt.encode()) % 10 == 0; --reward_model trains on a learned reward and logs the exact-answer reward
 beside it), reward_model (a reward_model.py checkpoint scores completions of HH-RLHF prompts).
 
@@ -118,7 +119,8 @@ class Config:
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
-    format_reward: float = 0.0  # arithmetic: reward of a well-formed wrong integer ended by a newline
+    steps: int = 1  # arithmetic: operations per problem (K), evaluated left to right, solved one step a line
+    format_reward: float = 0.0  # arithmetic: reward of a well-formed answer (ended by a newline) with a wrong result
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
 
     # a new model (--init_from scratch)
@@ -460,10 +462,11 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
     prompts, info = task.sample(n_prompts)
     rows = [p for p in prompts for _ in range(G)]  # each prompt G times in a row: a group
     with torch.no_grad(), rt.autocast():
-        completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt)  # (N, H), (N, H)
+        # (N, H) each; arithmetic --steps K: a completion ends at its K-th newline
+        completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt, n_ends=cfg.steps)
         truncated = None  # a task without an end token (next_token)
         if task.eos_id is not None:
-            truncated = ~((completion == task.eos_id) & (mask > 0)).any(1)  # (N,) no end token within the horizon
+            truncated = ((completion == task.eos_id) & (mask > 0)).sum(1) < cfg.steps  # (N,) not ended within H
         if isinstance(info, torch.Tensor):
             info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
         elif info is not None:
@@ -543,15 +546,16 @@ def completion_logits(model, seq, attn, H):
     return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
 
 
-def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
-    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon.
-    Under FSDP every forward pass is collective, so ranks cannot stop early at different steps: there the whole
-    horizon is sampled and the mask is cut after the first end token instead."""
-    collective = rt.distributed and rt.parallel == "fsdp"
-    tokens, mask = generate(model, prompts, horizon, temperature, top_k, None if collective else eos_id, generator)
-    if collective and eos_id is not None:
+def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
+    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon. A
+    completion ends at its n_ends-th end token (arithmetic --steps K: the K-th newline, one step a line). generate()
+    stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
+    different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
+    whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
+    tokens, mask = generate(model, prompts, horizon, temperature, top_k, None if whole else eos_id, generator)
+    if whole and eos_id is not None:
         is_end = (tokens == eos_id).float()
-        mask = ((is_end.cumsum(1) - is_end) == 0).float()  # (N, H): up to the first end token
+        mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
     pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
     return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
 
@@ -876,15 +880,15 @@ class ArithmeticTask:
         self.eos_id = newline[0]
         if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
             print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
-        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size)
+        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
         self.rm = None
         if cfg.reward_model:  # a learned reward; the gold one is only measured
-            longest = 2 * cfg.digits + 2 + cfg.horizon  # "a*b=" with the longest operands, then the completion
+            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon  # the longest prompt, then the completion
             self.rm, task = frozen_reward_model(cfg, tok, rt, longest)
             check(task in ("orm", "prm"), f"--reward_model {cfg.reward_model} is a {task} model; use an orm or prm")
 
     def sample(self, n):
-        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False) for _ in range(n)]
+        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
         return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
 
     def texts(self, completion, mask):
@@ -908,8 +912,11 @@ class ArithmeticTask:
         """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
         prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
         texts = self.texts(completion, mask)
-        well_formed = [bool(re.fullmatch(r"-?\d+\n", t)) for t in texts]
-        shown = [f"{p}{t!r} (answer {a.strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
+        # well formed: any reward with a format reward of 1, ended by a newline (the end token)
+        well_formed = [
+            arithmetic_reward(t, a, 1.0) > 0 and t.endswith("\n") for t, (_, a) in zip(texts, self.eval_problems)
+        ]
+        shown = [f"{p}{t!r} (answer {a.split('=')[-1].strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
         metrics = {
             "eval/accuracy": exact.mean().item(),
             "eval/format_rate": sum(well_formed) / len(texts),
@@ -942,55 +949,104 @@ class ArithmeticTask:
         gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
         with rt.autocast():
             completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
             )
         return prompts, completion, mask, self.correct(completion, mask, answers, None)
 
 
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = draw_number(rng, digits)
+    prompt = f"{x}"
+    solution = ""
+    for _ in range(steps):
+        y = draw_number(rng, digits)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
+        x = result
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
     if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
-def draw_problem(rng, digits, ops, held):
+def draw_problem(rng, digits, ops, held, steps=1):
     """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
     while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops)
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
         if held_out(prompt) == held:
             return prompt, answer
 
 
-def held_out_problems(digits, ops, draws):
+def held_out_problems(digits, ops, draws, steps=1):
     """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
     in every run, whatever --seed), repeats dropped, sorted."""
     rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
 
 
 def arithmetic_reward(text, answer, format_reward=0.0):
-    """Reward of a decoded completion: 1.0 when it is exactly the answer (e.g. "357") then a newline or
-    <|endoftext|>; format_reward for another well-formed integer so ended; 0.0 otherwise (no end within the
-    horizon, anything else before the end, not a number)."""
-    m = re.fullmatch(r"(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
     if m is None:
         return 0.0
-    if m.group(1) == answer.strip():
+    if m.group(1) == answer.split("=")[-1].strip():
         return 1.0
     return format_reward
+
+
+def step_correct(prompt, solution):
+    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
+    operation applied to the previous step's result (the first: the prompt's first operation), written as
+    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
+    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
+    arithmetic that does not continue the chain; a line past the last operation is wrong."""
+    x = int(re.match(r"\d+", prompt).group())
+    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
+    right = []  # each written step's
+    for line in solution.splitlines():
+        if len(right) == len(operations):  # no operation left
+            right.append(False)
+            continue
+        op, y = operations[len(right)]
+        result = operate(x, op, int(y))
+        step = f"{x}{op}{y}={result}"
+        if len(operations) == 1:
+            step = f"{result}"
+        right.append(line == step and all(right))
+        x = result
+    return right
 
 
 HH_TURN = "\n\nAssistant:"
@@ -1243,6 +1299,7 @@ def validate(cfg):
         "context_len",
         "max_prompt_len",
         "digits",
+        "steps",
         "lr",
         "clip_eps",
         "sapo_tau_pos",
@@ -1310,6 +1367,7 @@ def validate(cfg):
         not (cfg.ref_sync_steps and cfg.reward_model),
         "--ref_sync_steps with --reward_model: the over-optimisation measures are the KL to the initial policy",
     )
+    check(cfg.steps == 1 or cfg.task == "arithmetic", "--steps is for --task arithmetic")
     check(cfg.adv != "process" or cfg.task == "next_token", "--adv process needs per-token rewards (--task next_token)")
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
@@ -1354,7 +1412,7 @@ def setup(cfg):
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
         task = ArithmeticTask(cfg, tok, rt)
-        prompt_len = 2 * cfg.digits + 2  # "a*b=" with the longest operands
+        prompt_len = (cfg.steps + 1) * (cfg.digits + 1)  # "a*b=" (--steps K: K operations) of the longest numbers
     else:
         task = RewardModelTask(cfg, tok, rt)
         prompt_len = cfg.max_prompt_len

@@ -10,14 +10,15 @@ sequence's reward is the score at its last real token.
           L = mean(-log sigmoid(r_c - r_r - m)) + c * mean((r_c + r_r)^2)
       with a margin m (`--margin`, Touvron et al. 2023) and a centering weight c (`--center_coef`, Eisenstein et
       al. 2023) that keeps rewards near 0. Chosen and rejected rows go through one forward pass.
-  --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems with their answer or a corrupted one (off by 1-3,
-      or one digit changed); binary cross-entropy of sigmoid(s_t) against the outcome label at every answer
-      token; the reward is the last token's score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy)
-      the answers are the policy's own instead, --samples_per_problem per problem at temperature 1, each labelled
-      by the exact-answer check (1 when it is the right number then a newline), as Cobbe et al. train the verifier
-      on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will meet. The held-out
-      AUC is logged pooled over all answers (eval/auc) and within each problem (eval/auc_per_problem), the ranking
-      best-of-n and RL use.
+  --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems (--steps K: K operations, solved one step a
+      line) with their answer or one whose final result is corrupted (off by 1-3, or one digit changed); binary
+      cross-entropy of sigmoid(s_t) against the outcome label at every answer token; the reward is the last token's
+      score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy) the answers are the policy's own
+      instead, --samples_per_problem per problem at temperature 1, each labelled by the exact-answer check (1 when
+      it is the right number then a newline; K steps: K well-formed lines, the last result right), as Cobbe et al.
+      train the verifier on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will
+      meet. The held-out AUC is logged pooled over all answers (eval/auc) and within each problem
+      (eval/auc_per_problem), the ranking best-of-n and RL use.
   --task prm (process RM, Lightman et al. 2023): chains `3+4=7\\n7*2=14\\n14-5=9\\n` of 2..--chain_len steps, one
       a line in gpt.py's arithmetic format, some with one wrong result; binary cross-entropy at the newline after
       each step (the last step: at <|endoftext|> when the tokenizer has one) against the label "every step so far is
@@ -42,9 +43,10 @@ dialogue is split at its last "\\n\\nAssistant:" into prompt and response; a pai
 start of its prompt, the same tokens for both responses (truncate_pair), so both are scored on one context.
 Pairs with a missing field, no Assistant response, different prompts or identical responses are counted and
 skipped. orm and prm generate their data, split by problem: a problem is held out iff zlib.crc32(prompt) % 10 == 0
-(held_out); no training example is of a held-out problem (a prm chain counts as its first step's problem), every
-held-out example is. Split by text instead, every held-out problem would lose its right answer (one text) from
-training, but not its wrong ones. The run prints how many distinct problems the held-out examples hold.
+(held_out); no training example is of a held-out problem, every held-out example is (a prm chain is held out with
+its first step's problem, and trains only when none of its steps is a held-out problem). Split by text instead,
+every held-out problem would lose its right answer (one text) from training, but not its wrong ones. The run prints
+how many distinct problems the held-out examples hold.
 
 Best-of-n (--best_of 1,2,4,.. --policy CKPT, no training): the policy writes N = max n answers to each of grpo.py's
 held-out evaluation problems at temperature 1, and best_of_n.json holds, for each n, the gold accuracy and the verifier
@@ -83,6 +85,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -119,6 +122,7 @@ class Config:
     # generated arithmetic (orm, prm)
     digits: int = 2  # orm/prm: largest number of digits of an operand (prm: of the first number; each b has one)
     ops: str = "+-*"  # orm/prm: operators to draw from
+    steps: int = 1  # orm, --best_of: operations per problem (K), evaluated left to right, solved one step a line
     chain_len: int = 4  # prm: most steps in a chain (2..chain_len)
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
     n_train: int = 20000  # orm/prm: generated training examples (never of a held-out problem)
@@ -273,8 +277,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 # ranks and divided by summarize() (a count of 0 gives 0.0), then logged as train/<name> and eval/<name>:
 #   every task   loss                     train/loss, eval/loss                  per pair or labelled position
 #   preference   accuracy, margin         train/accuracy, train/margin           per pair
-#                chosen, chosen_sq        train/chosen_mean, train/chosen_std    per pair (std: from the squares)
-#                rejected, rejected_sq    train/rejected_mean, train/rejected_std
+#                chosen_mean              train/chosen_mean, train/chosen_std    per pair (std: from chosen_sq)
+#                rejected_mean            train/rejected_mean, train/rejected_std (std: from rejected_sq)
 #   orm          accuracy                 train/accuracy                         per sequence
 #                accuracy_correct         train/accuracy_correct                 per right answer
 #                accuracy_wrong           train/accuracy_wrong                   per wrong answer
@@ -344,9 +348,9 @@ def batch_loss(model, batch, cfg, rt):
         values = {
             "reward_acc": (d > 0).float() + 0.5 * (d == 0).float(),  # ties count one half
             "margin": d,
-            "chosen": r_c,
+            "chosen_mean": r_c,
             "chosen_sq": r_c**2,  # the squares give summarize() the std
-            "rejected": r_r,
+            "rejected_mean": r_r,
             "rejected_sq": r_r**2,
         }
     else:
@@ -360,11 +364,13 @@ def batch_loss(model, batch, cfg, rt):
             y = last_token_rewards(labels, lengths)  # (B,) outcome labels
             right = r[y == 1]  # the rewards of right answers
             wrong = r[y == 0]  # and of wrong ones
-            values = {"label_acc": ((r > 0) == (y == 1)).float()}
-            values["accuracy_correct"] = (right > 0).float()
-            values["accuracy_wrong"] = (wrong <= 0).float()
-            values["reward_correct"] = right
-            values["reward_wrong"] = wrong
+            values = {
+                "label_acc": ((r > 0) == (y == 1)).float(),
+                "accuracy_correct": (right > 0).float(),
+                "accuracy_wrong": (wrong <= 0).float(),
+                "reward_correct": right,
+                "reward_wrong": wrong,
+            }
         else:
             values = {
                 "step_accuracy": ((scores > 0) == (labels == 1))[labelled].float(),
@@ -391,20 +397,14 @@ def summarize(stats, rt):
     out = {}
     for name, (total, count) in zip(names, totals.tolist()):
         out[name] = total / max(count, 1)
-    if "chosen" in out:
-        chosen = out.pop("chosen")
-        chosen_sq = out.pop("chosen_sq")
-        rejected = out.pop("rejected")
-        rejected_sq = out.pop("rejected_sq")
-        out["chosen_mean"] = chosen
-        out["chosen_std"] = math.sqrt(max(chosen_sq - chosen**2, 0.0))
-        out["rejected_mean"] = rejected
-        out["rejected_std"] = math.sqrt(max(rejected_sq - rejected**2, 0.0))
+    if "chosen_sq" in out:  # the std is the square root of the mean square less the squared mean
+        out["chosen_std"] = math.sqrt(max(out.pop("chosen_sq") - out["chosen_mean"] ** 2, 0.0))
+        out["rejected_std"] = math.sqrt(max(out.pop("rejected_sq") - out["rejected_mean"] ** 2, 0.0))
     return out
 
 
 @torch.no_grad()
-def held_out_metrics(model, eval_data, cfg, rt, problems=None):
+def held_out_metrics(model, eval_data, cfg, rt, problems):
     """eval/ metrics of the held-out rows; problems: each row's problem (orm: its prompt), for eval/auc_per_problem.
     The rows are dealt out over ranks, which all run the same number of batches (under FSDP a forward pass is
     collective), the last ones possibly on a dummy row with weight 0."""
@@ -428,7 +428,7 @@ def held_out_metrics(model, eval_data, cfg, rt, problems=None):
         outcomes = torch.tensor([labels[-1] for _, labels in eval_data])
         rewards = all_reduce(rewards, rt).cpu()
         metrics["eval/auc"] = roc_auc(rewards, outcomes)
-        if cfg.task == "orm" and problems is not None:  # within each problem, as best-of-n and RL rank answers
+        if cfg.task == "orm":  # within each problem, as best-of-n and RL rank answers
             auc, n_problems = per_problem_auc(rewards, outcomes, problems)
             metrics["eval/auc_per_problem"] = auc  # nan when no problem has both labels
             metrics["eval/auc_problems"] = n_problems
@@ -589,7 +589,7 @@ def load_preference_data(cfg, rt):
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     train, skipped_train = hh_pairs(train_records)
     val, skipped_val = hh_pairs(val_records)
-    skipped = {k: skipped_train.get(k, 0) + skipped_val.get(k, 0) for k in {**skipped_train, **skipped_val}}
+    skipped = dict(Counter(skipped_train) + Counter(skipped_val))
     reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none"
     check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {reasons})")
     check(val, f"{source}: the held-out split has no usable preference pair")
@@ -604,38 +604,90 @@ def load_preference_data(cfg, rt):
 ARITHMETIC_CHARS = "\n*+-0123456789="
 
 
-def arithmetic_problem(rng, digits, ops):
-    """One problem as (prompt, answer): operands of 1..digits digits, e.g. ("12+345=", "357\\n")."""
-    a = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-    op = rng.choice(ops)
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = draw_number(rng, digits)
+    prompt = f"{x}"
+    solution = ""
+    for _ in range(steps):
+        y = draw_number(rng, digits)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
+        x = result
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
     if op == "+":
-        result = a + b
-    elif op == "-":
-        result = a - b
-    else:
-        result = a * b
-    return f"{a}{op}{b}=", f"{result}\n"
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
 
 
 def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its prompt is 0 mod 10."""
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
-def draw_problem(rng, digits, ops, held):
+def draw_problem(rng, digits, ops, held, steps=1):
     """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
     while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops)
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
         if held_out(prompt) == held:
             return prompt, answer
 
 
-def held_out_problems(digits, ops, draws):
+def held_out_problems(digits, ops, draws, steps=1):
     """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
     in every run, whatever --seed), repeats dropped, sorted."""
     rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True) for _ in range(draws)})
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.split("=")[-1].strip():
+        return 1.0
+    return format_reward
+
+
+def answer_tokens(digits, steps):
+    """Most tokens a right answer takes, its newlines included, and one more: its characters (a BPE token holds one
+    or more). One operation: a result of up to 2 * digits digits (or a sign), a newline. Several: step i's line
+    "x op y=r" with x of up to i * digits digits and r of up to (i + 1) * digits, each maybe signed."""
+    if steps == 1:
+        return 2 * digits + 2
+    return digits * steps * (steps + 3) + 5 * steps + 1  # the sum over i of (2 i + 2) * digits + 5, and one
+
+
+def first_lines(text, k):
+    """The text up to and including its k-th newline, or the whole text when it has fewer (an answer of k lines)."""
+    return re.match(rf"(?:[^\n]*\n){{,{k - 1}}}[^\n]*\n?", text).group()  # k - 1 lines at most, then one more
 
 
 def corrupt(rng, value):
@@ -651,11 +703,13 @@ def corrupt(rng, value):
 
 def orm_example(rng, cfg):
     """(prompt, answer, label): a problem in gpt.py's arithmetic format with its answer (label 1) or, with
-    probability --error_frac, a corrupted answer (label 0)."""
-    prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops)
+    probability --error_frac, its answer with the final result corrupted (label 0; --steps K > 1: the last step's
+    result, the steps before it right)."""
+    prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops, cfg.steps)
     right = rng.random() >= cfg.error_frac
     if not right:
-        answer = f"{corrupt(rng, int(answer))}\n"
+        head, sep, result = answer[:-1].rpartition("=")  # "17+25=42\n42-9", "=", "33"; one operation: "", "", "42"
+        answer = f"{head}{sep}{corrupt(rng, int(result))}\n"
     return prompt, answer, int(right)
 
 
@@ -667,17 +721,12 @@ def prm_chain(rng, cfg):
     wrong = n  # the index of the wrong step; n: none
     if rng.random() < cfg.error_frac:
         wrong = rng.randrange(n)
-    x = rng.randint(0, 10 ** rng.randint(1, cfg.digits) - 1)
+    x = draw_number(rng, cfg.digits)
     steps = []
     for i in range(n):
         op = rng.choice(cfg.ops)
         b = rng.randint(1, 9)
-        if op == "+":
-            y = x + b
-        elif op == "-":
-            y = x - b
-        else:
-            y = x * b
+        y = operate(x, op, b)
         if i == wrong:
             y = corrupt(rng, y)
         steps.append((f"{x}{op}{b}={y}", int(i < wrong)))
@@ -685,23 +734,29 @@ def prm_chain(rng, cfg):
     return tuple(steps)
 
 
-def problem_of(task, example):
-    """The prompt of a preference or orm example (e.g. "12+3="), or a prm chain's first step's problem ("3+4=")."""
-    return example[0] if task != "prm" else example[0][0].split("=")[0] + "="
+def step_problems(task, example):
+    """The problems of an example: its prompt, for a preference or orm example (["12+3="]), or each step's problem,
+    for a prm chain (["3+4=", "7*2=", ...]). The first is the example's problem."""
+    if task == "prm":
+        return [text.split("=")[0] + "=" for text, _ in example]
+    return example[:1]
 
 
-def synthetic_data(cfg, rt):
+def synthetic_data(cfg):
     """(train, held-out) lists of orm examples (prompt, answer, label) or prm chains, and {} (nothing is skipped).
     They are split by problem (held_out), not by text: a problem's right answer is one text, and holding out
-    texts would take the right answers of every held-out problem out of training, but not its wrong ones."""
+    texts would take the right answers of every held-out problem out of training, but not its wrong ones. A prm
+    chain is held out when its first step's problem is, and trains only when none of its steps' problems is: a
+    chain whose first step is not held out but a later one is, is drawn again."""
     rng = random.Random(cfg.seed)
     train = []
     val = []
     while len(train) < cfg.n_train or len(val) < cfg.n_val:
         example = orm_example(rng, cfg) if cfg.task == "orm" else prm_chain(rng, cfg)
-        if held_out(problem_of(cfg.task, example)):
+        problems = step_problems(cfg.task, example)
+        if held_out(problems[0]):
             val.append(example)
-        else:
+        elif not any(map(held_out, problems)):
             train.append(example)
     return train[: cfg.n_train], val[: cfg.n_val], {}
 
@@ -711,8 +766,9 @@ def sampled_data(cfg, tok, rt):
     """(train, held-out) lists of orm examples (prompt, answer, label) whose answers the --samples_from policy wrote
     (Cobbe et al. 2021: the verifier learns the generator's own mistakes), and {}. Batches of 64 problems, each
     --samples_per_problem times, sampled at temperature 1 until --n_train (--n_val) answers, the last batch cut;
-    training problems are never held out, held-out ones always (held_out). An answer ends at its first
-    newline; its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward), else 0."""
+    training problems are never held out, held-out ones always (held_out). An answer ends at its --steps-th newline
+    (sample_answers); its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward),
+    else 0."""
     policy, spec, _ = load_model(cfg.samples_from)
     check(spec == tok.spec, f"--samples_from {cfg.samples_from}: its tokenizer is not the reward model's")
     policy.to(rt.device)
@@ -724,15 +780,20 @@ def sampled_data(cfg, tok, rt):
         while len(examples) < n:
             # a generation batch: 64 problems, each --samples_per_problem times, sorted so that a problem's answers
             # sit side by side and cutting the last batch leaves at most one problem short
-            batch = sorted([draw_problem(rng, cfg.digits, cfg.ops, held) for _ in range(64)] * cfg.samples_per_problem)
-            prompts = [tok.encode(prompt) for prompt, _ in batch]
-            # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
-            tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
-            for (prompt, answer), ids in zip(batch, tokens.tolist()):
-                head, newline, _ = tok.decode(ids).partition("\n")
-                examples.append((prompt, head + newline, int(head + newline == answer)))
+            batch = [draw_problem(rng, cfg.digits, cfg.ops, held, cfg.steps) for _ in range(64)]
+            batch = sorted(batch * cfg.samples_per_problem)
+            for (prompt, answer), y in zip(batch, sample_answers(policy, tok, batch, cfg, generator)):
+                examples.append((prompt, y, int(arithmetic_reward(y, answer))))
         splits.append(examples[:n])
     return splits[0], splits[1], {}
+
+
+def sample_answers(policy, tok, problems, cfg, generator):
+    """The policy's answers to (prompt, answer) problems, sampled at temperature 1 in answer_tokens(--digits, --steps)
+    tokens (more than any right answer takes), each cut after its --steps-th newline (first_lines): texts."""
+    prompts = [tok.encode(prompt) for prompt, _ in problems]
+    tokens, _ = generate(policy, prompts, answer_tokens(cfg.digits, cfg.steps), generator=generator)
+    return [first_lines(tok.decode(ids), cfg.steps) for ids in tokens.tolist()]
 
 
 def encode(task, tok, example, max_len):
@@ -767,7 +828,7 @@ def encode(task, tok, example, max_len):
 
 def validate(cfg):
     positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "n_train", "n_val"]
-    positive += ["digits", "n_layer", "n_head", "n_embd", "block_size", "lr", "samples_per_problem"]
+    positive += ["digits", "steps", "n_layer", "n_head", "n_embd", "block_size", "lr", "samples_per_problem"]
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
@@ -890,7 +951,7 @@ def main():
         train_text, val_text, skipped = load_preference_data(cfg, rt)
         texts = [t for pair in train_text + val_text for t in pair]  # a char vocabulary must cover them
     elif not cfg.samples_from:
-        train_text, val_text, skipped = synthetic_data(cfg, rt)
+        train_text, val_text, skipped = synthetic_data(cfg)
     raw, model, tok, optimizer, scaler, start_step = build_reward_model(cfg, ckpt_path, texts, rt)
     if cfg.samples_from:
         train_text, val_text, skipped = sampled_data(cfg, tok, rt)
@@ -898,7 +959,7 @@ def main():
     train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
     val_text = val_text[: cfg.eval_size or len(val_text)]
     eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text]
-    eval_problems = [problem_of(cfg.task, ex) for ex in val_text]  # each held-out row's problem (or prompt)
+    eval_problems = [step_problems(cfg.task, ex)[0] for ex in val_text]  # each held-out row's problem (or prompt)
     problems = len(set(eval_problems))  # distinct held-out problems (or prompts)
     if rt.master:
         model_size = f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}"
@@ -966,9 +1027,9 @@ def best_of_n(cfg, rt, out_dir):
     """best_of_n.json: for each n of --best_of, best-of-n of the --policy's answers to held-out problems under the
     --init_from verifier (orm or prm). The problems are grpo.py's evaluation problems: --eval_size draws of held-out
     problems (0: 128) from random.Random(1234), the distinct ones kept. N = max n answers a problem at temperature 1
-    (an answer ends at its first newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate
+    (an answer ends at its --steps-th newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate
     from the N, per problem, then the mean over problems (gold_se: their standard error). kl: best_of_n_kl of the
-    distinct answers sampled, p(y) the policy's probability of y's tokens (the newline included), the rest
+    distinct answers sampled, p(y) the policy's probability of y's tokens (the newlines included), the rest
     (uncovered: its mean) one answer ranked lowest. Every rank computes the same; rank 0 writes and prints."""
     verifier, spec, task = load_reward_model(cfg.init_from)
     check(task in ("orm", "prm"), f"--best_of needs an arithmetic verifier (--task orm or prm), not a {task} model")
@@ -979,31 +1040,25 @@ def best_of_n(cfg, rt, out_dir):
     verifier.to(rt.device)
     every_n = [int(n) for n in cfg.best_of.split(",")]
     N = max(every_n)
-    problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size or 128)  # grpo.py's evaluation problems
+    problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size or 128, cfg.steps)  # grpo.py's evaluation problems
     E = len(problems)
     generator = torch.Generator().manual_seed(cfg.seed)
     rows = [problem for problem in problems for _ in range(N)]  # N rows a problem, in a row
     answers = []  # the text of each row's answer
     for i in range(0, len(rows), 1024):
-        # temperature 1; the longest answer, "-99\n" or "9801\n" at --digits 2, takes 2 * digits + 2 tokens
-        prompts = [tok.encode(prompt) for prompt, _ in rows[i : i + 1024]]
-        tokens, _ = generate(policy, prompts, 2 * cfg.digits + 2, generator=generator)
-        for ids in tokens.tolist():
-            head, newline, _ = tok.decode(ids).partition("\n")
-            answers.append(head + newline)
+        answers += sample_answers(policy, tok, rows[i : i + 1024], cfg, generator)
     # each problem's distinct answers, in order of first appearance: their verifier score and policy log-prob
     pairs = list(dict.fromkeys((prompt, y) for (prompt, _), y in zip(rows, answers)))
     scores = score(verifier, tok, [prompt + y for prompt, y in pairs], rt.device)
     logps = answer_logprobs(policy, tok, pairs, rt.device)
-    found = {}  # (prompt, answer) -> (score, log-prob)
+    found = dict(zip(pairs, scores))  # (prompt, answer) -> its score
     distinct = {}  # prompt -> [(score, log-prob) of each of its distinct answers]
-    for pair, r, lp in zip(pairs, scores, logps):
-        found[pair] = (r, lp)
-        distinct.setdefault(pair[0], []).append((r, lp))
+    for (prompt, _), r, lp in zip(pairs, scores, logps):
+        distinct.setdefault(prompt, []).append((r, lp))
     # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
-    s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
+    s = torch.tensor([found[prompt, y] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
     s, order = s.view(E, N).sort(stable=True)
-    right = torch.tensor([float(y == answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
+    right = torch.tensor([arithmetic_reward(y, answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
     right = right.view(E, N).gather(1, order)
     W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
     gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n

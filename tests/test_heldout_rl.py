@@ -100,7 +100,7 @@ def test_sampled_gold_on_each_half_of_the_problems_is_that_halfs_share_of_exact_
     rng = random.Random(0)
     sampled = {}  # prompt -> the answers sampled at temperature 1, in order
 
-    def stand_in(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
+    def stand_in(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
         texts = []
         for p in prompts:
             prompt = task.tok.decode(p)
@@ -225,8 +225,8 @@ def test_sampled_evaluation_is_gold_proxy_and_kl_of_the_policys_own_answers(modu
     sampled = []
     real = module.sample_completions
 
-    def recording(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None):
-        completion, mask = real(model, prompts, horizon, temperature, top_k, eos_id, rt, generator)
+    def recording(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
+        completion, mask = real(model, prompts, horizon, temperature, top_k, eos_id, rt, generator, n_ends)
         if temperature > 0:
             sampled.extend(zip(prompts, completion.tolist(), mask.tolist()))
         return completion, mask

@@ -253,7 +253,7 @@ def test_synthetic_data_is_split_by_problem_so_no_training_example_is_held_out(t
     answer: at --digits 1 the share of right orm answers in training fell from 1 - error_frac = 0.5 to about 0.2."""
     ops = "+" if task == "prm" else "+-*"
     cfg = rm.Config(task=task, digits=1, chain_len=2, ops=ops, n_train=3000, n_val=1000, error_frac=0.5)
-    train, val, _ = rm.synthetic_data(cfg, None)
+    train, val, _ = rm.synthetic_data(cfg)
     if task == "orm":
         train_problems = [prompt for prompt, _, _ in train]
         val_problems = [prompt for prompt, _, _ in val]
@@ -263,7 +263,7 @@ def test_synthetic_data_is_split_by_problem_so_no_training_example_is_held_out(t
         val_problems = [problem(chain[0][0]) for chain in val]
     assert len(train) == 3000 and len(val) == 1000
     assert not any(is_held_out(p) for p in train_problems) and all(is_held_out(p) for p in val_problems)
-    assert [rm.problem_of(task, example) for example in val] == val_problems
+    assert [rm.step_problems(task, example)[0] for example in val] == val_problems
     assert all(rm.held_out(p) == is_held_out(p) for p in train_problems[:300] + val_problems[:300])
 
 
