@@ -1,7 +1,8 @@
 """Run under torchrun (tests/test_gpt_train.py): DDP or FSDP gradients on a split global batch must equal one
 process's gradients on the whole batch, for gpt.py's training loss (the fused linear cross-entropy, against the
 plain cross-entropy of the logits) and for an RL objective of forward(..., output="logprobs") (linear_logprobs,
-against token_logprobs and the entropy of the logits). Writes "ok" or the mismatches to argv[2]."""
+against token_logprobs and the entropy of the logits). Each rank writes "ok" or its mismatches to argv[2] + ".rank<r>"
+before leaving the process group."""
 
 import copy
 import sys
@@ -52,6 +53,5 @@ for kind, ours, theirs in (("loss", model, reference), ("rl", rl_model, rl_refer
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         if not torch.allclose(grad, q.grad, atol=1e-6, rtol=1e-4):
             errors.append(f"{kind} {name}: max diff {(grad - q.grad).abs().max().item():.3g}")
-if rt.master:
-    Path(result_path).write_text("ok" if not errors else "\n".join(errors))
+Path(f"{result_path}.rank{rt.rank}").write_text("ok" if not errors else "\n".join(errors))
 gpt.cleanup(rt)
