@@ -11,27 +11,27 @@ sequence's reward is the score at its last real token.
       with a margin m (`--margin`, Touvron et al. 2023) and a centering weight c (`--center_coef`, Eisenstein et
       al. 2023) that keeps rewards near 0. Chosen and rejected rows go through one forward pass.
   --task orm (outcome RM, Cobbe et al. 2021): `a op b=` problems (--steps K: K operations, solved one step a
-      line) with their answer or one whose final result is corrupted (off by 1-3, or one digit changed); binary
-      cross-entropy of sigmoid(s_t) against the outcome label at every answer token; the reward is the last token's
-      score. With --samples_from CKPT (a `gpt.py --data arithmetic` policy) the answers are the policy's own
-      instead, --samples_per_problem per problem at temperature 1, each labelled by the exact-answer check (1 when
-      it is the right number then a newline; K steps: K well-formed lines, the last result right), as Cobbe et al.
-      train the verifier on the generator's samples: the policy's mistakes, not synthetic ones, are what RL will
-      meet. The held-out AUC is logged pooled over all answers (eval/auc) and within each problem
-      (eval/auc_per_problem), the ranking best-of-n and RL use.
-  --task prm (process RM, Lightman et al. 2023): chains `3+4=7\\n7*2=14\\n14-5=9\\n` of 2..--chain_len steps, one
-      a line in gpt.py's arithmetic format, some with one wrong result; binary cross-entropy at the newline after
-      each step (the last step: at <|endoftext|> when the tokenizer has one) against the label "every step so far is
-      right".
+      line, `17+25-9=` `17+25=42\\n42-9=33\\n`) with their answer or one whose final result is off by 1-3 in one
+      digit place; binary cross-entropy of sigmoid(s_t) against the outcome label (1: exactly the answer) at every
+      answer token; the reward is the last token's score.
+  --task prm (process RM, Lightman et al. 2023): the same problems (--steps K >= 2), a solution with one step's
+      result off (any step, the later steps computing on from it); binary cross-entropy at the newline after each
+      step against the label "this step and every step before it are right" (step_correct).
+  --samples_from CKPT (orm, prm; a `gpt.py --data arithmetic` policy): the solutions are the policy's own instead,
+      --samples_per_problem per problem at temperature 1, as Cobbe et al. train the verifier on the generator's
+      samples: the policy's mistakes, not synthetic ones, are what RL will meet. The same seed gives orm and prm the
+      same solutions; orm labels the final answer, prm each step, by the exact checker. The held-out AUC is logged
+      pooled over all solutions (eval/auc) and within each problem (eval/auc_per_problem), the ranking best-of-n
+      and RL use.
 The losses are normalised by the number of pairs (preference) or labelled positions (orm, prm) of the whole
 optimizer step, all ranks and micro-batches together, so they do not depend on how the batch is split.
 --pos_weight w (orm, prm) counts each label-1 term of the cross-entropy w times (torch's BCEWithLogitsLoss pos_weight).
 
 Where we depart from the papers, on purpose:
   - the margin is one constant for every pair (HH-RLHF has no ratings; Llama 2 takes it from the rating gap);
-  - PRM chains carry on from a wrong value (as a real chain would), and the wrong step and every step after it
-    are labelled wrong (as Math-Shepherd's labels: can the chain so far still reach the right answer?). So the
-    score after the last step, which is what the reward of a chain reads, judges the whole chain;
+  - a step is labelled wrong when it or any step before it is wrong (as Math-Shepherd's labels: can the solution
+    so far still reach the right answer?), so the score after the last step judges the whole solution; a right
+    final answer reached through a wrong step is wrong;
   - the training data are read in a fresh shuffled order per epoch, the global batch fixed by the step number,
     so a resumed run sees the same examples. Reward models overfit soon after one epoch: watch eval/loss.
 The model and the losses are hand-written on purpose: reading them is the point.
@@ -43,26 +43,28 @@ dialogue is split at its last "\\n\\nAssistant:" into prompt and response; a pai
 start of its prompt, the same tokens for both responses (truncate_pair), so both are scored on one context.
 Pairs with a missing field, no Assistant response, different prompts or identical responses are counted and
 skipped. orm and prm generate their data, split by problem: a problem is held out iff zlib.crc32(prompt) % 10 == 0
-(held_out); no training example is of a held-out problem, every held-out example is (a prm chain is held out with
-its first step's problem, and trains only when none of its steps is a held-out problem). Split by text instead,
+(held_out), on the whole expression; no training example is of a held-out problem, every held-out example is
+(and a prm chain trains only when none of its steps is a held-out problem either). Split by text instead,
 every held-out problem would lose its right answer (one text) from training, but not its wrong ones. The run prints
 how many distinct problems the held-out examples hold.
 
 Best-of-n (--best_of 1,2,4,.. --policy CKPT, no training): the policy writes N = max n answers to each of grpo.py's
 held-out evaluation problems at temperature 1, and best_of_n.json holds, for each n, the gold accuracy and the verifier
-score of the verifier's favourite of n (unbiased: the mean over all n-subsets of the N) and the exact KL of best-of-n
-to the policy, pi_bon(y) = F(y)^n - F(y-)^n with F the policy's cumulative probability in score order (best_of_n_kl),
-beside its bound log n - (n - 1)/n (Beirami et al. 2024).
+score of the verifier's favourite of n (unbiased: the mean over all n-subsets of the N), majority voting's gold (the
+most frequent final answer of n, Wang et al. 2023), and the exact KL of best-of-n to the policy, pi_bon(y) = F(y)^n -
+F(y-)^n with F the policy's cumulative probability in score order (best_of_n_kl), beside its bound log n - (n - 1)/n
+(Beirami et al. 2024). A prm verifier scores a solution by --prm_aggregate of its steps' p = sigmoid(s): prod (the
+probability that all are right, Lightman et al.), min or last.
 
 The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
 head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
-score(model, tok, texts, device) gives the rewards of texts, and `--score TEXT` prints one.
+score(model, tok, texts, device) gives the rewards of texts.
 
 Commands:
     python reward_model.py --data_path hh.jsonl.gz --init_from out/sft/ckpt.pt   # HH-RLHF pairs, an SFT model, CPU
     torchrun --standalone --nproc_per_node=8 reward_model.py --init_from gpt2-medium --lr 1e-5 --parallel fsdp
     python reward_model.py --task orm --samples_from out/arith/ckpt.pt  # a verifier of that policy's own answers
-    python reward_model.py --init_from out/rm/ckpt.pt --score $'\\n\\nHuman: Hi!\\n\\nAssistant: Hello.'
+    python reward_model.py --task prm --steps 3 --samples_from out/arith3/ckpt.pt  # its steps, by the step checker
     python reward_model.py --init_from out/verifier/ckpt.pt --policy out/arith/ckpt.pt --best_of 1,2,4,8,16,32,64
 From scratch, orm and prm learn little in a few CPU minutes (to judge an answer a model must do the arithmetic);
 start them from a model that can, as Cobbe et al. start the verifier from the generator (a run from scratch says
@@ -106,7 +108,6 @@ class Config:
     out_dir: str = ""  # run folder; default out/reward_model-<YYYYmmdd-HHMMSS>
     init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | ... | hub id | ckpt.pt of any script | HF folder
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    score: str = ""  # print the reward of this text under the --init_from reward model (up to its block_size), exit
     best_of: str = ""  # n values (e.g. 1,2,4,8): best_of_n.json of --policy under the --init_from verifier, exit
     policy: str = ""  # --best_of: ckpt.pt of the policy whose answers the verifier ranks
     # task and data
@@ -122,14 +123,16 @@ class Config:
     # generated arithmetic (orm, prm)
     digits: int = 2  # orm/prm: largest number of digits of an operand (prm: of the first number; each b has one)
     ops: str = "+-*"  # orm/prm: operators to draw from
-    steps: int = 1  # orm, --best_of: operations per problem (K), evaluated left to right, solved one step a line
-    chain_len: int = 4  # prm: most steps in a chain (2..chain_len)
+    steps: int = 1  # --samples_from, --best_of: operations per problem (K), left to right, solved one step a line
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
     n_train: int = 20000  # orm/prm: generated training examples (never of a held-out problem)
     n_val: int = 1000  # orm/prm: generated held-out examples (of held-out problems only)
-    # a verifier of a policy's own answers (orm)
-    samples_from: str = ""  # orm: train on answers sampled from this policy's ckpt.pt (and start from it by default)
-    samples_per_problem: int = 8  # orm --samples_from: answers sampled per problem (--n_train, --n_val: answers in all)
+    # a verifier of a policy's own answers (orm, prm)
+    samples_from: str = (
+        ""  # orm/prm: train on answers sampled from this policy's ckpt.pt (and start from it by default)
+    )
+    samples_per_problem: int = 8  # --samples_from: answers sampled per problem (--n_train, --n_val: answers in all)
+    prm_aggregate: str = "prod"  # --best_of, prm: a solution's score from its steps' probabilities: prod | min | last
     # model (a new one; a checkpoint brings its own)
     n_layer: int = 4  # transformer blocks (scratch only)
     n_head: int = 4  # attention heads (scratch only)
@@ -189,18 +192,6 @@ def token_bce_sum(scores, labels, pos_weight=None):
     return (bce * (labels >= 0)).sum()
 
 
-def first_error_hits(scores, labels):
-    """Per chain (B,): 1.0 where the first step scored <= 0 is the first step labelled 0, or where no step is
-    either. Steps are the positions with labels >= 0, in order."""
-    T = labels.size(1)
-    positions = torch.arange(T, device=labels.device)  # (T,)
-    is_step = labels >= 0  # (B, T)
-    # (B,) each: the position of the first such step, T where there is none
-    first_wrong = torch.where((labels == 0) & is_step, positions, T).min(1).values
-    first_low = torch.where((scores <= 0) & is_step, positions, T).min(1).values
-    return (first_wrong == first_low).float()
-
-
 def roc_auc(rewards, labels):
     """ROC AUC of (N,) rewards against (N,) 0/1 labels: the fraction of (right, wrong) pairs in which the right one
     has the higher reward, ties counting one half (Mann-Whitney U); nan without both labels (no pair). Every pair
@@ -215,11 +206,9 @@ def per_problem_auc(rewards, labels, problems):
     others have no pair to rank and are skipped; (nan, 0) when none has both, as roc_auc gives nan. Best-of-n and
     RL rank the answers of one problem against each other, so this is the AUC they meet; the pooled AUC also credits
     a verifier for scoring easy problems above hard ones."""
-    rows = {}  # problem -> its row indices
-    for i, problem in enumerate(problems):
-        rows.setdefault(problem, []).append(i)
     aucs = []
-    for index in rows.values():
+    for problem in dict.fromkeys(problems):  # in order of first appearance
+        index = [i for i, q in enumerate(problems) if q == problem]  # the problem's rows
         y = labels[index]
         if 0 < y.sum() < len(index):  # both labels
             aucs.append(roc_auc(rewards[index], y))
@@ -254,6 +243,35 @@ def best_of_n_weights(N, n):
     return torch.tensor([math.comb(i, n - 1) / math.comb(N, n) for i in range(N)], dtype=torch.float64)
 
 
+def aggregate_steps(scores, labels, how="prod"):
+    """A solution's score from its steps': (B, T) logits of a prm and (B, T) labels, >= 0 at each step's end (as
+    encode() writes them) -> (B,). With p = sigmoid(score) a step's probability of being right: prod, the probability
+    that every step is right (Lightman et al. 2023); min, the weakest step's; last, the last step's, which a prm
+    trained on "every step so far is right" reads as the whole solution's. A row without a step scores 1 (prod,
+    min) or its first position's p (last)."""
+    is_step = labels >= 0
+    probs = torch.where(is_step, torch.sigmoid(scores), 1.0)  # (B, T): 1, the identity of prod and min, off the steps
+    if how == "prod":
+        return probs.prod(1)
+    if how == "min":
+        return probs.min(1).values
+    last = is_step.long().cumsum(1).argmax(1)  # (B,): where the count of steps first reaches its total
+    return probs.gather(1, last[:, None]).squeeze(1)
+
+
+def majority_vote(finals, truth):
+    """Self-consistency's gold of one set of answers (Wang et al. 2023): 1.0 when the most frequent final result is
+    truth; ties among the most frequent split the credit (the expected gold of a random pick among them). finals:
+    each answer's final result (a string), None for an answer that is not well formed, which does not vote; 0.0
+    when none votes."""
+    votes = Counter(f for f in finals if f is not None)
+    if not votes:
+        return 0.0
+    most = max(votes.values())
+    winners = [f for f, count in votes.items() if count == most]
+    return (truth in winners) / len(winners)
+
+
 def truncate_pair(prompt, chosen, rejected, max_len):
     """Cut a pair of token-id lists to fit max_len: (prompt, chosen, rejected) with len(prompt) + len(response) <=
     max_len for both responses. The prompt is cut once, from its start (its end, next to the responses, stays), to
@@ -276,16 +294,15 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 # batch_loss's statistics, {name: (2,) tensor [sum, count]}, are added up by name over micro-batches, summed over
 # ranks and divided by summarize() (a count of 0 gives 0.0), then logged as train/<name> and eval/<name>:
 #   every task   loss                     train/loss, eval/loss                  per pair or labelled position
-#   preference   accuracy, margin         train/accuracy, train/margin           per pair
-#                chosen_mean              train/chosen_mean, train/chosen_std    per pair (std: from chosen_sq)
-#                rejected_mean            train/rejected_mean, train/rejected_std (std: from rejected_sq)
-#   orm          accuracy                 train/accuracy                         per sequence
+#   preference   reward_acc, margin       train/reward_acc, train/margin         per pair
+#                chosen_mean              train/chosen_mean                      per pair
+#                rejected_mean            train/rejected_mean                    per pair
+#   orm          label_acc                train/label_acc                        per sequence
 #                accuracy_correct         train/accuracy_correct                 per right answer
 #                accuracy_wrong           train/accuracy_wrong                   per wrong answer
 #                reward_correct           train/reward_correct                   per right answer
 #                reward_wrong             train/reward_wrong                     per corrupted answer
 #   prm          step_accuracy            train/step_accuracy                    per labelled step
-#                first_error_accuracy     train/first_error_accuracy             per chain
 
 
 def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
@@ -349,9 +366,7 @@ def batch_loss(model, batch, cfg, rt):
             "reward_acc": (d > 0).float() + 0.5 * (d == 0).float(),  # ties count one half
             "margin": d,
             "chosen_mean": r_c,
-            "chosen_sq": r_c**2,  # the squares give summarize() the std
             "rejected_mean": r_r,
-            "rejected_sq": r_r**2,
         }
     else:
         labels, _ = pad_right([y for _, y in batch], rt.device, value=-1)  # (B, T)
@@ -372,10 +387,7 @@ def batch_loss(model, batch, cfg, rt):
                 "reward_wrong": wrong,
             }
         else:
-            values = {
-                "step_accuracy": ((scores > 0) == (labels == 1))[labelled].float(),
-                "first_error_accuracy": first_error_hits(scores, labels),
-            }
+            values = {"step_accuracy": ((scores > 0) == (labels == 1))[labelled].float()}
     stats = {"loss": torch.stack([loss.detach(), terms])}
     for name, value in values.items():
         stats[name] = torch.stack([value.sum(), value.new_tensor(value.numel())])
@@ -394,13 +406,7 @@ def summarize(stats, rt):
     means."""
     names = list(stats)
     totals = all_reduce(torch.stack([stats[name] for name in names]), rt)  # (K, 2): one all-reduce for all
-    out = {}
-    for name, (total, count) in zip(names, totals.tolist()):
-        out[name] = total / max(count, 1)
-    if "chosen_sq" in out:  # the std is the square root of the mean square less the squared mean
-        out["chosen_std"] = math.sqrt(max(out.pop("chosen_sq") - out["chosen_mean"] ** 2, 0.0))
-        out["rejected_std"] = math.sqrt(max(out.pop("rejected_sq") - out["rejected_mean"] ** 2, 0.0))
-    return out
+    return {name: total / max(count, 1) for name, (total, count) in zip(names, totals.tolist())}
 
 
 @torch.no_grad()
@@ -428,7 +434,7 @@ def held_out_metrics(model, eval_data, cfg, rt, problems):
         outcomes = torch.tensor([labels[-1] for _, labels in eval_data])
         rewards = all_reduce(rewards, rt).cpu()
         metrics["eval/auc"] = roc_auc(rewards, outcomes)
-        if cfg.task == "orm":  # within each problem, as best-of-n and RL rank answers
+        if cfg.task == "orm" or cfg.samples_from:  # within each problem, as best-of-n and RL rank answers
             auc, n_problems = per_problem_auc(rewards, outcomes, problems)
             metrics["eval/auc_per_problem"] = auc  # nan when no problem has both labels
             metrics["eval/auc_problems"] = n_problems
@@ -482,8 +488,6 @@ def score(model, tok, texts, device, max_len=None, batch_size=32):
     rewards = []
     for i in range(0, len(texts), batch_size):
         seqs = [(tok.encode(t) + end)[-max_len:] for t in texts[i : i + batch_size]]
-        if not all(seqs):
-            raise ValueError("cannot score an empty text")
         idx, lengths = pad_right(seqs, device)
         rewards += last_token_rewards(model(idx), lengths).tolist()
     return rewards
@@ -685,53 +689,75 @@ def answer_tokens(digits, steps):
     return digits * steps * (steps + 3) + 5 * steps + 1  # the sum over i of (2 i + 2) * digits + 5, and one
 
 
+def step_correct(prompt, solution):
+    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
+    operation applied to the previous step's result (the first: the prompt's first operation), written as
+    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
+    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
+    arithmetic that does not continue the chain; a line past the last operation is wrong."""
+    x = int(re.match(r"\d+", prompt).group())
+    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
+    right = []  # each written step's
+    for line in solution.splitlines():
+        if len(right) == len(operations):  # no operation left
+            right.append(False)
+            continue
+        op, y = operations[len(right)]
+        result = operate(x, op, int(y))
+        step = f"{x}{op}{y}={result}"
+        if len(operations) == 1:
+            step = f"{result}"
+        right.append(line == step and all(right))
+        x = result
+    return right
+
+
+def sampled_example(task, prompt, answer, y):
+    """The example of a policy's answer y to a problem (prompt, answer). orm: (prompt, y, label), label 1 when y is
+    exactly the answer (arithmetic_reward). prm: y's lines as a chain of steps ((text, label), ...), the first with
+    the prompt before it ("17+25-9=17+25=42"), each labelled by step_correct (right, and every step before it
+    right); a last line without its newline is not a finished step and is labelled wrong."""
+    if task == "orm":
+        return prompt, y, int(arithmetic_reward(y, answer))
+    right = step_correct(prompt, y)
+    right[-1] = right[-1] and y.endswith("\n")
+    lines = y.splitlines()
+    lines[0] = prompt + lines[0]
+    return tuple(zip(lines, map(int, right)))
+
+
 def first_lines(text, k):
     """The text up to and including its k-th newline, or the whole text when it has fewer (an answer of k lines)."""
     return re.match(rf"(?:[^\n]*\n){{,{k - 1}}}[^\n]*\n?", text).group()  # k - 1 lines at most, then one more
 
 
 def corrupt(rng, value):
-    """A wrong result near value: off by 1 to 3, or one digit changed (never to a new leading zero)."""
-    if rng.random() < 0.5:
-        return value + rng.choice((-3, -2, -1, 1, 2, 3))
-    s = str(abs(value))
-    i = rng.randrange(len(s))
-    digit = rng.choice([d for d in "0123456789" if d != s[i] and not (i == 0 and d == "0" and len(s) > 1)])
-    sign = -1 if value < 0 else 1
-    return sign * int(s[:i] + digit + s[i + 1 :])
+    """A wrong result near value: off by 1 to 3 in one of its digit places (7 -> 5, 42 -> 12, 42 -> 43), the kind of
+    slip a model makes."""
+    place = 10 ** rng.randrange(len(str(abs(value))))
+    return value + rng.choice((-3, -2, -1, 1, 2, 3)) * place
 
 
-def orm_example(rng, cfg):
-    """(prompt, answer, label): a problem in gpt.py's arithmetic format with its answer (label 1) or, with
-    probability --error_frac, its answer with the final result corrupted (label 0; --steps K > 1: the last step's
-    result, the steps before it right)."""
+def synthetic_example(rng, cfg):
+    """An orm or prm example of a drawn problem of --steps operations (arithmetic_problem) with a written solution:
+    with probability --error_frac one step's result is corrupted (orm: the last step's; prm: any step's), and the
+    steps after it compute on from the wrong value, as a real solution would. Labelled as a policy's answer is
+    (sampled_example): orm by its final answer, prm step by step, the wrong step and every later one 0."""
     prompt, answer = arithmetic_problem(rng, cfg.digits, cfg.ops, cfg.steps)
-    right = rng.random() >= cfg.error_frac
-    if not right:
-        head, sep, result = answer[:-1].rpartition("=")  # "17+25=42\n42-9", "=", "33"; one operation: "", "", "42"
-        answer = f"{head}{sep}{corrupt(rng, int(result))}\n"
-    return prompt, answer, int(right)
-
-
-def prm_chain(rng, cfg):
-    """Steps ((text, label), ...) of a chain "x op b=y" of 2..--chain_len steps, b of one digit, each step starting from
-    the previous result. With probability --error_frac one step's result is corrupted: later steps compute on from
-    the wrong value, and that step and every later one are labelled 0 (the chain so far is wrong)."""
-    n = rng.randint(2, cfg.chain_len)
-    wrong = n  # the index of the wrong step; n: none
+    wrong = cfg.steps  # the index of the corrupted step; --steps: none
     if rng.random() < cfg.error_frac:
-        wrong = rng.randrange(n)
-    x = draw_number(rng, cfg.digits)
-    steps = []
-    for i in range(n):
-        op = rng.choice(cfg.ops)
-        b = rng.randint(1, 9)
-        y = operate(x, op, b)
+        wrong = cfg.steps - 1 if cfg.task == "orm" else rng.randrange(cfg.steps)
+    x = int(re.match(r"\d+", prompt).group())
+    y = ""
+    for i, (op, b) in enumerate(re.findall(r"([-+*])(\d+)", prompt)):
+        result = operate(x, op, int(b))
         if i == wrong:
-            y = corrupt(rng, y)
-        steps.append((f"{x}{op}{b}={y}", int(i < wrong)))
-        x = y
-    return tuple(steps)
+            result = corrupt(rng, result)
+        y += f"{x}{op}{b}={result}\n"
+        x = result
+    if cfg.steps == 1:  # one operation: the answer is its result alone
+        y = f"{x}\n"
+    return sampled_example(cfg.task, prompt, answer, y)
 
 
 def step_problems(task, example):
@@ -752,7 +778,7 @@ def synthetic_data(cfg):
     train = []
     val = []
     while len(train) < cfg.n_train or len(val) < cfg.n_val:
-        example = orm_example(rng, cfg) if cfg.task == "orm" else prm_chain(rng, cfg)
+        example = synthetic_example(rng, cfg)
         problems = step_problems(cfg.task, example)
         if held_out(problems[0]):
             val.append(example)
@@ -763,12 +789,12 @@ def synthetic_data(cfg):
 
 @torch.no_grad()
 def sampled_data(cfg, tok, rt):
-    """(train, held-out) lists of orm examples (prompt, answer, label) whose answers the --samples_from policy wrote
-    (Cobbe et al. 2021: the verifier learns the generator's own mistakes), and {}. Batches of 64 problems, each
+    """(train, held-out) lists of orm examples or prm chains whose answers the --samples_from policy wrote (Cobbe et
+    al. 2021: the verifier learns the generator's own mistakes), and {}. Batches of 64 problems, each
     --samples_per_problem times, sampled at temperature 1 until --n_train (--n_val) answers, the last batch cut;
     training problems are never held out, held-out ones always (held_out). An answer ends at its --steps-th newline
-    (sample_answers); its label is 1 when it is exactly the right answer (the rule of grpo.py's arithmetic_reward),
-    else 0."""
+    (sample_answers); sampled_example labels it, orm by its final answer, prm step by step. The draws depend on
+    --seed only, so an orm and a prm run of one seed learn the same answers."""
     policy, spec, _ = load_model(cfg.samples_from)
     check(spec == tok.spec, f"--samples_from {cfg.samples_from}: its tokenizer is not the reward model's")
     policy.to(rt.device)
@@ -783,7 +809,7 @@ def sampled_data(cfg, tok, rt):
             batch = [draw_problem(rng, cfg.digits, cfg.ops, held, cfg.steps) for _ in range(64)]
             batch = sorted(batch * cfg.samples_per_problem)
             for (prompt, answer), y in zip(batch, sample_answers(policy, tok, batch, cfg, generator)):
-                examples.append((prompt, y, int(arithmetic_reward(y, answer))))
+                examples.append(sampled_example(cfg.task, prompt, answer, y))
         splits.append(examples[:n])
     return splits[0], splits[1], {}
 
@@ -808,16 +834,12 @@ def encode(task, tok, example, max_len):
         prompt, answer, label = example
         ids, _, n_prompt = encode_pair(tok, prompt, answer, answer, max_len)  # a pair of one answer, twice
         return ids, [-1] * n_prompt + [label] * (len(ids) - n_prompt)
-    end = [tok.eot_id] if tok.eot_id is not None else []
     ids = []
     labels = []
-    for i, (text, label) in enumerate(example):
-        step = tok.encode(text)
-        sep = tok.encode("\n")
-        if i == len(example) - 1:
-            sep += end
-        ids += step + sep
-        labels += [-1] * (len(step) + len(sep) - 1) + [label]
+    for text, label in example:
+        step = tok.encode(text + "\n")  # the newline is a token of its own, in BPE as in chars
+        ids += step
+        labels += [-1] * (len(step) - 1) + [label]
     check(len(ids) <= max_len, f"a prm chain takes {len(ids)} tokens, more than --max_len {max_len}; raise it")
     return ids, labels
 
@@ -834,16 +856,18 @@ def validate(cfg):
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.pos_weight is None or cfg.pos_weight > 0, f"--pos_weight must be positive (got {cfg.pos_weight})")
-    check(cfg.task in ("preference", "orm", "prm"), f"--task {cfg.task!r}: use preference, orm or prm")
-    check(cfg.tokenizer in ("auto", "char", "gpt2"), f"--tokenizer {cfg.tokenizer!r}: use auto, char or gpt2")
+    choices = {"task": ["preference", "orm", "prm"], "tokenizer": ["auto", "char", "gpt2"]}
+    choices["prm_aggregate"] = ["prod", "min", "last"]
+    for name, allowed in choices.items():
+        value = getattr(cfg, name)
+        check(value in allowed, f"--{name} {value!r}: use one of {' '.join(allowed)}")
     check(cfg.max_len == 0 or cfg.max_len >= 2, f"--max_len must be 0 (the block size) or >= 2 (got {cfg.max_len})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
-    check(cfg.chain_len >= 2, f"--chain_len must be >= 2 (got {cfg.chain_len})")
     check(0 <= cfg.error_frac <= 1, f"--error_frac must be in [0, 1] (got {cfg.error_frac})")
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(not cfg.data_path or cfg.task == "preference", "--data_path is for --task preference; orm/prm make data")
-    check(not cfg.samples_from or cfg.task == "orm", "--samples_from is for --task orm")
+    check(not cfg.samples_from or cfg.task != "preference", "--samples_from is for --task orm or prm")
     check(cfg.pos_weight is None or cfg.task != "preference", "--pos_weight is for --task orm or prm")
     n_values = re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", cfg.best_of)
     check(not cfg.best_of or n_values, f"--best_of {cfg.best_of!r}: positive integers n, comma-separated (1,2,4,8)")
@@ -887,7 +911,6 @@ def build_reward_model(cfg, ckpt_path, texts, rt):
         raw.head.load_state_dict(ckpt["reward_head"])
     block_size = raw.body.config.block_size
     check(cfg.max_len <= block_size, f"--max_len {cfg.max_len} is longer than the model's block_size {block_size}")
-    check(tok.vocab_size <= raw.body.config.vocab_size, "the tokenizer has more tokens than the model's vocabulary")
     model = wrap_model(raw.to(rt.device), rt, cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
@@ -927,17 +950,7 @@ def save_reward_model(path, raw, optimizer, scaler, tok, step, cfg, rt):
 def main():
     cfg = parse_config(Config)
     validate(cfg)
-    check(not cfg.score or os.path.isfile(cfg.init_from), "--score needs --init_from PATH/ckpt.pt of a reward model")
     rt = setup_runtime(cfg)
-    if cfg.score:  # print the reward of one text under the --init_from reward model, and exit
-        model, spec, _ = load_reward_model(cfg.init_from)
-        tok = make_tokenizer(cfg, spec, [cfg.score])
-        with rt.autocast():
-            (reward,) = score(model.to(rt.device), tok, [cfg.score], rt.device)
-        if rt.master:
-            print(f"{reward:.6f}")
-        cleanup(rt)
-        return
     out_dir = prepare_out_dir(cfg, "reward_model", rt)
     if cfg.best_of:  # no training: best-of-n of the --policy under the --init_from verifier, and exit
         best_of_n(cfg, rt, out_dir)
@@ -997,7 +1010,6 @@ def main():
         metrics["train/epoch"] = (step + 1) * per_step / len(train_data)  # passes over the training data
         metrics["perf/tokens_per_s"] = n_tokens / dt
         metrics["perf/step_ms"] = 1000 * dt
-        metrics["perf/mfu"] = mfu(raw.body, max_len, n_tokens, dt, rt)
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop_requested:
             save_reward_model(ckpt_path, raw, optimizer, scaler, tok, step + 1, cfg, rt)
@@ -1012,10 +1024,7 @@ def main():
             "eval_examples": len(eval_data),
             "eval_problems": problems,  # distinct held-out problems (orm, prm) or prompts (preference)
             "train_examples": len(train_data),
-            "epochs": cfg.max_steps * per_step / len(train_data),
-            "steps": cfg.max_steps,
             "wall_time_s": time.time() - t_start,
-            "params": raw.body.num_params(),
         }
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
@@ -1025,18 +1034,20 @@ def main():
 @torch.no_grad()
 def best_of_n(cfg, rt, out_dir):
     """best_of_n.json: for each n of --best_of, best-of-n of the --policy's answers to held-out problems under the
-    --init_from verifier (orm or prm). The problems are grpo.py's evaluation problems: --eval_size draws of held-out
-    problems (0: 128) from random.Random(1234), the distinct ones kept. N = max n answers a problem at temperature 1
-    (an answer ends at its --steps-th newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate
-    from the N, per problem, then the mean over problems (gold_se: their standard error). kl: best_of_n_kl of the
-    distinct answers sampled, p(y) the policy's probability of y's tokens (the newlines included), the rest
-    (uncovered: its mean) one answer ranked lowest. Every rank computes the same; rank 0 writes and prints."""
+    --init_from verifier (orm; or prm, a solution scored by --prm_aggregate of its steps), and majority voting over the
+    same answers. The problems are grpo.py's evaluation problems: --eval_size draws of held-out problems (0: 128) from
+    random.Random(1234), the distinct ones kept. N = max n answers a problem at temperature 1 (an answer ends at its
+    --steps-th newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate from the N, per
+    problem, then the mean over problems (gold_se: their standard error); majority: majority_vote's gold, the mean
+    over 64 random n-subsets of the N. kl: best_of_n_kl of the distinct answers sampled,
+    p(y) the policy's probability of y's tokens (the newlines included), the rest (uncovered: its mean) one answer
+    ranked lowest. Every rank computes the same; rank 0 writes and prints."""
     verifier, spec, task = load_reward_model(cfg.init_from)
     check(task in ("orm", "prm"), f"--best_of needs an arithmetic verifier (--task orm or prm), not a {task} model")
     policy, policy_spec, _ = load_model(cfg.policy)
     check(policy_spec == spec, f"--policy {cfg.policy}: its tokenizer is not the verifier's")
     tok = get_tokenizer(spec)
-    policy.to(rt.device).eval()
+    policy.to(rt.device)  # dropout 0: train and eval mode agree
     verifier.to(rt.device)
     every_n = [int(n) for n in cfg.best_of.split(",")]
     N = max(every_n)
@@ -1049,53 +1060,75 @@ def best_of_n(cfg, rt, out_dir):
         answers += sample_answers(policy, tok, rows[i : i + 1024], cfg, generator)
     # each problem's distinct answers, in order of first appearance: their verifier score and policy log-prob
     pairs = list(dict.fromkeys((prompt, y) for (prompt, _), y in zip(rows, answers)))
-    scores = score(verifier, tok, [prompt + y for prompt, y in pairs], rt.device)
+    scores = solution_scores(verifier, tok, task, pairs, cfg.prm_aggregate, rt.device)
     logps = answer_logprobs(policy, tok, pairs, rt.device)
-    found = dict(zip(pairs, scores))  # (prompt, answer) -> its score
-    distinct = {}  # prompt -> [(score, log-prob) of each of its distinct answers]
-    for (prompt, _), r, lp in zip(pairs, scores, logps):
-        distinct.setdefault(prompt, []).append((r, lp))
+    found = dict(zip(pairs, zip(scores, logps)))  # (prompt, answer) -> (its score, its log-prob)
     # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
-    s = torch.tensor([found[prompt, y] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
+    s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
     s, order = s.view(E, N).sort(stable=True)
     right = torch.tensor([arithmetic_reward(y, answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
     right = right.view(E, N).gather(1, order)
     W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
     gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n
     proxy = s @ W.T
+    # each answer's final result, None where it is not well formed (arithmetic_reward 0 even with a format reward)
+    finals = [
+        y.split("=")[-1].strip() if arithmetic_reward(y, answer, 0.5) else None for (_, answer), y in zip(rows, answers)
+    ]
+    majority = torch.zeros_like(gold)
     kl = torch.zeros_like(gold)
     uncovered = 0.0
-    for e, (prompt, _) in enumerate(problems):
-        s_y, logp_y = torch.tensor(distinct[prompt], dtype=torch.float64).T  # (K,) each
+    for e, (prompt, answer) in enumerate(problems):
+        truth = answer.split("=")[-1].strip()
+        mine = finals[e * N : (e + 1) * N]
+        distinct = dict.fromkeys(answers[e * N : (e + 1) * N])  # the problem's K distinct answers
+        s_y, logp_y = torch.tensor([found[prompt, y] for y in distinct], dtype=torch.float64).T  # (K,) each
         uncovered += (1 - logp_y.exp().sum()).clamp(min=0).item() / E
         for j, n in enumerate(every_n):
+            # 64 random n-subsets, from the random stream --seed set (rank 0's: rank 0 writes the results)
+            majority[e, j] = sum(majority_vote(random.sample(mine, n), truth) for _ in range(64)) / 64
             kl[e, j] = best_of_n_kl(logp_y.exp(), s_y, n)
+    columns = {  # (len(every_n),) each: a mean over the problems, or its standard error (nan for one problem)
+        "gold": gold.mean(0),  # exact answers of the pick
+        "gold_se": gold.std(0) / math.sqrt(E),
+        "gold_a": gold[0::2].mean(0),  # the problems at even places: pick a peak on one half,
+        "gold_b": gold[1::2].mean(0),  # report it on the other
+        "majority": majority.mean(0),  # majority voting's gold over the same answers
+        "majority_se": majority.std(0) / math.sqrt(E),
+        "proxy": proxy.mean(0),  # the verifier's score of the pick
+        "kl": kl.mean(0),  # exact, of the sampled answers and the uncovered rest
+    }
     results = []
     for j, n in enumerate(every_n):
-        results.append(
-            {
-                "n": n,
-                "gold": gold[:, j].mean().item(),  # exact answers of the pick
-                "gold_se": gold[:, j].std().item() / math.sqrt(E) if E > 1 else 0.0,
-                "gold_a": gold[0::2, j].mean().item(),  # the problems at even places: pick a peak on one half,
-                "gold_b": gold[1::2, j].mean().item(),  # report it on the other
-                "proxy": proxy[:, j].mean().item(),  # the verifier's score of the pick
-                "kl": kl[:, j].mean().item(),  # exact, of the sampled answers and the uncovered rest
-                "kl_bound": math.log(n) - (n - 1) / n,
-                "n_problems": E,
-                "uncovered": uncovered,  # the policy's probability of the answers never sampled, mean over problems
-                "samples_per_problem": N,
-            }
-        )
+        row = {"n": n, **{name: values[j].item() for name, values in columns.items()}}
+        row["kl_bound"] = math.log(n) - (n - 1) / n
+        row["n_problems"] = E
+        row["uncovered"] = uncovered  # the policy's probability of the answers never sampled, mean over problems
+        row["samples_per_problem"] = N
+        results.append(row)
     if rt.master:
         save_config(cfg, out_dir, rt)
         with open(os.path.join(out_dir, "best_of_n.json"), "w") as f:
             json.dump(results, f, indent=2)
         print(f"best-of-n of {cfg.policy} on {E} held-out problems, {N} answers each (uncovered {uncovered:.4f}):")
-        print("     n  gold            proxy       kl  kl_bound")
-        for r in results:
-            gold_text = f"{r['gold']:.3f} +- {r['gold_se']:.3f}"
-            print(f"{r['n']:6d}  {gold_text}  {r['proxy']:9.4f}  {r['kl']:.4f}  {r['kl_bound']:.4f}")
+        for row in results:  # a row per n, as best_of_n.json holds them
+            print(json.dumps(row))
+
+
+def solution_scores(verifier, tok, task, pairs, aggregate="prod", device="cpu"):
+    """The verifier's scores (a list of floats) of (prompt, answer) texts. orm: the score at the last token (score).
+    prm: each answer encoded as a chain of steps, as it trains (sampled_example, encode), and aggregate_steps of its
+    steps' scores."""
+    if task == "orm":
+        return score(verifier, tok, [prompt + y for prompt, y in pairs], device)
+    block_size = verifier.body.config.block_size
+    chains = [encode("prm", tok, sampled_example("prm", prompt, "", y), block_size) for prompt, y in pairs]
+    out = []
+    for i in range(0, len(chains), 256):
+        idx, _ = pad_right([ids for ids, _ in chains[i : i + 256]], device)  # (B, T)
+        labels, _ = pad_right([labels for _, labels in chains[i : i + 256]], device, value=-1)  # (B, T)
+        out += aggregate_steps(verifier(idx), labels, aggregate).tolist()
+    return out
 
 
 @torch.no_grad()
@@ -1104,26 +1137,14 @@ def answer_logprobs(policy, tok, pairs, device, batch_size=256):
     tokens, its newline included. A list of floats."""
     out = []
     for i in range(0, len(pairs), batch_size):
-        batch = pairs[i : i + batch_size]
-        idx, lengths = pad_right([tok.encode(prompt) + tok.encode(y) for prompt, y in batch], device)  # (B, T)
-        starts = torch.tensor([len(tok.encode(prompt)) for prompt, _ in batch], device=device)  # (B,)
-        logits, _ = policy(idx)  # (B, T, V)
-        logp = token_logprobs(logits[:, :-1], idx[:, 1:])  # (B, T - 1): position t - 1 predicts token t
-        t = torch.arange(1, idx.size(1), device=device)  # (T - 1,) the predicted token's position
-        is_answer = (t >= starts[:, None]) & (t < lengths[:, None])  # (B, T - 1)
+        prompts = [tok.encode(prompt) for prompt, _ in pairs[i : i + batch_size]]
+        answers = [tok.encode(y) for _, y in pairs[i : i + batch_size]]
+        idx, _ = pad_right([p + a for p, a in zip(prompts, answers)], device)  # (B, T)
+        # (B, T - 1): 1 where the target, the token at t + 1, is an answer's
+        is_answer, _ = pad_right([[0] * (len(p) - 1) + [1] * len(a) for p, a in zip(prompts, answers)], device)
+        logp, _ = policy(idx[:, :-1], idx[:, 1:], output="logprobs")  # (B, T - 1)
         out += (logp * is_answer).sum(1).tolist()
     return out
-
-
-def mfu(model, seq_len, tokens, seconds, rt):
-    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off CUDA or on an unknown GPU). FLOPs per
-    token: 6N for the weights plus the attention scores, forward and backward (PaLM appendix B)."""
-    c = model.config
-    flops = (6 * model.num_params() + 12 * c.n_layer * c.n_embd * seq_len) * tokens
-    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else ""
-    peaks = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
-    peak = next((v for k, v in peaks.items() if k in name), None)
-    return None if peak is None else flops / (seconds * peak * rt.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------------

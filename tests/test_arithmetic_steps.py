@@ -442,7 +442,7 @@ def test_orm_examples_of_k_steps_corrupt_the_final_result():
     cfg = rm.Config(task="orm", digits=2, ops="+-*", steps=3, error_frac=0.5)
     labels = []
     for _ in range(500):
-        prompt, answer, label = rm.orm_example(rng, cfg)
+        prompt, answer, label = rm.synthetic_example(rng, cfg)
         gold = "".join(f"{x}{op}{y}={r}\n" for x, op, y, r in solve(prompt))
         lines = answer.splitlines()
         assert len(lines) == 3 and lines[:2] == gold.splitlines()[:2]
@@ -452,21 +452,22 @@ def test_orm_examples_of_k_steps_corrupt_the_final_result():
 
 
 def test_prm_training_chains_hold_no_held_out_step():
-    """--task prm: no step "x op b=" of a training chain is a held-out problem, where one drawn chain in five whose
-    first step is not held out holds a later one that is (--digits 1, up to 4 steps); a held-out chain is one whose
-    first step is held out."""
-    cfg = rm.Config(task="prm", digits=1, ops="+-*", chain_len=4, n_train=3000, n_val=300, seed=1)
+    """--task prm: a chain is held out with its whole problem (the expression), and no step "x op y=" of a training
+    chain is a held-out problem either; without that second rule some drawn chains of training problems would hold
+    one (--digits 1, 4 steps)."""
+    cfg = rm.Config(task="prm", digits=1, ops="+-*", steps=4, n_train=3000, n_val=300, seed=1)
     train, val, _ = rm.synthetic_data(cfg)
     assert len(train) == 3000 and len(val) == 300
     steps = [rm.step_problems("prm", chain) for chain in train]
-    assert steps[0] == [text.split("=")[0] + "=" for text, _ in train[0]]
+    assert steps[0][1:] == [text.split("=")[0] + "=" for text, _ in train[0][1:]]
+    assert steps[0][0] == train[0][0][0].split("=")[0] + "=" and steps[0][0].count("=") == 1
     assert not any(held(p) for problems in steps for p in problems)
     assert all(held(rm.step_problems("prm", chain)[0]) for chain in val)
     rng = random.Random(1)
-    drawn = [rm.step_problems("prm", rm.prm_chain(rng, cfg)) for _ in range(3000)]
-    kept_by_first_step = [problems for problems in drawn if not held(problems[0])]
-    leaky = [problems for problems in kept_by_first_step if any(map(held, problems[1:]))]
-    assert 0.15 < len(leaky) / len(kept_by_first_step) < 0.25
+    drawn = [rm.step_problems("prm", rm.synthetic_example(rng, cfg)) for _ in range(3000)]
+    kept_by_problem = [problems for problems in drawn if not held(problems[0])]
+    leaky = [problems for problems in kept_by_problem if any(map(held, problems[1:]))]
+    assert 0.05 < len(leaky) / len(kept_by_problem) < 0.5
 
 
 # ----------------------------------------------------------------------------------- end to end, --steps 2

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -141,9 +142,10 @@ def run_main(monkeypatch, *args):
 
 @pytest.fixture
 def checkpoints(tmp_path):
-    """(an orm verifier, a policy, a preference reward model): tiny random char models of the arithmetic vocabulary."""
+    """(an orm verifier, a policy, a preference reward model, a prm verifier): tiny random char models of the
+    arithmetic vocabulary."""
     paths = []
-    for name, task in (("verifier", "orm"), ("policy", None), ("preference", "preference")):
+    for name, task in (("verifier", "orm"), ("policy", None), ("preference", "preference"), ("prm", "prm")):
         path = char_checkpoint(tmp_path / f"{name}.pt", rm.ARITHMETIC_CHARS, block_size=32, reward_head=bool(task))
         if task:
             ckpt = torch.load(path, weights_only=True)
@@ -156,7 +158,7 @@ def checkpoints(tmp_path):
 def test_best_of_writes_best_of_n_json_and_prints_its_table(tmp_path, monkeypatch, checkpoints):
     """A tiny run: a row per n with every field, 0 <= kl <= kl_bound, kl 0 at n = 1, the problems those of grpo.py's
     held-out draw (--eval_size draws from random.Random(1234), distinct ones), and the table printed."""
-    verifier, policy, _ = checkpoints
+    verifier, policy, _, _ = checkpoints
     out = tmp_path / "bon"
     args = ["--init_from", verifier, "--policy", policy, "--best_of", "1,2,4,8", "--eval_size", 12, "--digits", 1]
     code, stdout, err = run_main(monkeypatch, *args, "--out_dir", out, "--device", "cpu")
@@ -167,6 +169,7 @@ def test_best_of_writes_best_of_n_json_and_prints_its_table(tmp_path, monkeypatc
     assert [r["n"] for r in rows] == [1, 2, 4, 8]
     for r in rows:
         fields = {"n", "gold", "gold_se", "proxy", "kl", "kl_bound", "n_problems", "uncovered", "samples_per_problem"}
+        fields |= {"gold_a", "gold_b", "majority", "majority_se"}
         assert fields <= set(r)
         assert r["n_problems"] == len(problems) and r["samples_per_problem"] == 8
         assert r["kl_bound"] == pytest.approx(bound(r["n"]))
@@ -175,16 +178,14 @@ def test_best_of_writes_best_of_n_json_and_prints_its_table(tmp_path, monkeypatc
     assert rows[-1]["proxy"] >= rows[0]["proxy"]  # the mean best over n-subsets never falls as n grows
     lines = stdout.splitlines()
     assert f"on {len(problems)} held-out problems, 8 answers each" in lines[0]
-    for line, r in zip(lines[2:], rows):
-        cells = line.split()
-        assert int(cells[0]) == r["n"] and float(cells[5]) == pytest.approx(r["kl"], abs=1e-4)
+    assert [json.loads(line) for line in lines[1:]] == rows  # the table: a row per n, as best_of_n.json holds it
     assert not (out / "ckpt.pt").exists()
 
 
 def test_best_of_a_policy_that_always_answers_right_has_gold_1(tmp_path, monkeypatch, checkpoints):
     """A stand-in generate writes the right answer every time: gold 1 +- 0 at every n, one distinct answer a
     problem, so its probability under the policy is all that is covered."""
-    verifier, policy, _ = checkpoints
+    verifier, policy, _, _ = checkpoints
     tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
 
     def always_right(model, prompts, max_new_tokens, generator=None, **kwargs):
@@ -217,7 +218,7 @@ def test_best_of_a_policy_that_always_answers_right_has_gold_1(tmp_path, monkeyp
 def test_best_of_refusals_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypatch, checkpoints, extra, needle):
     """No --policy (or no --best_of), n values that are not positive integers, a preference model as the verifier,
     a policy with another tokenizer: exit 2, one line, no run folder."""
-    verifier, policy, preference = checkpoints
+    verifier, policy, preference, _ = checkpoints
     other = char_checkpoint(tmp_path / "other.pt", rm.ARITHMETIC_CHARS + " ", block_size=32)  # another vocabulary
     swap = {"POLICY": policy, "PREFERENCE": preference, "OTHER": other}
     args = ["--init_from", verifier, *[swap.get(a, a) for a in extra], "--out_dir", tmp_path / "bon"]
@@ -229,7 +230,7 @@ def test_best_of_refusals_exit_2_with_one_line_and_write_nothing(tmp_path, monke
 def test_best_of_gold_on_each_half_of_the_problems(tmp_path, monkeypatch, checkpoints):
     """A stand-in generate answers right exactly the problems at even places of the sorted held-out list: gold_a is 1
     and gold_b 0 at every n (a peak picked on one half is reported on the other), gold the share of even places."""
-    verifier, policy, _ = checkpoints
+    verifier, policy, _, _ = checkpoints
     tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
     problems = rm.held_out_problems(1, "+-*", 20)
     even = {prompt for prompt, _ in problems[0::2]}
@@ -250,3 +251,108 @@ def test_best_of_gold_on_each_half_of_the_problems(tmp_path, monkeypatch, checkp
     rows = json.loads((out / "best_of_n.json").read_text())
     assert all(r["gold_a"] == 1.0 and r["gold_b"] == 0.0 for r in rows)
     assert all(r["gold"] == pytest.approx(len(even) / len(problems)) for r in rows)
+
+
+# ------------------------------------------------------------------------------- process verifiers and majority
+
+
+def test_aggregate_steps_prod_min_last_hand_values():
+    """Steps at the labelled positions (labels >= 0) only, p = sigmoid(score): prod multiplies them, min takes the
+    smallest, last the last step's; scores off the steps change nothing."""
+    logit = math.log(0.8 / 0.2)  # sigmoid: 0.8
+    scores = torch.tensor([[9.0, logit, -9.0, 0.0, 5.0], [0.0, -9.0, 9.0, logit, 3.0]])
+    labels = torch.tensor([[-1, 1, -1, 0, -1], [1, -1, -1, 1, -1]])  # row 0: p 0.8, 0.5; row 1: p 0.5, 0.8
+    assert rm.aggregate_steps(scores, labels, "prod").tolist() == pytest.approx([0.4, 0.4])
+    assert rm.aggregate_steps(scores, labels, "min").tolist() == pytest.approx([0.5, 0.5])
+    assert rm.aggregate_steps(scores, labels, "last").tolist() == pytest.approx([0.5, 0.8])
+    one_step = torch.tensor([[-1, -1, 1, -1, -1]])
+    for how in ("prod", "min", "last"):
+        assert rm.aggregate_steps(scores[:1], one_step, how).item() == pytest.approx(1 / (1 + math.exp(9)))
+
+
+@given(st.lists(st.tuples(st.floats(-6, 6), st.booleans()), min_size=1, max_size=12))
+@settings(max_examples=60, deadline=None)
+def test_aggregate_steps_prod_is_at_most_min_which_is_at_most_last(steps):
+    """prod <= min <= last for probabilities in (0, 1), on any rows with at least one step."""
+    scores = torch.tensor([[s for s, _ in steps]])
+    labels = torch.tensor([[1 if is_step else -1 for _, is_step in steps]])
+    labels[0, -1] = 0  # the last position is a step
+    prod, low, last = (rm.aggregate_steps(scores, labels, how).item() for how in ("prod", "min", "last"))
+    assert prod <= low * (1 + 1e-6) and low <= last * (1 + 1e-6)
+
+
+def test_majority_vote_hand_cases():
+    """The most frequent final result wins; a tie splits the credit; answers that are not well formed do not vote."""
+    assert rm.majority_vote(["7", "7", "8"], "7") == 1.0
+    assert rm.majority_vote(["7", "8", "8"], "7") == 0.0
+    assert rm.majority_vote(["7", "8", None, None, None], "7") == 0.5  # a tie of 7 and 8; None never wins
+    assert rm.majority_vote(["7", "8", "9"], "9") == pytest.approx(1 / 3)
+    assert rm.majority_vote([None, None], "7") == 0.0 and rm.majority_vote([], "7") == 0.0
+    assert rm.majority_vote(["-3", "-3", "3"], "-3") == 1.0
+
+
+def test_best_of_with_a_prm_scores_by_the_aggregate_and_votes_by_majority(tmp_path, monkeypatch, checkpoints):
+    """--task prm verifier, --prm_aggregate min, --steps 2: a stand-in generate writes each problem's right solution
+    five times in eight and one with a wrong final result three times: majority voting's gold is 1 at n = N (five
+    votes against three) and about 5/8 at n = 1, as gold is; every row carries the majority fields."""
+    _, policy, _, prm = checkpoints
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+    calls = []
+
+    def five_right_three_wrong(model, prompts, max_new_tokens, generator=None, **kwargs):
+        texts = []
+        for i, ids in enumerate(prompts):
+            prompt = tok.decode(ids)
+            solution = "".join(f"{line}\n" for line in right_solution(prompt))
+            if i % 8 >= 5:  # three of eight: the final result off by one
+                head, _, result = solution[:-1].rpartition("=")
+                solution = f"{head}={int(result) + 1}\n"
+            texts.append(solution.ljust(max_new_tokens, "=")[:max_new_tokens])
+        calls.append(len(prompts))
+        return torch.tensor([tok.encode(t) for t in texts]), torch.ones(len(texts), max_new_tokens)
+
+    monkeypatch.setattr(rm, "generate", five_right_three_wrong)
+    out = tmp_path / "bon"
+    args = ["--init_from", prm, "--policy", policy, "--best_of", "1,8", "--eval_size", 10, "--digits", 1]
+    args += ["--steps", 2, "--prm_aggregate", "min"]
+    code, _, err = run_main(monkeypatch, *args, "--out_dir", out, "--device", "cpu")
+    assert code == 0, err[-5:]
+    rows = json.loads((out / "best_of_n.json").read_text())
+    assert rows[1]["majority"] == 1.0 and rows[1]["majority_se"] == 0.0
+    assert rows[0]["majority"] == pytest.approx(5 / 8, abs=0.1) and rows[0]["gold"] == pytest.approx(5 / 8)
+    assert json.loads((out / "config.json").read_text())["prm_aggregate"] == "min"
+
+
+def right_solution(prompt):
+    """The lines of a K-step prompt's right solution, left to right: "1+2*3=" -> ["1+2=3", "3*3=9"]."""
+    x = int(re.match(r"\d+", prompt).group())
+    lines = []
+    for op, y in re.findall(r"([-+*])(\d+)", prompt):
+        result = {"+": x + int(y), "-": x - int(y), "*": x * int(y)}[op]
+        lines.append(f"{x}{op}{y}={result}")
+        x = result
+    return lines
+
+
+def test_solution_scores_of_a_prm_read_each_step_at_its_newline(tmp_path):
+    """solution_scores with a prm: the verifier's score at each step's newline, as it trains (encode), aggregated;
+    a stand-in prm whose score is +9 after a right step and -9 after a wrong one gives prod ~1 for a right solution
+    and ~0 when any step is wrong; orm: the last token's score."""
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+    newline = tok.encode("\n")[0]
+
+    class StepChecker(torch.nn.Module):
+        body = type("Body", (), {"config": type("C", (), {"block_size": 64})})()
+
+        def forward(self, idx):  # +9 at a newline after "=3" (the right first result below), else -9
+            out = torch.full(idx.shape, -9.0)
+            for b, row in enumerate(idx.tolist()):
+                text = tok.decode(row)
+                for t, token in enumerate(row):
+                    if token == newline and text[: t + 1].rstrip("\n").split("\n")[-1].endswith(("=3", "=9")):
+                        out[b, t] = 9.0
+            return out
+
+    pairs = [("1+2*3=", "1+2=3\n3*3=9\n"), ("1+2*3=", "1+2=4\n4*3=12\n"), ("1+2*3=", "1+2=3\n3*3=10\n")]
+    got = rm.solution_scores(StepChecker(), tok, "prm", pairs, "prod", "cpu")
+    assert got[0] > 0.99 and got[1] < 0.01 and got[2] < 0.01

@@ -1,5 +1,5 @@
 """reward_model.py: the Bradley-Terry loss, HH-RLHF parsing, the orm/prm data and their labels, reading the reward
-at the last real token, the checkpoint and --score, and end-to-end runs (run folder, resume, grad accumulation,
+at the last real token, the checkpoint, and end-to-end runs (run folder, resume, grad accumulation,
 torchrun, learning, bad input)."""
 
 import gzip
@@ -9,6 +9,7 @@ import math
 import random
 import re
 import zlib
+from collections import Counter
 
 import pytest
 import torch
@@ -181,9 +182,9 @@ def parse(step):
 
 def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
     """Label 1 exactly when the answer is the expression's value; about --error_frac of the answers are wrong."""
-    rng, labels, cfg = random.Random(0), [], rm.Config(digits=2, ops="+-*", error_frac=0.5)
+    rng, labels, cfg = random.Random(0), [], rm.Config(task="orm", digits=2, ops="+-*", error_frac=0.5)
     for _ in range(2000):
-        prompt, answer, label = rm.orm_example(rng, cfg)
+        prompt, answer, label = rm.synthetic_example(rng, cfg)
         assert prompt.endswith("=") and answer.endswith("\n") and set(prompt + answer) <= set(rm.ARITHMETIC_CHARS)
         _, truth, given = parse(prompt + answer)
         assert label == int(given == truth)
@@ -191,49 +192,51 @@ def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
     assert 0.45 < sum(labels) / len(labels) < 0.55
 
 
-def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step():
-    """Each step starts from the previous result; at most one result is wrong, and a step's label is 1 exactly
-    when it and every step before it are right."""
-    rng, with_error, cfg = random.Random(0), 0, rm.Config(digits=2, ops="+-*", chain_len=4, error_frac=0.5)
+@pytest.mark.parametrize("steps", [2, 3, 4])
+def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step(steps):
+    """A chain is the solution of a K-step problem, the prompt before its first step; each step applies the prompt's
+    next operation to the previous step's written result; at most one result is wrong, and a step's label is 1
+    exactly when it and every step before it are right."""
+    rng, with_error = random.Random(0), 0
+    cfg = rm.Config(task="prm", digits=2, ops="+-*", steps=steps, error_frac=0.5)
+    wrong_at = set()
     for _ in range(2000):
-        steps = rm.prm_chain(rng, cfg)
-        assert 2 <= len(steps) <= 4
-        parsed = [parse(text) for text, _ in steps]
+        chain = rm.synthetic_example(rng, cfg)
+        prompt, first = chain[0][0].split("=", 1)
+        texts = [first] + [text for text, _ in chain[1:]]
+        assert len(chain) == steps and prompt.startswith(texts[0].split("=")[0])  # the prompt's first operation
+        parsed = [parse(text) for text in texts]
         right = [truth == given for _, truth, given in parsed]
         assert sum(not r for r in right) <= 1
-        assert [label for _, label in steps] == [int(all(right[: i + 1])) for i in range(len(steps))]
-        assert all(parsed[i + 1][0] == parsed[i][2] for i in range(len(steps) - 1))  # starts from the last result
+        assert [label for _, label in chain] == [int(all(right[: i + 1])) for i in range(steps)]
+        assert all(parsed[i + 1][0] == parsed[i][2] for i in range(steps - 1))  # starts from the last result
+        operations = "".join(re.sub(r"^-?\d+", "", t.split("=")[0]) for t in texts)  # each step's "op y"
+        assert operations == re.sub(r"^\d+", "", prompt)
         with_error += not all(right)
-    assert 0.45 < with_error / 2000 < 0.55
+        wrong_at.update(i for i, r in enumerate(right) if not r)
+    assert 0.45 < with_error / 2000 < 0.55 and wrong_at == set(range(steps))  # any step can be the wrong one
 
 
 def test_prm_labels_sit_on_the_newline_after_each_step():
-    """'1+2=3\\n3*2=6\\n6-1=4\\n', one step a line as gpt.py's arithmetic data (so its char vocabulary covers it):
-    labels at the three newlines, -1 everywhere else; with GPT-2 BPE the last label moves to <|endoftext|>."""
+    """'1*2*2-1=1*2=2\\n2*2=4\\n4-1=4\\n', the prompt then one step a line as gpt.py's arithmetic data (so its char
+    vocabulary covers it): labels at the three newlines, -1 everywhere else; with GPT-2 BPE too (no end token: a
+    policy's solution ends at its last newline)."""
     tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
-    steps = (("1+2=3", 1), ("3*2=6", 1), ("6-1=4", 0))
+    steps = (("1*2*2-1=1*2=2", 1), ("2*2=4", 1), ("4-1=4", 0))
     ids, labels = rm.encode("prm", tok, steps, 32)
-    assert tok.decode(ids) == "1+2=3\n3*2=6\n6-1=4\n"
-    assert {i: y for i, y in enumerate(labels) if y >= 0} == {5: 1, 11: 1, 17: 0}
+    assert tok.decode(ids) == "1*2*2-1=1*2=2\n2*2=4\n4-1=4\n"
+    assert {i: y for i, y in enumerate(labels) if y >= 0} == {13: 1, 19: 1, 25: 0}
     if BPE_AVAILABLE:
         bpe = rm.BPETokenizer()
         ids, labels = rm.encode("prm", bpe, steps, 32)
-        assert bpe.decode(ids[:-1]) == "1+2=3\n3*2=6\n6-1=4\n" and ids[-1] == bpe.eot_id and labels[-1] == 0
-        assert [ids[i] for i, y in enumerate(labels) if y >= 0][:2] == bpe.encode("\n") * 2
+        assert bpe.decode(ids) == "1*2*2-1=1*2=2\n2*2=4\n4-1=4\n" and labels[-1] == 0
+        assert [ids[i] for i, y in enumerate(labels) if y >= 0] == bpe.encode("\n") * 3
 
 
 def test_orm_labels_cover_the_answer_tokens_only():
     tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
     ids, labels = rm.encode("orm", tok, ("12+3=", "15\n", 1), 32)
     assert tok.decode(ids) == "12+3=15\n" and labels == [-1] * 5 + [1] * 3
-
-
-def test_first_error_hits_hand_values():
-    """Steps at positions 1 and 3 (labels -1 elsewhere): a hit when the first step scored <= 0 is the first wrong
-    step, or when neither exists."""
-    labels = torch.tensor([[-1, 1, -1, 0], [-1, 1, -1, 1], [-1, 1, -1, 1], [-1, 0, -1, 0], [-1, 1, -1, 0]])
-    scores = torch.tensor([[9, 2, 9, -1], [-9, 3, -9, 1], [9, 2, 9, -2], [9, 1, 9, -1], [9, -1, 9, -2.0]])
-    assert rm.first_error_hits(scores, labels).tolist() == [1, 1, 0, 0, 0]
 
 
 def is_held_out(prompt):
@@ -252,7 +255,8 @@ def test_synthetic_data_is_split_by_problem_so_no_training_example_is_held_out(t
     held-out example is. Splitting by text instead (the old rule) left many problems without a right training
     answer: at --digits 1 the share of right orm answers in training fell from 1 - error_frac = 0.5 to about 0.2."""
     ops = "+" if task == "prm" else "+-*"
-    cfg = rm.Config(task=task, digits=1, chain_len=2, ops=ops, n_train=3000, n_val=1000, error_frac=0.5)
+    steps = 2 if task == "prm" else 1
+    cfg = rm.Config(task=task, digits=1, steps=steps, ops=ops, n_train=3000, n_val=1000, error_frac=0.5)
     train, val, _ = rm.synthetic_data(cfg)
     if task == "orm":
         train_problems = [prompt for prompt, _, _ in train]
@@ -393,6 +397,63 @@ def test_samples_from_labels_equal_the_exact_answer_checker(tmp_path, monkeypatc
         assert all(n % 8 == 0 for n in runs[:-1]) and len(set(prompts)) == len(runs)
 
 
+def test_samples_from_prm_labels_equal_the_step_checker_and_orm_sees_the_same_solutions(tmp_path, monkeypatch):
+    """--task prm --samples_from --steps 2: a stand-in policy writes right solutions, a wrong first step carried on, a
+    right final answer reached through a wrong step, a wrong second step, and a solution cut before its last
+    newline. Each step's label is grpo.py's step_correct of the solution (a last line without its newline: 0), the
+    last label is 1 only for a right solution, and --task orm at the same seed learns the same solutions, as many,
+    labelled by their final answer."""
+    from conftest import char_checkpoint
+
+    import grpo
+
+    tok = rm.CharTokenizer(rm.ARITHMETIC_CHARS)
+
+    def fake_generate(model, prompts, max_new_tokens, generator=None, **kwargs):
+        rows = []
+        for i, ids in enumerate(prompts):
+            prompt = tok.decode(ids)
+            x, (op1, y1), (op2, y2) = int(re.match(r"\d+", prompt).group()), *re.findall(r"([-+*])(\d+)", prompt)
+            r1 = {"+": x + int(y1), "-": x - int(y1), "*": x * int(y1)}[op1]
+            r2 = {"+": r1 + int(y2), "-": r1 - int(y2), "*": r1 * int(y2)}[op2]
+            wrong = {"+": r1 + 1 + int(y2), "-": r1 + 1 - int(y2), "*": (r1 + 1) * int(y2)}[op2]
+            candidates = [
+                f"{x}{op1}{y1}={r1}\n{r1}{op2}{y2}={r2}\n",  # right
+                f"{x}{op1}{y1}={r1 + 1}\n{r1 + 1}{op2}{y2}={wrong}\n",  # a wrong first step, carried on
+                f"{x}{op1}{y1}={r1 + 1}\n{r1 + 1}{op2}{y2}={r2}\n",  # the right answer through a wrong step
+                f"{x}{op1}{y1}={r1}\n{r1}{op2}{y2}={r2 + 1}\n",  # a wrong second step
+                f"{x}{op1}{y1}={r1}\n{r1}{op2}{y2}={r2}",  # cut before its last newline
+            ]
+            text = candidates[i % len(candidates)]
+            rows.append(tok.encode((text + "=" * max_new_tokens)[:max_new_tokens]))
+        return torch.tensor(rows), torch.ones(len(rows), max_new_tokens)
+
+    monkeypatch.setattr(rm, "generate", fake_generate)
+    policy = char_checkpoint(tmp_path / "policy.pt", rm.ARITHMETIC_CHARS, block_size=64)
+    rt = rm.Runtime(torch.device("cpu"), torch.float32)
+    common = dict(samples_from=str(policy), digits=2, ops="+-*", steps=2, n_train=300, n_val=100, seed=3)
+    prm_train, prm_val, _ = rm.sampled_data(rm.Config(task="prm", **common), tok, rt)
+    orm_train, orm_val, _ = rm.sampled_data(rm.Config(task="orm", **common), tok, rt)
+    assert len(prm_train) == len(orm_train) == 300 and len(prm_val) == len(orm_val) == 100
+    kinds = Counter()
+    for chain, (prompt, solution, outcome) in zip(prm_train + prm_val, orm_train + orm_val):
+        assert chain[0][0].startswith(prompt) and "".join(text + "\n" for text, _ in chain) == prompt + solution + (
+            "" if solution.endswith("\n") else "\n"
+        )
+        checked = grpo.step_correct(prompt, solution)
+        checked[-1] = checked[-1] and solution.endswith("\n")
+        labels = [label for _, label in chain]
+        assert labels == [int(c) for c in checked]
+        value = int(re.match(r"\d+", prompt).group())
+        for op, y in re.findall(r"([-+*])(\d+)", prompt):  # left to right
+            value = {"+": value + int(y), "-": value - int(y), "*": value * int(y)}[op]
+        assert outcome == int(solution.endswith("\n") and solution.split("=")[-1] == f"{value}\n")
+        assert labels[-1] <= outcome  # every step right: the final answer is right
+        kinds[tuple(labels), outcome] += 1
+    assert kinds[(1, 1), 1] and kinds[(0, 0), 0] and kinds[(0, 0), 1] and kinds[(1, 0), 0]  # each kind occurs
+    assert not any(is_held_out(prompt) for prompt, _, _ in orm_train) and all(is_held_out(p) for p, _, _ in orm_val)
+
+
 # ------------------------------------------------------------------------------------------- the model and reward
 
 
@@ -481,7 +542,7 @@ def test_preference_run_writes_the_run_folder_and_a_loadable_checkpoint(pref_run
     assert n_train + n_val == 200 and results["train_examples"] == n_train and results["eval_examples"] == 9
     assert 0 <= results["reward_acc"] <= 1
     rows = metrics(out)
-    keys = {"train/loss", "train/reward_acc", "train/margin", "train/chosen_mean", "train/rejected_std", "train/epoch"}
+    keys = {"train/loss", "train/reward_acc", "train/margin", "train/chosen_mean", "train/rejected_mean", "train/epoch"}
     assert all(keys <= set(r) for r in rows if "train/loss" in r)
     assert {r["step"] for r in rows if "eval/reward_acc" in r} == {0, 3, 6}
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
@@ -530,23 +591,6 @@ def test_init_from_a_policy_checkpoint_keeps_its_body_and_tokenizer(tmp_path, cl
     assert new["tokenizer"] == policy["tokenizer"] and new["model_config"] == policy["model_config"]
     assert all(torch.allclose(new["model"][k], policy["model"][k], atol=1e-6) for k in policy["model"])
     assert not torch.equal(new["reward_head"]["weight"], ckpt["reward_head"]["weight"])  # a new head
-
-
-@pytest.mark.slow
-def test_score_flag_prints_the_reward(pref_run, monkeypatch):
-    """reward_model.py --score TEXT --init_from ckpt.pt prints score() of the text and exits."""
-    ckpt = pref_run[0] / "ckpt.pt"
-    text = "\n\nHuman: the cat?\n\nAssistant: thanks a dog"
-    code, out, _ = run_main(monkeypatch, "--init_from", ckpt, "--score", text, "--device", "cpu")
-    model, spec, _ = rm.load_reward_model(str(ckpt))
-    (expected,) = rm.score(model, rm.get_tokenizer(spec), [text], "cpu")
-    assert code == 0 and float(out.strip()) == pytest.approx(expected, abs=1e-5)
-
-
-@pytest.mark.slow
-def test_score_flag_refuses_characters_outside_the_vocabulary(pref_run, monkeypatch):
-    code, _, err = run_main(monkeypatch, "--init_from", pref_run[0] / "ckpt.pt", "--score", "Q?", "--device", "cpu")
-    assert code == 2 and len(err) == 1 and "outside the model's char vocabulary" in err[0]
 
 
 @pytest.mark.slow
@@ -649,7 +693,7 @@ def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
     code, _, err = run_main(monkeypatch, "--task", task, *args, "--device", "cpu")
     assert code == 0, err[-5:]
     results = json.loads((out / "final_results.json").read_text())
-    keys = ("step_accuracy", "first_error_accuracy", "auc")
+    keys = ("step_accuracy", "auc")
     if task == "orm":
         keys = ("label_acc", "reward_correct", "reward_wrong", "accuracy_correct", "accuracy_wrong", "auc")
     assert all(k in results for k in keys) and 0 <= results[keys[0]] <= 1 and results["eval_examples"] == 40
@@ -716,8 +760,8 @@ def test_samples_from_trains_a_verifier_of_the_policy_on_its_own_answers(tmp_pat
     assert all("eval/auc_per_problem" in row and "eval/auc_problems" in row for row in evals)
     sft, new = (torch.load(path, weights_only=True) for path in (arithmetic_sft, out / "ckpt.pt"))
     assert new["model_config"] == sft["model_config"] and new["config"]["init_from"] == str(arithmetic_sft)
-    code, _, err = run_main(monkeypatch, "--task", "prm", "--samples_from", arithmetic_sft, "--out_dir", tmp_path / "x")
-    assert code == 2 and err == ["error: --samples_from is for --task orm"]
+    code, _, err = run_main(monkeypatch, "--samples_from", arithmetic_sft, "--out_dir", tmp_path / "x")
+    assert code == 2 and err == ["error: --samples_from is for --task orm or prm"]
 
 
 @pytest.mark.slow
@@ -740,7 +784,6 @@ def test_preference_model_learns_the_marker_to_over_90_percent_held_out(tmp_path
         (["--task", "ranking"], "--task"),
         (["--max_len", "200"], "block_size"),
         (["--ops", "+/"], "--ops"),
-        (["--init_from", "missing.pt", "--score", "hi"], "--score needs"),
         (["--pos_weight", "2"], "--pos_weight is for --task orm or prm"),
         (["--pos_weight", "0"], "--pos_weight must be positive"),
         (["--pos_weight", "-1"], "--pos_weight must be positive"),
