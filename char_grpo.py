@@ -146,17 +146,22 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     return adv.flatten()  # (N,)
 
 
-def process_advantages(token_rewards, mask, group_size, eps=1e-4):
+def process_advantages(token_rewards, mask, group_size, eps=1e-4, steps=None):
     """Process supervision (DeepSeekMath 4.1.3): every (N, T) reward is normalised by the mean and unbiased std of
-    all real rewards of its group, and the advantage at t is the sum of normalised rewards at positions >= t."""
+    all real rewards of its group, and the advantage at t is the sum of normalised rewards at positions >= t.
+    steps (N, T), 1.0 at the positions that carry a reward (the token that ends each step of a solution): only those
+    rewards are normalised and summed, so the zeros between them count for nothing. None: every real token of mask
+    carries one (next_token). The advantage is defined on every real token of mask either way."""
     N, T = token_rewards.shape
+    if steps is None:
+        steps = mask
     r = token_rewards.reshape(-1, group_size * T)  # (N/G, G*T): one row per group
-    m = mask.reshape(-1, group_size * T).float()
+    m = steps.reshape(-1, group_size * T).float()  # 1.0 where a reward is
     count = m.sum(1, keepdim=True)
     mean = (r * m).sum(1, keepdim=True) / count.clamp(min=1)
     std = ((((r - mean) * m) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     same = ((r == r.max(1, keepdim=True).values) | (m == 0)).all(1, keepdim=True)  # no spread: exactly 0
-    normed = ((r - mean) / (std + eps) * m).masked_fill(same, 0.0).view(N, T)  # (N, T)
+    normed = ((r - mean) / (std + eps) * m).masked_fill(same, 0.0).view(N, T)  # (N, T), 0 where no reward is
     return normed.flip(1).cumsum(1).flip(1) * mask  # (N, T): reversed cumulative sum, zero on padding
 
 

@@ -13,7 +13,8 @@ softmax(logits / --temperature) over the --top_k largest logits, so the first up
 the reference is scored at the same temperature over the whole vocabulary (as TRL), so the KL stays finite.
 Advantages (--adv): group  A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std (--scale_rewards batch: the
 batch's std; none: no division, Dr. GRPO) | rloo  A_i = R_i - mean of the other G - 1 rewards (Ahmadian et al.
-2024) | process  per-token rewards normalised by their group's mean and std, A_t = their sum from t on (next_token).
+2024) | process  per-token rewards normalised by their group's mean and std, A_t = their sum from t on (next_token;
+arithmetic with a --reward_model, prm or orm: only the token ending each step carries a reward, sigmoid(its score)).
 Loss types (--loss_type): N sequences of |o_i| tokens in the optimizer step (all micro-batches and ranks), L =
 --horizon, term_it the clipped token term above:
     grpo       -1/N sum_i 1/|o_i| sum_t term_it        each sequence weighs the same: a token of a long completion
@@ -216,17 +217,22 @@ def rloo_advantages(rewards, group_size):
     return (r - others).flatten()  # (N,)
 
 
-def process_advantages(token_rewards, mask, group_size, eps=1e-4):
+def process_advantages(token_rewards, mask, group_size, eps=1e-4, steps=None):
     """Process supervision (DeepSeekMath 4.1.3): every (N, T) reward is normalised by the mean and unbiased std of
-    all real rewards of its group, and the advantage at t is the sum of normalised rewards at positions >= t."""
+    all real rewards of its group, and the advantage at t is the sum of normalised rewards at positions >= t.
+    steps (N, T), 1.0 at the positions that carry a reward (the token that ends each step of a solution): only those
+    rewards are normalised and summed, so the zeros between them count for nothing. None: every real token of mask
+    carries one (next_token). The advantage is defined on every real token of mask either way."""
     N, T = token_rewards.shape
+    if steps is None:
+        steps = mask
     r = token_rewards.reshape(-1, group_size * T)  # (N/G, G*T): one row per group
-    m = mask.reshape(-1, group_size * T).float()
+    m = steps.reshape(-1, group_size * T).float()  # 1.0 where a reward is
     count = m.sum(1, keepdim=True)
     mean = (r * m).sum(1, keepdim=True) / count.clamp(min=1)
     std = ((((r - mean) * m) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     same = ((r == r.max(1, keepdim=True).values) | (m == 0)).all(1, keepdim=True)  # no spread: exactly 0
-    normed = ((r - mean) / (std + eps) * m).masked_fill(same, 0.0).view(N, T)  # (N, T)
+    normed = ((r - mean) / (std + eps) * m).masked_fill(same, 0.0).view(N, T)  # (N, T), 0 where no reward is
     return normed.flip(1).cumsum(1).flip(1) * mask  # (N, T): reversed cumulative sum, zero on padding
 
 
@@ -380,7 +386,7 @@ def training_step(run, step):
     t_rollout = time.time() - t0
 
     # 4. advantages, (N,) per sequence or (N, H) per token
-    adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt)
+    adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt, batch["steps"])
 
     # 5. loss and policy update; the KL coefficient warms up over the first --kl_warmup_tokens generated tokens
     beta = 0.0  # no reference, no KL term
@@ -447,7 +453,10 @@ def sample_batch(run):
 #   old_logp    (N, H) float             log-probs under the sampling distribution. None: one update per batch and a
 #                                        reward that reads no logits, so the training pass's own (detached) stand in
 #   ref_logp    (N, H) float             the reference's log-probs (same temperature, every token). None: no reference
-#   rewards     (N,) | (N, H) float      per sequence, or per token (next_token)
+#   rewards     (N,) | (N, H) float      per sequence, or per token (next_token; arithmetic --adv process: the
+#                                        reward model's reward at each step's end token, 0 between: process_rewards)
+#   steps       (N, H) float             1.0 at the positions that carry a reward: arithmetic --adv process, each
+#                                        step's end token (step_ends); else every real token (the mask)
 #   rollout_kl  (N,) float               k1 summed over each completion, sampling policy against the reference: the
 #                                        KL to the initial policy of the rollouts, only logged. None: no learned
 #                                        arithmetic reward
@@ -477,6 +486,10 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         rewards = []
         rollout_kl = []
         learned = cfg.task == "arithmetic" and cfg.reward_model and ref is not None  # rl/rollout_kl is logged
+        process = cfg.task == "arithmetic" and cfg.adv == "process"  # the reward model's reward at each step's end
+        steps = mask  # every real token carries a reward (next_token), or the reward is per sequence
+        if process:
+            steps = step_ends(completion, mask, task.eos_id)  # (N, H)
         n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batch size: no pass here is larger
         for i in range(0, len(rows), n_micro):
             cut = slice(i, i + n_micro)
@@ -501,7 +514,10 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                     logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]  # (n, H)
                 rollout_kl.append(((logp - ref_logp[-1]) * mask[cut]).sum(1))  # (n,)
             part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
-            rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
+            if process:
+                rewards.append(process_rewards(task.rm, rows[cut], completion[cut], steps[cut]))
+            else:
+                rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
     return dict(
         prompts=rows,
         completion=completion,
@@ -511,6 +527,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         old_logp=torch.cat(old_logp) if old_logp else None,
         ref_logp=torch.cat(ref_logp) if ref_logp else None,
         rewards=torch.cat(rewards).float(),
+        steps=steps,
         rollout_kl=torch.cat(rollout_kl) if rollout_kl else None,
     )
 
@@ -578,12 +595,13 @@ def take_rows(batches, rows):
     return out
 
 
-def compute_advantages(rewards, mask, kind, group_size, scale, rt):
-    """ALGO LOGIC 4: this rank's advantages, (N, H) for process, else (N,) from each completion's reward (per-token
-    rewards averaged over its real tokens). Groups never span ranks, but --scale_rewards batch divides by the std of
-    every rank's rewards: group_advantages runs on all ranks' rewards and each rank keeps its own rows."""
+def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
+    """ALGO LOGIC 4: this rank's advantages, (N, H) for process (steps: the positions that carry a reward; None:
+    every real token), else (N,) from each completion's reward (per-token rewards averaged over its real tokens).
+    Groups never span ranks, but --scale_rewards batch divides by the std of every rank's rewards: group_advantages
+    runs on all ranks' rewards and each rank keeps its own rows."""
     if kind == "process":
-        return process_advantages(rewards, mask, group_size)  # (N, H)
+        return process_advantages(rewards, mask, group_size, steps=steps)  # (N, H)
     seq_rewards = rewards  # (N,)
     if rewards.dim() == 2:  # per token: the mean over each completion's real tokens
         seq_rewards = (rewards * mask).sum(1) / mask.sum(1)
@@ -742,8 +760,9 @@ def rollout_metrics(task, first, batch, group_size, rt):
         return gather_rows(x.float(), rt).mean().item()
 
     rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
-    if rewards.dim() == 2:  # per token: the real ones
-        rewards = rewards[gather_rows(first["mask"], rt) > 0]
+    if rewards.dim() == 2:  # per token: those of the positions that carry one (every real token, or each step's end)
+        carry = first.get("steps", first["mask"])  # a batch without steps: every real token
+        rewards = rewards[gather_rows(carry, rt) > 0]
     return {
         "rl/reward_mean": rewards.mean().item(),
         "rl/reward_std": rewards.std().item(),
@@ -1170,6 +1189,27 @@ def reward_model_scores(rm, prompts, completion, mask):
     return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
 
 
+def process_rewards(rm, prompts, completion, steps):
+    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
+    step_ends) the sigmoid of its score there, 0 at every other position. A prm (reward_model.py --task prm) gives its
+    probability that every step so far is right; an orm, trained on the outcome label at every answer token, its
+    probability that the answer will end right (an outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275).
+    A completion follows its left-padded prompt whole: the model is causal, so what comes after a completion's last
+    real token changes no score up to it."""
+    seq, attn = join(prompts, completion)  # (N, P+H)
+    scores = rm(seq, attn)[:, -completion.size(1) :]  # (N, H) the score at each completion position
+    return torch.sigmoid(scores) * steps
+
+
+def step_ends(completion, mask, eos_id):
+    """(N, H) 1.0 at the token that ends each step of a completion, else 0: each newline (eos_id) among its real
+    tokens, and the last real token of a completion cut off before its final newline (a partial last step). mask is
+    1.0 on the real tokens, a prefix of each row (as sample_completions gives it)."""
+    newlines = (completion == eos_id) * mask  # (N, H) the newline after each line
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 at each completion's last real token, where its mask ends
+    return torch.maximum(newlines, last)
+
+
 def frozen_reward_model(cfg, tok, rt, longest):
     """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
     share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
@@ -1368,7 +1408,11 @@ def validate(cfg):
         "--ref_sync_steps with --reward_model: the over-optimisation measures are the KL to the initial policy",
     )
     check(cfg.steps == 1 or cfg.task == "arithmetic", "--steps is for --task arithmetic")
-    check(cfg.adv != "process" or cfg.task == "next_token", "--adv process needs per-token rewards (--task next_token)")
+    # per-token rewards: next_token's, or a reward model's at each step's end (process_rewards)
+    check(
+        cfg.adv != "process" or cfg.task == "next_token" or (cfg.task == "arithmetic" and cfg.reward_model),
+        "--adv process needs per-token rewards: --task next_token, or arithmetic with a --reward_model",
+    )
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
@@ -1490,6 +1534,8 @@ def evaluate_policy(run, step, logger):
     train mode: it has no dropout, so both modes compute the same."""
     ref = run.ref if isinstance(run.ref, GPT) else None  # the reference model, if any (not the bigram table)
     metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
+    if run.cfg.steps > 1:  # arithmetic of K steps: how right the steps of the greedy answers are
+        metrics.update(step_metrics(run.task, run.raw, run.rt))
     if run.first_eval is None:  # the evaluation before training, for final_results.json
         run.first_eval = metrics
     logger.log(step, {**metrics, "rl/tokens": run.tokens})
@@ -1497,6 +1543,23 @@ def evaluate_policy(run, step, logger):
         with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
             f.write(f"--- step {step}\n{text}\n")
     return metrics
+
+
+@torch.no_grad()
+def step_metrics(task, model, rt):
+    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the greedy answers to the held-out
+    problems whose final result is exact of the share of their lines step_correct judges right, and
+    eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such answer).
+    They are the greedy answers of the task's evaluation (the same generator, so the same tokens). A right result
+    reached through a wrong step is what an outcome reward cannot tell apart."""
+    _, completion, mask, exact = task.answer(model, rt, 1, 0.0)  # greedy
+    judged = [step_correct(p, t) for (p, _), t in zip(task.eval_problems, task.texts(completion, mask))]
+    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
+    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
+    return {
+        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
+        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
+    }
 
 
 def weights_checksum(model):
