@@ -781,10 +781,11 @@ class ArithmeticTask:
         }
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
-        if self.rm is not None and ref is not None:
+        if ref is not None and (self.rm is not None or self.cfg.steps > 1):
             # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
             # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
-            # places), to pick a peak on one half and report it on the other
+            # places), to pick a peak on one half and report it on the other. With --steps K > 1 a gold-reward run
+            # measures them too, so that its curve shares the KL axis of the runs on a process or outcome model
             prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
             per_problem = exact.view(-1, 4).mean(1)  # (E,)
             seq, attn = join(prompts, completion)
@@ -793,7 +794,8 @@ class ArithmeticTask:
             metrics["eval/sample_accuracy"] = exact.mean().item()
             metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
             metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
-            metrics["eval/sample_rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+            if self.rm is not None:
+                metrics["eval/sample_rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
             metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
         return metrics, "\n".join(shown)
 
