@@ -121,7 +121,7 @@ class Config:
     center_coef: float = 0.0  # preference: weight of mean((r_c + r_r)^2), which keeps rewards near 0
     pos_weight: float = None  # orm/prm: weight of the label-1 (right) terms in the cross-entropy; unset: no weighting
     # generated arithmetic (orm, prm)
-    digits: int = 2  # orm/prm: largest number of digits of an operand (prm: of the first number; each b has one)
+    digits: int = 2  # orm/prm, --best_of: largest number of digits of an operand
     ops: str = "+-*"  # orm/prm: operators to draw from
     steps: int = 1  # --samples_from, --best_of: operations per problem (K), left to right, solved one step a line
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
