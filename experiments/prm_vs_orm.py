@@ -114,18 +114,29 @@ def main():
     print(f"\nbest-of-n gold on {n_problems} held-out problems, mean +- s.e. over {len(runs)} seeds:")
     print_table(header, table)
 
-    # GRPO: gold, steps and KL against training steps
+    # the best n of each, picked on the problems at even places (gold_a), reported on the others (gold_b)
+    table = []
+    for name, header_name in zip(names, ["ORM", *[f"PRM ({a})" for _, a in list(best_of_runs(args).values())[1:]]]):
+        pick = max(ns, key=lambda n: sum(b[n]["gold_a"] for b in bon[name]))
+        table.append([header_name, str(pick), fmt([b[pick]["gold_b"] for b in bon[name]])])
+    print_table(["verifier", "best n (picked on half a)", "its gold on half b"], table)
+
+    # GRPO: gold, steps and KL against training steps; the peak step picked on half a, its gold on half b
     header = ["run", "step", "sampled gold", "greedy gold", "right steps, right answers", "right steps, wrong", "KL"]
     table = []
     for name in RL_RUNS:
         curves = [[r for r in metrics(run[name]) if "eval/accuracy" in r] for run in runs]
-        for i in sorted({0, len(curves[0]) // 2, len(curves[0]) - 1}):
+        for i in sorted({0, 1, 2, len(curves[0]) // 2, len(curves[0]) - 1} & set(range(len(curves[0])))):
             rows = [c[i] for c in curves]
             cells = [name, str(rows[0]["step"])]
             for key in ("eval/sample_accuracy", "eval/accuracy", *STEP_METRICS):
                 cells.append(fmt([r.get(key, float("nan")) for r in rows]))
             cells.append(fmt([r.get("eval/sample_kl", float("nan")) for r in rows], 2))
             table.append(cells)
+        peak = max(range(len(curves[0])), key=lambda i: sum(c[i]["eval/sample_accuracy_a"] for c in curves))
+        gold_b = fmt([c[peak]["eval/sample_accuracy_b"] for c in curves])
+        peak_step = f"peak: {curves[0][peak]['step']} (picked on half a)"
+        table.append([name, peak_step, f"{gold_b} (half b)", "", "", "", ""])
     print(f"\nGRPO on {n_problems} held-out problems, mean +- s.e. over {len(runs)} seeds:")
     print_table(header, table)
 
