@@ -123,7 +123,7 @@ class Config:
     # generated arithmetic (orm, prm)
     digits: int = 2  # orm/prm, --best_of: largest number of digits of an operand
     ops: str = "+-*"  # orm/prm: operators to draw from
-    steps: int = 1  # --samples_from, --best_of: operations per problem (K), left to right, solved one step a line
+    steps: int = 1  # orm/prm, --best_of: operations per problem (K), left to right, solved one step a line
     error_frac: float = 0.5  # orm/prm: fraction of corrupted answers / of chains with a wrong step
     n_train: int = 20000  # orm/prm: generated training examples (never of a held-out problem)
     n_val: int = 1000  # orm/prm: generated held-out examples (of held-out problems only)
