@@ -1307,24 +1307,26 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated for the whole generation and filled left to right, and which
-    positions hold real tokens (False on left padding)."""
+    """Keys and values of every layer for all max_len positions, and which positions hold real tokens (False on
+    left padding and where nothing is written yet), as gpt-fast keeps them: attention reads all max_len keys, masked
+    by position, so every decode step has the same shapes. The keys and values start as zeros, not garbage: a
+    masked key's weight is 0, and 0 * NaN would be NaN. pos (a 0-dim tensor, gpt-fast's input_pos) counts the
+    positions filled, and at holds the positions of the chunk being written: tensors, so a compiled decode step
+    needs no new graph per position and the host never waits for them."""
 
     def __init__(self, config, batch_size, max_len, device):
         self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
         self.k = self.v = None  # allocated on first use, in the dtype attention produces (autocast)
-        self.real = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
-        self.padded = False  # whether any key is padding (then attention needs an explicit mask)
-        self.pos = 0  # positions filled
+        self.real = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
 
-    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) -> all keys and values so far (B, nh, pos+T, hs)
+    def update(self, layer, k, v):  # k, v: (B, nh, T, hs) written at positions self.at -> (B, nh, max_len, hs)
         if self.k is None:
-            self.k = torch.empty(self.shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty_like(self.k)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos : end] = k
-        self.v[layer, :, :, self.pos : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+            self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros_like(self.k)
+        self.k[layer].index_copy_(2, self.at, k)
+        self.v[layer].index_copy_(2, self.at, v)
+        return self.k[layer], self.v[layer]
 
 
 class CausalSelfAttention(nn.Module):
@@ -1344,9 +1346,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, nh, past+T, hs)
-        # attn_mask None: plain causal attention over this chunk (a single query after a cache sees every key)
-        causal = attn_mask is None and k.size(2) == T and T > 1
+            k, v = cache.update(layer, k, v)  # (B, nh, max_len, hs)
+        causal = attn_mask is None  # no mask (no cache, no padding): plain causal attention over this chunk
         dropout = self.dropout if self.training else 0.0
         # (B, nh, T, hs): each query's weighted sum of the values it may see
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
@@ -1418,21 +1419,21 @@ class GPT(nn.Module):
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
                       temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
-        past = 0 if cache is None else cache.pos
-        if past + T > self.config.block_size:
-            raise ValueError(f"sequence of {past + T} tokens is longer than block_size {self.config.block_size}")
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        padded = attention_mask is not None  # every key is real without a mask: plain causal attention
+        q_at = torch.arange(T, device=idx.device)  # (T,) absolute query positions
         if cache is not None:
-            cache.real[:, past : past + T] = real
-            real = cache.real[:, : past + T]  # (B, past+T)
-            cache.padded = padded = cache.padded or padded
-        pos = (real.long().cumsum(1) - 1).clamp(min=0)[:, past:]  # (B, T), counted from each row's first real token
+            q_at = q_at + cache.pos
+            cache.at = q_at  # where update writes this chunk's keys and values
+            cache.real.index_copy_(1, q_at, real)
+            real = cache.real  # (B, max_len): keys are every cached position, written or not
+        if real.size(1) > self.config.block_size:  # a cache counts its whole max_len
+            raise ValueError(f"sequence of {real.size(1)} tokens is longer than block_size {self.config.block_size}")
+        pos = (real.long().cumsum(1) - 1).clamp(min=0)[:, q_at]  # (B, T), counted from each row's first real token
         mask = None
-        if padded or (past > 0 and T > 1):  # causal and real keys; a pad query sees itself, so no row is empty
-            q_at = torch.arange(past, past + T, device=idx.device)[:, None]  # (T, 1) absolute query position
-            k_at = torch.arange(past + T, device=idx.device)[None, :]  # (1, past+T)
-            mask = (((k_at <= q_at) & real[:, None, :]) | (k_at == q_at))[:, None]  # (B, 1, T, past+T)
+        if cache is not None or attention_mask is not None:  # causal and real keys; a query always sees itself
+            k_at = torch.arange(real.size(1), device=idx.device)  # (S,) absolute key position, S = T or max_len
+            mask = ((k_at <= q_at[:, None]) & real[:, None, :]) | (k_at == q_at[:, None])  # (B, T, S)
+            mask = mask[:, None]  # (B, 1, T, S): one mask for every head
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, mask, layer, cache)

@@ -578,17 +578,20 @@ def test_residual_projections_are_initialised_with_std_002_over_sqrt_2_n_layer()
 
 
 def test_a_sequence_longer_than_block_size_raises_value_error():
-    """forward accepts exactly block_size tokens and raises ValueError for more (also counting cached
-    tokens); generate raises when prompt + max_new_tokens exceeds block_size, for list and tensor prompts."""
+    """forward accepts exactly block_size tokens and raises ValueError for more; with a KV cache its whole max_len
+    counts (a cache longer than block_size is refused at once), and a chunk that does not fit in the cache raises
+    IndexError. generate raises when prompt + max_new_tokens exceeds block_size, for list and tensor prompts."""
     torch.manual_seed(0)
     model = tiny_model(block_size=16)
     with torch.no_grad():
         assert model(torch.zeros(1, 16, dtype=torch.long))[0].shape == (1, 16, 61)
         with pytest.raises(ValueError):
             model(torch.zeros(1, 17, dtype=torch.long))
-        cache = KVCache(model.config, 1, 32, "cpu")
-        model(torch.zeros(1, 15, dtype=torch.long), cache=cache)
         with pytest.raises(ValueError):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=KVCache(model.config, 1, 17, "cpu"))
+        cache = KVCache(model.config, 1, 16, "cpu")
+        model(torch.zeros(1, 15, dtype=torch.long), cache=cache)
+        with pytest.raises(IndexError):
             model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
     assert generate(model, [[1, 2, 3, 4]], 12)[0].shape == (1, 12)  # 4 + 12 = block_size: fine
     with pytest.raises(ValueError):
