@@ -3,10 +3,14 @@ bench.py: speed and memory of the shared GPT model, as numbers (not pass/fail), 
 
 Measurements (`--only`, comma-separated; all by default), each the median of `--repeats` runs after `--warmup`
 warm-up runs, CUDA synchronized around every timed run:
-    sample_kv       new tokens/s of generate(..., use_cache=True): batch_size prompts of prompt_len random tokens
+    sample_kv       new tokens/s of generate(..., use_cache=True): batch_size prompts of prompt_len random tokens;
+                    beside it prefill_ms (the prompt's forward) and decode_step_ms (the rest of the run, the
+                    decode loop, over new_tokens: ms per decode step, one token for every row), medians over the runs
     sample_nocache  the same with use_cache=False (the whole sequence is recomputed for every new token)
     train           training tokens/s of one step (forward with targets, backward, AdamW) at train_batch x
-                    train_seq; `mfu` against the GPU's dense bf16 peak (null off CUDA and on unknown GPUs)
+                    train_seq; `mfu` against the GPU's dense bf16 peak (null off CUDA and on unknown GPUs).
+                    --profile: `repeats` more steps under torch.profiler, after the timed ones; the table of
+                    the 20 ops (CUDA: kernels) with the most self time goes to --profile_out, named in the row
     memory          peak MB (2^20 bytes) over two train steps (the second holds the AdamW state of the first): CUDA
                     max_memory_allocated; CPU the process's peak resident set (ru_maxrss, which includes the
                     Python and torch baseline, reported as `before_mb`), so on CPU it is measured first
@@ -23,7 +27,11 @@ warm-up runs, CUDA synchronized around every timed run:
                     (the *_step measurements run the scripts themselves; see bench_script_step)
 With --vs hf each measurement is repeated with transformers (GPT2LMHeadModel.generate, a training step) or TRL
 (GRPOTrainer, DPOTrainer, RewardTrainer) on the same work and weights, and a second line gives `speedup`, how
-many times faster ours is (optional: pip install transformers trl).
+many times faster ours is (optional: pip install transformers trl; sampling and train need only transformers).
+sample_kv gets a second transformers line, impl "hf_static": generate(..., cache_implementation="static"), its
+forward compiled on CUDA as transformers documents it (torch.compile(model.forward, mode="reduce-overhead",
+fullgraph=True)), on the CPU only with --compile; the peers' sampling lines add `decode_speedup` (their
+decode_step_ms over ours).
 Models are built from scratch with random weights (nothing is downloaded): tiny (4 layers, 4 heads, 128 wide),
 small (6, 6, 384), gpt2 (12, 12, 768, the 124M GPT-2); all with the GPT-2 vocabulary and 1024 positions.
 
@@ -32,6 +40,7 @@ Commands:
     python bench.py --model tiny --vs hf                             # side by side with transformers / TRL
     python bench.py --model gpt2 --device cuda                       # one GPU, bf16 autocast
     python bench.py --model gpt2 --device cuda --compile --only train,memory --train_batch 16 --train_seq 1024
+    python bench.py --model gpt2 --device cuda --compile --only train --profile      # top kernels: bench_profile.txt
 The measured tables, with their hardware and dates: docs/performance.md.
 """
 
@@ -79,7 +88,9 @@ class Config:
     repeats: int = 3  # timed runs; the median is reported
     only: str = "sample_kv,sample_nocache,train,memory,grpo_step,ppo_step,dpo_step,rm_step,rookworld_step"  # to run
     seed: int = 1337  # seed of the weights, the prompts and the sampler
-    vs: str = ""  # hf: also run transformers / TRL on the same work and print the speedup (needs both installed)
+    vs: str = ""  # hf: also run transformers (TRL for grpo_step, dpo_step, rm_step) on the same work; print speedup
+    profile: bool = False  # train: profile `repeats` more training steps after the timed ones (torch.profiler)
+    profile_out: str = "bench_profile.txt"  # train --profile: where the table of the top ops by self time goes
 
 
 MODELS = {
@@ -436,6 +447,8 @@ def parse_config(argv=None):
     for name in positive:
         if getattr(cfg, name) <= 0:
             die(f"--{name} must be positive (got {getattr(cfg, name)})")
+    if cfg.profile and "train" not in cfg.only.split(","):
+        die("--profile profiles the train measurement: add train to --only")
     if cfg.warmup < 0:
         die(f"--warmup must be >= 0 (got {cfg.warmup})")
     if cfg.prompt_len + cfg.new_tokens > 1024 or cfg.train_seq > 1024 or cfg.pair_len > 1024:
@@ -476,6 +489,45 @@ def median_seconds(fn, device, warmup, repeats):
     return statistics.median(times)
 
 
+def generate_seconds(fn, module, device, warmup, repeats):
+    """Median wall time of fn(), one whole generation, and of its two parts: the prefill (from the start until the
+    first forward of `module`, the prompt's, has returned) and the decode loop (the rest: every new token's
+    sampling and forward). A forward hook marks the prefill's end, the device synchronized there once per run.
+    Returns (seconds, prefill seconds, decode seconds), each the median over `repeats` runs."""
+    marks = []
+
+    def prefill_done(mod, args, out):
+        if not marks:  # the first forward of a run is the prefill
+            sync(device)
+            marks.append(time.perf_counter())
+
+    handle = module.register_forward_hook(prefill_done)
+    try:
+        for _ in range(warmup):
+            fn()
+        totals, prefills = [], []
+        for _ in range(repeats):
+            marks.clear()
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            totals.append(time.perf_counter() - t0)
+            prefills.append(marks[0] - t0)
+    finally:
+        handle.remove()
+    decodes = [total - prefill for total, prefill in zip(totals, prefills)]
+    return statistics.median(totals), statistics.median(prefills), statistics.median(decodes)
+
+
+def sample_details(cfg, seconds, prefill, decode):
+    """The sampling rows' details: prefill_ms, the prompt's forward, and decode_step_ms, the decode loop's time
+    over new_tokens (ms per decode step, each step making one token in every row of the batch)."""
+    details = dict(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seconds=seconds)
+    details.update(prefill_ms=1000 * prefill, decode_step_ms=1000 * decode / cfg.new_tokens)
+    return details
+
+
 def bench_sample(model, cfg, env, use_cache):
     gen = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(model.config.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=gen)  # (B, T)
@@ -486,9 +538,8 @@ def bench_sample(model, cfg, env, use_cache):
             generate(model, prompts, cfg.new_tokens, temperature=1.0, generator=sampler, use_cache=use_cache)
 
     model.eval()
-    seconds = median_seconds(run, env["device"], cfg.warmup, cfg.repeats)
-    details = dict(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seconds=seconds)
-    return cfg.batch_size * cfg.new_tokens / seconds, "tokens/s", details
+    seconds, prefill, decode = generate_seconds(run, model, env["device"], cfg.warmup, cfg.repeats)
+    return cfg.batch_size * cfg.new_tokens / seconds, "tokens/s", sample_details(cfg, seconds, prefill, decode)
 
 
 def train_setup(model, cfg, env):
@@ -517,7 +568,31 @@ def bench_train(model, cfg, env):
     if env["peak_flops"]:
         mfu = flops_per_token(env["raw_model"], cfg.train_seq) * tokens / seconds / env["peak_flops"]
     details = dict(train_batch=cfg.train_batch, train_seq=cfg.train_seq, step_ms=1000 * seconds, mfu=mfu)
+    if cfg.profile:
+        details["profile"] = profile_steps(step, cfg, env)
     return tokens / seconds, "tokens/s", details
+
+
+def profile_steps(step, cfg, env):
+    """`repeats` more training steps under torch.profiler, after the timed ones (so compilation and warm-up are
+    not in it, and the profiler's own cost is not in the timing). Writes the table of the 20 ops or kernels with
+    the most self time (device time on CUDA, CPU time elsewhere) to cfg.profile_out and returns its path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = env["device"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(cfg.repeats):
+            step()
+        sync(device)
+    # self_device_time_total is the current name of self_cuda_time_total
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=20)
+    title = f"bench.py train --profile: {cfg.repeats} step(s) of {cfg.train_batch} x {cfg.train_seq} tokens"
+    title += f", --model {cfg.model}, {device.type}, {env['dtype']}, compile={cfg.compile}; sorted by {sort_by}"
+    with open(cfg.profile_out, "w") as f:
+        f.write(f"{title}\n{table}\n")
+    return cfg.profile_out
 
 
 def rss_peak_mb():
@@ -663,15 +738,26 @@ BENCHES = {
 # not), median over the steps after the warm-up. TRL 1.16 has no PPO trainer any more, so there is no ppo_step.
 
 
-def hf_modules():
+TRL_BENCHES = ("grpo_step", "dpo_step", "rm_step")  # the only measurements whose peer needs TRL
+
+
+def hf_transformers():
     try:
-        import datasets
         import transformers
-        import trl
     except ImportError:
-        die("--vs hf needs transformers and TRL: pip install transformers trl")
+        die("--vs hf needs transformers: pip install transformers")
     transformers.logging.set_verbosity_error()  # their warnings and progress bars, not the bench's lines
     transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def hf_modules():
+    transformers = hf_transformers()
+    try:
+        import datasets
+        import trl
+    except ImportError:
+        die(f"--vs hf with {', '.join(TRL_BENCHES)} needs TRL: pip install trl (or leave them out of --only)")
     datasets.disable_progress_bars()
     return transformers, trl, datasets
 
@@ -679,7 +765,7 @@ def hf_modules():
 def hf_model(cfg, env, reward_head=False):
     """transformers' GPT2LMHeadModel (GPT2ForSequenceClassification with one label, its head random, for
     reward_head) with the bench model's weights: our nn.Linear weights are the transpose of GPT-2's Conv1D."""
-    transformers, _, _ = hf_modules()
+    transformers = hf_transformers()
     config = transformers.GPT2Config(
         vocab_size=50257, n_positions=1024, **MODELS[cfg.model], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
     )
@@ -695,12 +781,37 @@ def hf_model(cfg, env, reward_head=False):
     return model.to(env["device"])
 
 
-def hf_sample(model, cfg, env, folder, use_cache):
+def hf_sample(model, cfg, env, folder, use_cache, static=False):
+    """generate() on the same prompts. static: a static KV cache (cache_implementation="static", preallocated for
+    prompt_len + new_tokens), and on CUDA the forward compiled as transformers' docs on the static cache write it,
+    torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) (CUDA graphs); on CPU compiled only with
+    --compile (default mode), else eager. generate's own compilation is then switched off (disable_compile), so the
+    forward is compiled once. Returns None, after one line on stderr, when transformers cannot do it on GPT-2."""
+    transformers = hf_transformers()
+    device = env["device"]
     hf = hf_model(cfg, env).eval()
     gen = torch.Generator().manual_seed(cfg.seed)
-    prompts = torch.randint(50257, (cfg.batch_size, cfg.prompt_len), generator=gen).to(env["device"])  # ours too
+    prompts = torch.randint(50257, (cfg.batch_size, cfg.prompt_len), generator=gen).to(device)  # ours too
     n = cfg.new_tokens
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n)
+    if static:
+        kwargs.update(cache_implementation="static", disable_compile=True)
+        try:  # two prompt tokens, one new token, eager: can this transformers do it at all?
+            with torch.no_grad():
+                hf.generate(prompts[:1, :2], **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+        except Exception as e:
+            reason = " ".join(str(e).split())[:200]
+            print(
+                f"--vs hf: transformers {transformers.__version__} cannot sample GPT-2 with a static cache "
+                f"({type(e).__name__}: {reason}); no hf_static row",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+        if device.type == "cuda":
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        elif cfg.compile:
+            hf.forward = torch.compile(hf.forward, fullgraph=True)
 
     def run():
         torch.manual_seed(cfg.seed)
@@ -708,8 +819,10 @@ def hf_sample(model, cfg, env, folder, use_cache):
             out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), use_cache=use_cache, **kwargs)
         assert out.shape == (cfg.batch_size, cfg.prompt_len + n)
 
-    seconds = median_seconds(run, env["device"], cfg.warmup, cfg.repeats)
-    details = dict(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=n, seconds=seconds)
+    seconds, prefill, decode = generate_seconds(run, hf, device, cfg.warmup, cfg.repeats)
+    details = sample_details(cfg, seconds, prefill, decode)
+    if static:
+        details["compiled"] = device.type == "cuda" or cfg.compile
     return cfg.batch_size * n / seconds, "tokens/s", details
 
 
@@ -738,7 +851,7 @@ def hf_tokenizer():
     when it has to), as our scripts' tokenizer does."""
     from tiktoken.load import read_file_cached
 
-    transformers, _, _ = hf_modules()
+    transformers = hf_transformers()
     url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
     vocab = json.loads(read_file_cached(url + "encoder.json"))
     merges = [tuple(line.split()) for line in read_file_cached(url + "vocab.bpe").decode().splitlines()[1:] if line]
@@ -768,7 +881,7 @@ def trl_args(cfg, env, folder, **extra):
 
 def trl_step_ms(trainer, cfg, env, sizes):
     """Train and return (median ms per optimizer step after the warm-up, details)."""
-    transformers, _, _ = hf_modules()
+    transformers = hf_transformers()
     times = []
 
     class StepTimer(transformers.TrainerCallback):
@@ -863,13 +976,17 @@ def hf_rm(model, cfg, env, folder):
     return trl_step_ms(trainer, cfg, env, dict(pairs=cfg.pairs, pair_len=cfg.pair_len))
 
 
+# measurement -> {impl: the peer}: each peer is one row labelled by its impl
 HF_BENCHES = {
-    "train": hf_train,
-    "sample_kv": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=True),
-    "sample_nocache": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=False),
-    "grpo_step": hf_grpo,
-    "dpo_step": hf_dpo,
-    "rm_step": hf_rm,
+    "train": {"hf": hf_train},
+    "sample_kv": {
+        "hf": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=True),
+        "hf_static": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=True, static=True),
+    },
+    "sample_nocache": {"hf": lambda model, cfg, env, folder: hf_sample(model, cfg, env, folder, use_cache=False)},
+    "grpo_step": {"hf": hf_grpo},
+    "dpo_step": {"hf": hf_dpo},
+    "rm_step": {"hf": hf_rm},
 }
 
 
@@ -902,8 +1019,10 @@ def main():
     common = dict(model=cfg.model, device=device.type, dtype=dtype)
     extra = dict(compile=cfg.compile, params=raw_model.num_params(), gpu=gpu, threads=torch.get_num_threads())
     wanted = set(cfg.only.split(","))
-    if cfg.vs == "hf":
+    if cfg.vs == "hf" and wanted & set(TRL_BENCHES):
         hf_modules()  # one line and exit 2 now, not after our measurements, when transformers or TRL is missing
+    elif cfg.vs == "hf":
+        hf_transformers()
     inputs = tempfile.TemporaryDirectory()  # the scripts' and TRL's inputs, written once (removed at exit)
     if cfg.vs == "hf" or any(name.endswith("_step") for name in wanted):
         write_inputs(cfg, env, inputs.name)
@@ -913,20 +1032,18 @@ def main():
             continue
         value, unit, details = bench(model, cfg, env)
         emit({"bench": name, "impl": "ours", **common, "value": value, "unit": unit, **details, **extra})
-        if cfg.vs == "hf" and name in HF_BENCHES:
-            hf_value, _, hf_details = HF_BENCHES[name](model, cfg, env, env["inputs"])
+        if cfg.vs != "hf":
+            continue
+        for impl, peer in HF_BENCHES.get(name, {}).items():
+            result = peer(model, cfg, env, env["inputs"])
+            if result is None:  # the peer cannot run here (it said why on stderr)
+                continue
+            hf_value, _, hf_details = result
             speedup = value / hf_value if unit == "tokens/s" else hf_value / value  # > 1: ours is faster
-            emit(
-                {
-                    "bench": name,
-                    "impl": "hf",
-                    **common,
-                    "value": hf_value,
-                    "unit": unit,
-                    "speedup": speedup,
-                    **hf_details,
-                }
-            )
+            if "decode_step_ms" in hf_details:  # > 1: our decode step is faster
+                hf_details["decode_speedup"] = hf_details["decode_step_ms"] / details["decode_step_ms"]
+            row = {"bench": name, "impl": impl, **common, "value": hf_value, "unit": unit, "speedup": speedup}
+            emit({**row, **hf_details})
 
 
 def emit(row):

@@ -68,8 +68,61 @@ def test_bench_times_a_step_of_each_post_training_script():
         assert r["unit"] == "ms" and r["value"] > 0 and r["peak_mb"] > 100 and r["script"] == scripts[name], r
 
 
+TINY_SAMPLING = ["--model", "tiny", "--batch_size", "2", "--prompt_len", "4", "--new_tokens", "4"]
+TINY_SAMPLING += ["--repeats", "1", "--warmup", "0"]
+SAMPLE_FIELDS = ("seconds", "prefill_ms", "decode_step_ms")
+
+
+def test_bench_sampling_rows_give_prefill_and_ms_per_decode_step():
+    """sample_kv and sample_nocache keep their tokens/s value and add the prefill's ms and the decode loop's ms per
+    new token, all positive; the decode steps and the prefill together take no longer than the whole run."""
+    proc = run_script("bench.py", *TINY_SAMPLING, "--only", "sample_kv,sample_nocache", env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["bench"] for r in rows] == ["sample_kv", "sample_nocache"]
+    for r in rows:
+        assert r["unit"] == "tokens/s" and r["value"] > 0, r
+        assert all(isinstance(r[k], float) and r[k] > 0 for k in SAMPLE_FIELDS), r
+        assert r["prefill_ms"] + r["new_tokens"] * r["decode_step_ms"] <= 1000 * r["seconds"] * 1.01, r
+
+
+def test_bench_train_profile_writes_a_table_of_aten_ops(tmp_path):
+    """train --profile writes the profiler's table of top ops by self CPU time to --profile_out, names the file in
+    the train row, and keeps stdout one JSON line per measurement."""
+    out = tmp_path / "profile.txt"
+    args = ["--model", "tiny", "--only", "train", "--train_batch", "2", "--train_seq", "16", "--repeats", "1"]
+    args += ["--warmup", "0", "--profile", "--profile_out", out]
+    proc = run_script("bench.py", *args, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert row["bench"] == "train" and row["value"] > 0 and row["profile"] == str(out), row
+    table = out.read_text()
+    assert "aten::" in table and "self_cpu_time_total" in table, table[:2000]
+
+
+def test_bench_vs_hf_adds_a_static_cache_peer_row_with_the_same_fields():
+    """--vs hf --only sample_kv: one row each for ours, transformers' generate (impl hf) and generate with a static
+    KV cache (impl hf_static), the peers with the same fields as ours plus speedup and decode_speedup. Skipped
+    without transformers, or when this transformers cannot sample GPT-2 with a static cache (bench.py says so)."""
+    pytest.importorskip("transformers")
+    proc = run_script("bench.py", *TINY_SAMPLING, "--only", "sample_kv", "--vs", "hf", env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "cannot sample GPT-2 with a static cache" in proc.stderr:
+        pytest.skip("this transformers has no static cache for GPT-2")
+    rows = {r["impl"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert sorted(rows) == ["hf", "hf_static", "ours"]
+    for impl in ("hf", "hf_static"):
+        r = rows[impl]
+        assert r["bench"] == "sample_kv" and r["unit"] == "tokens/s" and r["value"] > 0, r
+        assert all(isinstance(r[k], float) and r[k] > 0 for k in SAMPLE_FIELDS + ("speedup", "decode_speedup")), r
+        ratio = rows["ours"]["value"] / r["value"]
+        assert abs(r["speedup"] / ratio - 1) < 0.01, (r, rows["ours"])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [["--only", "nope"], ["--vs", "trl"], ["--group_size", "1"]])
+@pytest.mark.parametrize(
+    "args", [["--only", "nope"], ["--vs", "trl"], ["--group_size", "1"], ["--profile", "--only", "sample_kv"]]
+)
 def test_bench_new_flags_refuse_bad_values_in_one_line(args):
     proc = run_script("bench.py", *args)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
