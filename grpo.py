@@ -941,6 +941,8 @@ class ArithmeticTask:
             "eval/format_rate": sum(well_formed) / len(texts),
             "eval/n_problems": len(texts),  # distinct held-out problems
         }
+        if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
+            metrics.update(step_metrics(self.eval_problems, texts, exact))
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         if ref is not None and (self.rm is not None or self.cfg.steps > 1):
@@ -1068,6 +1070,20 @@ def step_correct(prompt, solution):
         right.append(line == step and all(right))
         x = result
     return right
+
+
+def step_metrics(problems, texts, exact):
+    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the answers to the problems
+    (prompt, answer) whose final result is exact ((E,) 1.0) of the share of their lines step_correct judges right,
+    and eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such
+    answer). A right result reached through a wrong step is what an outcome reward cannot tell apart."""
+    judged = [step_correct(prompt, text) for (prompt, _), text in zip(problems, texts)]
+    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
+    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
+    return {
+        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
+        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
+    }
 
 
 HH_TURN = "\n\nAssistant:"
@@ -1536,8 +1552,6 @@ def evaluate_policy(run, step, logger):
     train mode: it has no dropout, so both modes compute the same."""
     ref = run.ref if isinstance(run.ref, GPT) else None  # the reference model, if any (not the bigram table)
     metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
-    if run.cfg.steps > 1:  # arithmetic of K steps: how right the steps of the greedy answers are
-        metrics.update(step_metrics(run.task, run.raw, run.rt))
     if run.first_eval is None:  # the evaluation before training, for final_results.json
         run.first_eval = metrics
     logger.log(step, {**metrics, "rl/tokens": run.tokens})
@@ -1545,23 +1559,6 @@ def evaluate_policy(run, step, logger):
         with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
             f.write(f"--- step {step}\n{text}\n")
     return metrics
-
-
-@torch.no_grad()
-def step_metrics(task, model, rt):
-    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the greedy answers to the held-out
-    problems whose final result is exact of the share of their lines step_correct judges right, and
-    eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such answer).
-    They are the greedy answers of the task's evaluation (the same generator, so the same tokens). A right result
-    reached through a wrong step is what an outcome reward cannot tell apart."""
-    _, completion, mask, exact = task.answer(model, rt, 1, 0.0)  # greedy
-    judged = [step_correct(p, t) for (p, _), t in zip(task.eval_problems, task.texts(completion, mask))]
-    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
-    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
-    return {
-        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
-        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
-    }
 
 
 def weights_checksum(model):

@@ -779,6 +779,8 @@ class ArithmeticTask:
             "eval/format_rate": sum(well_formed) / len(texts),
             "eval/n_problems": len(texts),  # distinct held-out problems
         }
+        if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
+            metrics.update(step_metrics(self.eval_problems, texts, exact))
         if self.rm is not None:  # the proxy's view of the same greedy answers
             metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
         if ref is not None and (self.rm is not None or self.cfg.steps > 1):
@@ -883,6 +885,43 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     if m.group(1) == answer.split("=")[-1].strip():
         return 1.0
     return format_reward
+
+
+def step_correct(prompt, solution):
+    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
+    operation applied to the previous step's result (the first: the prompt's first operation), written as
+    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
+    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
+    arithmetic that does not continue the chain; a line past the last operation is wrong."""
+    x = int(re.match(r"\d+", prompt).group())
+    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
+    right = []  # each written step's
+    for line in solution.splitlines():
+        if len(right) == len(operations):  # no operation left
+            right.append(False)
+            continue
+        op, y = operations[len(right)]
+        result = operate(x, op, int(y))
+        step = f"{x}{op}{y}={result}"
+        if len(operations) == 1:
+            step = f"{result}"
+        right.append(line == step and all(right))
+        x = result
+    return right
+
+
+def step_metrics(problems, texts, exact):
+    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the answers to the problems
+    (prompt, answer) whose final result is exact ((E,) 1.0) of the share of their lines step_correct judges right,
+    and eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such
+    answer). A right result reached through a wrong step is what an outcome reward cannot tell apart."""
+    judged = [step_correct(prompt, text) for (prompt, _), text in zip(problems, texts)]
+    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
+    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
+    return {
+        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
+        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
+    }
 
 
 class RewardModelTask:

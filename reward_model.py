@@ -206,9 +206,11 @@ def per_problem_auc(rewards, labels, problems):
     others have no pair to rank and are skipped; (nan, 0) when none has both, as roc_auc gives nan. Best-of-n and
     RL rank the answers of one problem against each other, so this is the AUC they meet; the pooled AUC also credits
     a verifier for scoring easy problems above hard ones."""
+    rows = {}  # problem -> its row indices, in order of first appearance
+    for i, problem in enumerate(problems):
+        rows.setdefault(problem, []).append(i)
     aucs = []
-    for problem in dict.fromkeys(problems):  # in order of first appearance
-        index = [i for i, q in enumerate(problems) if q == problem]  # the problem's rows
+    for index in rows.values():
         y = labels[index]
         if 0 < y.sum() < len(index):  # both labels
             aucs.append(roc_auc(rewards[index], y))
@@ -1066,15 +1068,15 @@ def best_of_n(cfg, rt, out_dir):
     # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
     s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
     s, order = s.view(E, N).sort(stable=True)
-    right = torch.tensor([arithmetic_reward(y, answer) for (_, answer), y in zip(rows, answers)], dtype=torch.float64)
+    # each row's gold, from one check: 1.0 right, 0.5 well formed but wrong, 0.0 not well formed
+    checked = [arithmetic_reward(y, answer, 0.5) for (_, answer), y in zip(rows, answers)]
+    right = torch.tensor(checked, dtype=torch.float64).eq(1.0).double()
     right = right.view(E, N).gather(1, order)
     W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
     gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n
     proxy = s @ W.T
-    # each answer's final result, None where it is not well formed (arithmetic_reward 0 even with a format reward)
-    finals = [
-        y.split("=")[-1].strip() if arithmetic_reward(y, answer, 0.5) else None for (_, answer), y in zip(rows, answers)
-    ]
+    # each answer's final result, None where it is not well formed
+    finals = [y.split("=")[-1].strip() if c > 0 else None for y, c in zip(answers, checked)]
     majority = torch.zeros_like(gold)
     kl = torch.zeros_like(gold)
     uncovered = 0.0

@@ -223,12 +223,12 @@ def test_step_accuracies_of_the_greedy_answers_split_by_exact_final_answers(tmp_
         return prompts, completion, mask, exact
 
     monkeypatch.setattr(task, "answer", answer)
-    metrics = grpo.step_metrics(task, None, rt)
-    assert asked == [(1, 0.0)]  # greedy, one answer a problem: the answers of the task's own evaluation
+    metrics, _ = task.evaluate(None, None, rt, TOK, 0)
+    assert asked == [(1, 0.0)]  # one greedy pass: the step accuracies read the evaluation's own answers
     assert metrics["eval/step_accuracy_right"] == pytest.approx(0.5)
     assert metrics["eval/step_accuracy_wrong"] == pytest.approx((0.5 + 0.5 + 0.0) / 3)
     exact = torch.zeros_like(exact)  # no exact answer: the mean over none of them is nan
-    metrics = grpo.step_metrics(task, None, rt)
+    metrics = grpo.step_metrics(problems, task.texts(completion, mask), exact)
     assert math.isnan(metrics["eval/step_accuracy_right"])
     assert metrics["eval/step_accuracy_wrong"] == pytest.approx((1 + 0 + 0.5 + 0.5 + 0.0) / 5)
 
