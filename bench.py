@@ -119,7 +119,8 @@ class KVCache:
     by position, so every decode step has the same shapes. The keys and values start as zeros, not garbage: a
     masked key's weight is 0, and 0 * NaN would be NaN. pos (a 0-dim tensor, gpt-fast's input_pos) counts the
     positions filled, and at holds the positions of the chunk being written: tensors, so a compiled decode step
-    needs no new graph per position and the host never waits for them."""
+    needs no new graph per position and the host never waits for them. generate keeps one cache per batch size and
+    length on the model (model_cache) and empties it for the next call, so the addresses stay fixed too."""
 
     def __init__(self, config, batch_size, max_len, device):
         self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
@@ -128,9 +129,12 @@ class KVCache:
         self.pos = torch.zeros((), dtype=torch.long, device=device)
 
     def update(self, layer, k, v):  # k, v: (B, nh, T, hs) written at positions self.at -> (B, nh, max_len, hs)
-        if self.k is None:
+        if self.k is None or self.k.dtype != k.dtype:
             self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros_like(self.k)
+            for t in (self.k, self.v, self.real, self.pos):  # a CUDA graph replays on fixed memory: tell torch.compile
+                if not torch.compiler.is_compiling():  # they never move (unless a compiled prefill allocated them)
+                    torch._dynamo.mark_static_address(t)
         self.k[layer].index_copy_(2, self.at, k)
         self.v[layer].index_copy_(2, self.at, v)
         return self.k[layer], self.v[layer]
@@ -354,13 +358,45 @@ def left_pad(prompts, device):
     return idx, torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
 
 
+def model_cache(model, batch_size, n):
+    """The model's KVCache for batch_size rows of n positions, with pos set back to 0. n is rounded up to a multiple
+    of 32, so a few caches serve every prompt length; they are kept on the model, and a compiled decode step replays
+    its graph on the same tensors at every call (a new cache would be a new graph)."""
+    n = min(-(-n // 32) * 32, model.config.block_size)
+    key = (batch_size, n, model.lm_head.weight.device)
+    caches = model.__dict__.setdefault("kv_caches", {})
+    if key not in caches:
+        caches[key] = KVCache(model.config, *key)
+    # what the last call left at positions >= pos is never read: a query sees only keys at or before its own
+    # position, and the prefill and each decode step write theirs (real included) before attending
+    caches[key].pos.zero_()
+    return caches[key]
+
+
+def decode_step(model, token, cache):
+    """The logits (B, 1, V) after one new token per row (B,): the same shapes at every position, so the step
+    compiled with torch.compile(decode_step, mode="reduce-overhead") is one CUDA graph, replayed at each."""
+    return model(token[:, None], cache=cache)[0]
+
+
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+def generate(
+    model,
+    prompts,
+    max_new_tokens,
+    temperature=1.0,
+    top_k=None,
+    eos_id=None,
+    generator=None,
+    use_cache=True,
+    decode=decode_step,
+):
     """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
     LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
     completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
     produced eos. eos_id may be a list of ids that each end a row (the first is the filler after the end).
-    use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench). decode is the
+    decode step (rt.decode: compiled under --compile); the prefill stays eager (its length varies)."""
     device = next(model.parameters()).device
     if isinstance(prompts, torch.Tensor):
         idx, attn = prompts.to(device), None
@@ -371,7 +407,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
-    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    cache = model_cache(model, B, T + max_new_tokens) if use_cache else None
     stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
@@ -387,7 +423,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
         if step == max_new_tokens - 1 or (stop is not None and step % 8 == 7 and bool(done.all())):
             break
         if use_cache:
-            logits, _ = model(nxt[:, None], cache=cache)
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: its graph may reuse them
+            logits = decode(model, nxt, cache)
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
             attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
@@ -492,30 +529,28 @@ def median_seconds(fn, device, warmup, repeats):
 def generate_seconds(fn, module, device, warmup, repeats):
     """Median wall time of fn(), one whole generation, and of its two parts: the prefill (from the start until the
     first forward of `module`, the prompt's, has returned) and the decode loop (the rest: every new token's
-    sampling and forward). A forward hook marks the prefill's end, the device synchronized there once per run.
+    sampling and forward). A forward hook marks the prefill's end, the device synchronized there once per run, and
+    removes itself: a compiled decode step never sees it (it would be traced, and its state guarded).
     Returns (seconds, prefill seconds, decode seconds), each the median over `repeats` runs."""
     marks = []
 
-    def prefill_done(mod, args, out):
-        if not marks:  # the first forward of a run is the prefill
-            sync(device)
-            marks.append(time.perf_counter())
+    def prefill_done(mod, args, out):  # the first forward of a run is the prefill
+        sync(device)
+        marks.append(time.perf_counter())
+        hooks.pop().remove()
 
-    handle = module.register_forward_hook(prefill_done)
-    try:
-        for _ in range(warmup):
-            fn()
-        totals, prefills = [], []
-        for _ in range(repeats):
-            marks.clear()
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
+    hooks = []
+    totals, prefills = [], []
+    for i in range(warmup + repeats):
+        marks.clear()
+        hooks.append(module.register_forward_hook(prefill_done))
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        if i >= warmup:
             totals.append(time.perf_counter() - t0)
             prefills.append(marks[0] - t0)
-    finally:
-        handle.remove()
     decodes = [total - prefill for total, prefill in zip(totals, prefills)]
     return statistics.median(totals), statistics.median(prefills), statistics.median(decodes)
 
@@ -532,10 +567,13 @@ def bench_sample(model, cfg, env, use_cache):
     gen = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(model.config.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=gen)  # (B, T)
 
+    if use_cache:  # the uncompiled model with the compiled decode step (--compile), as the RL scripts sample
+        model = env["raw_model"]
+
     def run():
         sampler = torch.Generator(env["device"]).manual_seed(cfg.seed)  # the same tokens in every run
         with env["autocast"]():
-            generate(model, prompts, cfg.new_tokens, temperature=1.0, generator=sampler, use_cache=use_cache)
+            generate(model, prompts, cfg.new_tokens, 1.0, None, None, sampler, use_cache, decode=env["decode"])
 
     model.eval()
     seconds, prefill, decode = generate_seconds(run, model, env["device"], cfg.warmup, cfg.repeats)
@@ -1006,11 +1044,15 @@ def main():
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(block_size=1024, vocab_size=50257, **MODELS[cfg.model])).to(device)
     model = torch.compile(raw_model) if cfg.compile else raw_model
+    decode = decode_step
+    if cfg.compile:  # as wrap_model compiles it in the scripts: CUDA graphs on a GPU
+        decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     env = dict(
         device=device,
         dtype=dtype,
         raw_model=raw_model,
+        decode=decode,
         autocast=lambda: (
             nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
         ),

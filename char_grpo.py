@@ -372,7 +372,8 @@ def rollout(cfg, run, rt):
     prompts = contexts.repeat_interleave(G, 0).to(rt.device)  # (N, C)
     truth = truth.repeat_interleave(G, 0).to(rt.device)  # (N, H)
     with torch.no_grad(), rt.autocast():  # the model has no dropout: train mode samples as eval mode would
-        completion, mask = generate(run.raw, prompts, H, cfg.temperature)  # (N, H), (N, H)
+        # (N, H), (N, H); rt.decode: the decode step, compiled under --compile
+        completion, mask = generate(run.raw, prompts, H, cfg.temperature, decode=rt.decode)
         seq = torch.cat([prompts, completion], 1)  # (N, C+H)
         old_logp, _ = completion_logprobs(run.raw, seq, completion, cfg.temperature)  # (N, H)
         # a reward, not a policy log-prob: the model's own (temperature 1) prediction of the true text, the quantity
@@ -785,7 +786,8 @@ class KVCache:
     by position, so every decode step has the same shapes. The keys and values start as zeros, not garbage: a
     masked key's weight is 0, and 0 * NaN would be NaN. pos (a 0-dim tensor, gpt-fast's input_pos) counts the
     positions filled, and at holds the positions of the chunk being written: tensors, so a compiled decode step
-    needs no new graph per position and the host never waits for them."""
+    needs no new graph per position and the host never waits for them. generate keeps one cache per batch size and
+    length on the model (model_cache) and empties it for the next call, so the addresses stay fixed too."""
 
     def __init__(self, config, batch_size, max_len, device):
         self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
@@ -794,9 +796,12 @@ class KVCache:
         self.pos = torch.zeros((), dtype=torch.long, device=device)
 
     def update(self, layer, k, v):  # k, v: (B, nh, T, hs) written at positions self.at -> (B, nh, max_len, hs)
-        if self.k is None:
+        if self.k is None or self.k.dtype != k.dtype:
             self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros_like(self.k)
+            for t in (self.k, self.v, self.real, self.pos):  # a CUDA graph replays on fixed memory: tell torch.compile
+                if not torch.compiler.is_compiling():  # they never move (unless a compiled prefill allocated them)
+                    torch._dynamo.mark_static_address(t)
         self.k[layer].index_copy_(2, self.at, k)
         self.v[layer].index_copy_(2, self.at, v)
         return self.k[layer], self.v[layer]
@@ -1020,13 +1025,45 @@ def left_pad(prompts, device):
     return idx, torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
 
 
+def model_cache(model, batch_size, n):
+    """The model's KVCache for batch_size rows of n positions, with pos set back to 0. n is rounded up to a multiple
+    of 32, so a few caches serve every prompt length; they are kept on the model, and a compiled decode step replays
+    its graph on the same tensors at every call (a new cache would be a new graph)."""
+    n = min(-(-n // 32) * 32, model.config.block_size)
+    key = (batch_size, n, model.lm_head.weight.device)
+    caches = model.__dict__.setdefault("kv_caches", {})
+    if key not in caches:
+        caches[key] = KVCache(model.config, *key)
+    # what the last call left at positions >= pos is never read: a query sees only keys at or before its own
+    # position, and the prefill and each decode step write theirs (real included) before attending
+    caches[key].pos.zero_()
+    return caches[key]
+
+
+def decode_step(model, token, cache):
+    """The logits (B, 1, V) after one new token per row (B,): the same shapes at every position, so the step
+    compiled with torch.compile(decode_step, mode="reduce-overhead") is one CUDA graph, replayed at each."""
+    return model(token[:, None], cache=cache)[0]
+
+
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, use_cache=True):
+def generate(
+    model,
+    prompts,
+    max_new_tokens,
+    temperature=1.0,
+    top_k=None,
+    eos_id=None,
+    generator=None,
+    use_cache=True,
+    decode=decode_step,
+):
     """Sample continuations of a batch of prompts (a list of token-id lists, left-padded here, or a (B, T)
     LongTensor). Returns (tokens (B, n), mask (B, n)) with n <= max_new_tokens: the mask is 1.0 on real
     completion tokens, the eos token included, and 0.0 after it; generation stops early once every row has
     produced eos. eos_id may be a list of ids that each end a row (the first is the filler after the end).
-    use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench)."""
+    use_cache=False recomputes the whole sequence each step (same tokens, for tests and bench). decode is the
+    decode step (rt.decode: compiled under --compile); the prefill stays eager (its length varies)."""
     device = next(model.parameters()).device
     if isinstance(prompts, torch.Tensor):
         idx, attn = prompts.to(device), None
@@ -1037,7 +1074,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
-    cache = KVCache(model.config, B, T + max_new_tokens, device) if use_cache else None
+    cache = model_cache(model, B, T + max_new_tokens) if use_cache else None
     stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
@@ -1053,7 +1090,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id
         if step == max_new_tokens - 1 or (stop is not None and step % 8 == 7 and bool(done.all())):
             break
         if use_cache:
-            logits, _ = model(nxt[:, None], cache=cache)
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: its graph may reuse them
+            logits = decode(model, nxt, cache)
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
             attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
@@ -1118,6 +1156,7 @@ class Runtime:
     local_rank: int = 0
     world_size: int = 1
     parallel: str = "ddp"
+    decode: object = decode_step  # generate's decode step: wrap_model compiles it under --compile
 
     def __post_init__(self):
         self.master = self.rank == 0
@@ -1197,7 +1236,8 @@ def broadcast_weights(model, rt):
 def wrap_model(model, rt, compile=False):
     """DDP or FSDP2 (fully_shard per transformer Block, then the root) under torchrun; optional torch.compile.
     model is a GPT or any module built around GPTs (a value or reward head, a separate value model).
-    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies."""
+    Returns the model to train; keep the unwrapped one for checkpoints, sampling and frozen copies. compile also
+    compiles generate's decode step, rt.decode (CUDA graphs on a GPU; under FSDP sampling stays eager)."""
     broadcast_weights(model, rt)
     if rt.distributed and rt.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -1205,6 +1245,8 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
+    elif compile:
+        rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":
         device_ids = [rt.local_rank] if rt.device.type == "cuda" else None

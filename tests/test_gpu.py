@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import BPE_AVAILABLE, ROOT, bpe_checkpoint, char_checkpoint, hh_file, run_script, torchrun
 
-from gpt import GPT, GPTConfig, generate
+from gpt import GPT, GPTConfig, decode_step, generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -40,6 +40,25 @@ def test_float32_greedy_generation_on_cuda_equals_cpu(no_tf32):
     assert cpu_tokens.shape == (3, 32)
     assert torch.equal(gpu_tokens.cpu(), cpu_tokens)
     assert torch.equal(gpu_mask.cpu(), cpu_mask)
+
+
+def test_the_compiled_decode_step_is_one_cuda_graph_and_gives_the_eager_tokens(no_tf32):
+    """decode_step compiled as --compile compiles it (reduce-overhead: CUDA graphs) gives eager decoding's tokens
+    and masks, greedy, sampled under one generator, ragged prompts and rows that stop at eos, and no step falls
+    back from its CUDA graph."""
+    model = small_model().cuda().eval()
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    torch._dynamo.reset()
+    decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    inductor = torch._dynamo.utils.counters["inductor"]
+    skips = inductor["cudagraph_skips"]
+    eos = [int(generate(model, prompts, 8, temperature=0.0)[0][0, 3])]  # row 0 stops at its fourth token
+    for kwargs in (dict(temperature=0.0), dict(temperature=0.0, eos_id=eos), dict(temperature=1.0)):
+        eager = generate(model, prompts, 32, generator=torch.Generator("cuda").manual_seed(7), **kwargs)
+        fast = generate(model, prompts, 32, generator=torch.Generator("cuda").manual_seed(7), decode=decode, **kwargs)
+        assert torch.equal(fast[0], eager[0]) and torch.equal(fast[1], eager[1])
+    assert inductor["cudagraph_skips"] == skips
+    torch._dynamo.reset()
 
 
 def batch(seed=1, B=8, T=128, V=96):

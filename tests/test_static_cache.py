@@ -158,3 +158,41 @@ def test_a_compiled_decode_step_is_traced_once_for_every_position():
             compiled(torch.zeros(3, 1, dtype=torch.long), cache=cache)
     torch._dynamo.reset()
     assert len(graphs) == after_first
+
+
+def test_generate_keeps_one_cache_per_batch_size_and_length_and_empties_it_between_calls():
+    """A compiled decode step replays on fixed memory, so generate reuses the model's cache: the same tensors for
+    the same batch size and rounded length, emptied (a second call gives the first call's tokens), a new one for
+    another batch size or device."""
+    m = model(torch.float32)
+    first, _ = generate(m, PROMPTS, 16, temperature=0)
+    (cache,) = m.kv_caches.values()
+    k = cache.k
+    again, _ = generate(m, PROMPTS, 12, temperature=0)  # 7 + 12 and 7 + 16 both round up to 32 positions
+    assert torch.equal(again, first[:, :12]) and list(m.kv_caches.values()) == [cache] and cache.k is k
+    assert cache.k.shape[3] == 32 and int(cache.pos) == 7 + 11  # the last token is sampled, never written
+    generate(m, PROMPTS[:2], 4, temperature=0)
+    assert len(m.kv_caches) == 2
+
+
+@pytest.fixture
+def compiled_decode():
+    """decode_step compiled as --compile compiles it (inductor; on a CPU reduce-overhead has no CUDA graphs)."""
+    from gpt import decode_step
+
+    torch._dynamo.reset()
+    yield torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+
+
+def test_the_compiled_decode_step_gives_the_eager_tokens(compiled_decode):
+    """Greedy, sampled under one generator, ragged left padding and rows that stop at eos: the compiled step gives
+    eager decoding's tokens and masks, and compiles once for every position and call of one cache size."""
+    m = model(torch.float32)
+    compiles = torch._dynamo.utils.counters["stats"]
+    before = compiles["unique_graphs"]
+    for kwargs in (dict(temperature=0), dict(temperature=0, eos_id=[27, 54]), dict(temperature=1.0)):
+        eager = generate(m, PROMPTS, 16, generator=torch.Generator().manual_seed(7), **kwargs)
+        fast = generate(m, PROMPTS, 16, generator=torch.Generator().manual_seed(7), decode=compiled_decode, **kwargs)
+        assert fast[0].tolist() == eager[0].tolist() and torch.equal(fast[1], eager[1])
+    assert compiles["unique_graphs"] - before == 1
