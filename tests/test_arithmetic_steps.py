@@ -296,7 +296,7 @@ def fixed_generate(texts, tok):
     prompts, and records the end token it was given."""
     seen = {}
 
-    def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None):
+    def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None, decode=None):
         seen["eos_id"] = eos_id
         seen["max_new_tokens"] = max_new_tokens
         rows = [tok.encode(t.ljust(max_new_tokens, "0")[:max_new_tokens]) for t in texts]

@@ -196,3 +196,15 @@ def test_the_compiled_decode_step_gives_the_eager_tokens(compiled_decode):
         fast = generate(m, PROMPTS, 16, generator=torch.Generator().manual_seed(7), decode=compiled_decode, **kwargs)
         assert fast[0].tolist() == eager[0].tolist() and torch.equal(fast[1], eager[1])
     assert compiles["unique_graphs"] - before == 1
+
+
+def test_wrap_model_compiles_the_decode_step_only_under_compile():
+    """--compile reaches the rollouts through rt.decode: wrap_model sets it to a compiled decode_step (it is compiled
+    at its first call); without --compile generate's default, the eager decode_step, stays."""
+    from gpt import Runtime, decode_step, wrap_model
+
+    rt = Runtime(torch.device("cpu"), torch.float32)
+    wrap_model(model(torch.float32), rt)
+    assert rt.decode is decode_step
+    wrap_model(model(torch.float32), rt, compile=True)
+    assert rt.decode is not decode_step and getattr(rt.decode, "__wrapped__", None) is decode_step
