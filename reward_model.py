@@ -128,9 +128,7 @@ class Config:
     n_train: int = 20000  # orm/prm: generated training examples (never of a held-out problem)
     n_val: int = 1000  # orm/prm: generated held-out examples (of held-out problems only)
     # a verifier of a policy's own answers (orm, prm)
-    samples_from: str = (
-        ""  # orm/prm: train on answers sampled from this policy's ckpt.pt (and start from it by default)
-    )
+    samples_from: str = ""  # orm/prm: train on answers sampled from this policy's ckpt.pt (by default start from it)
     samples_per_problem: int = 8  # --samples_from: answers sampled per problem (--n_train, --n_val: answers in all)
     prm_aggregate: str = "prod"  # --best_of, prm: a solution's score from its steps' probabilities: prod | min | last
     # model (a new one; a checkpoint brings its own)
@@ -209,11 +207,8 @@ def per_problem_auc(rewards, labels, problems):
     rows = {}  # problem -> its row indices, in order of first appearance
     for i, problem in enumerate(problems):
         rows.setdefault(problem, []).append(i)
-    aucs = []
-    for index in rows.values():
-        y = labels[index]
-        if 0 < y.sum() < len(index):  # both labels
-            aucs.append(roc_auc(rewards[index], y))
+    # the problems with both labels
+    aucs = [roc_auc(rewards[index], labels[index]) for index in rows.values() if 0 < labels[index].sum() < len(index)]
     if not aucs:
         return math.nan, 0
     return sum(aucs) / len(aucs), len(aucs)
@@ -227,7 +222,7 @@ def best_of_n_kl(p, scores, n):
     best-of-n picks y with probability pi_bon(y) = F(y)^n - F(y-)^n: all n draws rank at most y, not all below it.
     0 at n = 1; at most log n - (n - 1)/n (Beirami et al. 2024), which it nears when many answers are each unlikely."""
     p = p.double() / p.double().sum().clamp(min=1)  # a sum above 1 is rounding (float32 log-probs): renormalise
-    order = torch.argsort(scores.double(), stable=True)  # ascending; a stable sort keeps ties in index order
+    order = torch.argsort(scores, stable=True)  # ascending; a stable sort keeps ties in index order
     rest = (1 - p.sum()).clamp(min=0)
     q = torch.cat([rest[None], p[order]])  # (K + 1,) in rank order, the unsampled rest lowest
     F_hi = q.cumsum(0)  # F(y)
@@ -314,14 +309,14 @@ def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
         group["lr"] = lr
     # ALGO LOGIC: the loss sums every pair's (or labelled position's) term over the whole step, all ranks and
     # micro-batches, and divides by their global count, so it does not depend on how the batch is split
+    n_tokens = sum(len(ids) for ids, _ in rows)  # preference: the chosen rows' tokens, and below the rejected rows'
     if cfg.task == "preference":
         terms = len(rows)
-        n_tokens = sum(len(chosen) + len(rejected) for chosen, rejected in rows)
+        n_tokens += sum(len(rejected) for _, rejected in rows)
     else:
         terms = sum(y >= 0 for _, labels in rows for y in labels)
-        n_tokens = sum(len(ids) for ids, _ in rows)
     # the step's terms and real tokens over all ranks, in one all-reduce
-    all_terms, all_tokens = all_reduce(torch.tensor([float(terms), float(n_tokens)], device=rt.device), rt)
+    all_terms, all_tokens = all_reduce(torch.tensor([terms, n_tokens], device=rt.device), rt)
     stats = {}
     for micro in range(cfg.grad_accum):
         grad_sync(model, micro == cfg.grad_accum - 1)  # DDP syncs gradients on the last micro-batch only
@@ -337,7 +332,7 @@ def reward_model_step(model, optimizer, scaler, rows, lr, cfg, rt):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    metrics = {f"train/{name}": value for name, value in summarize(stats, rt).items()}  # the table above
+    metrics = summarize(stats, rt, "train/")  # the table above
     metrics["train/lr"] = lr
     metrics["train/grad_norm"] = grad_norm.item()
     return metrics, all_tokens.item()
@@ -347,21 +342,18 @@ def batch_loss(model, batch, cfg, rt):
     """(loss summed over the batch's terms, statistics {name: (2,) tensor [sum, count]} of the batch (the table
     above), the rewards of its rows). A metric is its sum over the micro-batches and ranks divided by its count
     (summarize)."""
+    seqs = [ids for ids, _ in batch]  # one row per example; preference: the chosen rows
     if cfg.task == "preference":
-        # chosen rows then rejected rows, one right-padded forward pass; no attention mask is needed: padding only
-        # follows real tokens, and positions count from 0 in every row
-        seqs = [chosen for chosen, _ in batch] + [rejected for _, rejected in batch]
-    else:
-        seqs = [ids for ids, _ in batch]  # one row per example
+        # then the rejected rows, one right-padded forward pass; no attention mask is needed: padding only follows
+        # real tokens, and positions count from 0 in every row
+        seqs += [rejected for _, rejected in batch]
     idx, lengths = pad_right(seqs, rt.device)  # (B, T), (B,); preference: 2B rows
     with rt.autocast():
         scores = model(idx)  # (B, T) float32
     rewards = last_token_rewards(scores, lengths)  # (B,); preference: chosen rows, then rejected rows
     if cfg.task == "preference":
-        r_c, r_r = rewards.chunk(2)  # (B,), (B,)
-        loss = bradley_terry_loss(r_c, r_r, cfg.margin, cfg.center_coef) * len(batch)
-        r_c = r_c.detach()
-        r_r = r_r.detach()
+        loss = bradley_terry_loss(*rewards.chunk(2), cfg.margin, cfg.center_coef) * len(batch)
+        r_c, r_r = rewards.detach().chunk(2)  # (B,), (B,): chosen, rejected
         d = r_c - r_r  # (B,)
         terms = d.new_tensor(len(batch))
         values = {
@@ -373,7 +365,6 @@ def batch_loss(model, batch, cfg, rt):
     else:
         labels, _ = pad_right([y for _, y in batch], rt.device, value=-1)  # (B, T)
         loss = token_bce_sum(scores, labels, cfg.pos_weight)
-        scores = scores.detach()
         labelled = labels >= 0  # (B, T)
         terms = labelled.sum().float()
         if cfg.task == "orm":
@@ -402,13 +393,11 @@ def pad_right(seqs, device="cpu", value=0):
     return idx.to(device), torch.tensor([len(s) for s in seqs], device=device)
 
 
-def summarize(stats, rt):
-    """Metrics (without namespace) of {name: [sum, count]} statistics summed over micro-batches: each sum over all
-    ranks divided by its count over all ranks. Preference: the rewards' standard deviations from their squares'
-    means."""
-    names = list(stats)
-    totals = all_reduce(torch.stack([stats[name] for name in names]), rt)  # (K, 2): one all-reduce for all
-    return {name: total / max(count, 1) for name, (total, count) in zip(names, totals.tolist())}
+def summarize(stats, rt, prefix):
+    """Metrics (prefix + name) of {name: [sum, count]} statistics summed over micro-batches: each sum over all
+    ranks divided by its count over all ranks."""
+    totals = all_reduce(torch.stack(list(stats.values())), rt)  # (K, 2): one all-reduce for all
+    return {prefix + name: total / max(count, 1) for name, (total, count) in zip(stats, totals.tolist())}
 
 
 @torch.no_grad()
@@ -429,7 +418,7 @@ def held_out_metrics(model, eval_data, cfg, rt, problems):
             stats[name] = stats.get(name, 0.0) + weight * value
         found.append(rewards[: len(batch)])
     model.train()
-    metrics = {f"eval/{name}": value for name, value in summarize(stats, rt).items()}  # the table above
+    metrics = summarize(stats, rt, "eval/")  # the table above
     if cfg.task != "preference":  # the AUC needs every row's reward: each rank fills in its own rows
         rewards = torch.zeros(len(eval_data), device=rt.device)
         rewards[rt.rank :: rt.world_size] = torch.cat(found)
@@ -577,10 +566,10 @@ def load_preference_data(cfg, rt):
     if cfg.data_path:
         # gpt.py's hh_sft split (it needs only "chosen"), so an SFT model made from this file never saw the held-out
         records = read_jsonl(cfg.data_path, ["chosen"])
-        order = random.Random(0).sample(range(len(records)), len(records))  # fixed split, whatever --seed
+        records = random.Random(0).sample(records, len(records))  # fixed split, whatever --seed
         n_val = max(1, len(records) // 20)
-        train_records = [records[i] for i in order[n_val:]]
-        val_records = [records[i] for i in order[:n_val]]
+        train_records = records[n_val:]
+        val_records = records[:n_val]
     else:
         try:
             import datasets
@@ -595,7 +584,7 @@ def load_preference_data(cfg, rt):
             die(f"cannot load {cfg.data} from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
     train, skipped_train = hh_pairs(train_records)
     val, skipped_val = hh_pairs(val_records)
-    skipped = dict(Counter(skipped_train) + Counter(skipped_val))
+    skipped = Counter(skipped_train) + Counter(skipped_val)
     reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none"
     check(train, f"{source}: no usable preference pair ({sum(skipped.values())} skipped: {reasons})")
     check(val, f"{source}: the held-out split has no usable preference pair")
@@ -830,8 +819,7 @@ def encode(task, tok, example, max_len):
     loss. orm puts the outcome label on every answer token. prm writes one step a line, as gpt.py's arithmetic data,
     and puts each step's label on the last token after it: its newline (the last step's <|endoftext|>, if any)."""
     if task == "preference":
-        chosen, rejected, _ = encode_pair(tok, *example, max_len)
-        return chosen, rejected
+        return encode_pair(tok, *example, max_len)[:2]  # prompt + chosen, prompt + rejected
     if task == "orm":
         prompt, answer, label = example
         ids, _, n_prompt = encode_pair(tok, prompt, answer, answer, max_len)  # a pair of one answer, twice
@@ -858,11 +846,13 @@ def validate(cfg):
     for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
     check(cfg.pos_weight is None or cfg.pos_weight > 0, f"--pos_weight must be positive (got {cfg.pos_weight})")
-    choices = {"task": ["preference", "orm", "prm"], "tokenizer": ["auto", "char", "gpt2"]}
-    choices["prm_aggregate"] = ["prod", "min", "last"]
+    choices = {
+        "task": ["preference", "orm", "prm"],
+        "tokenizer": ["auto", "char", "gpt2"],
+        "prm_aggregate": ["prod", "min", "last"],
+    }
     for name, allowed in choices.items():
-        value = getattr(cfg, name)
-        check(value in allowed, f"--{name} {value!r}: use one of {' '.join(allowed)}")
+        check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {' '.join(allowed)}")
     check(cfg.max_len == 0 or cfg.max_len >= 2, f"--max_len must be 0 (the block size) or >= 2 (got {cfg.max_len})")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
     check(0 <= cfg.error_frac <= 1, f"--error_frac must be in [0, 1] (got {cfg.error_frac})")
@@ -972,7 +962,7 @@ def main():
         train_text, val_text, skipped = sampled_data(cfg, tok, rt)
     max_len = cfg.max_len or raw.body.config.block_size
     train_data = [encode(cfg.task, tok, ex, max_len) for ex in train_text]
-    val_text = val_text[: cfg.eval_size or len(val_text)]
+    val_text = val_text[: cfg.eval_size or None]
     eval_data = [encode(cfg.task, tok, ex, max_len) for ex in val_text]
     eval_problems = [step_problems(cfg.task, ex)[0] for ex in val_text]  # each held-out row's problem (or prompt)
     problems = len(set(eval_problems))  # distinct held-out problems (or prompts)
@@ -990,7 +980,6 @@ def main():
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, start_step)
     per_rank = cfg.batch_size * cfg.grad_accum
-    per_step = per_rank * rt.world_size  # examples per optimizer step, all ranks
     t_start = time.time()
     last_eval = {}
     for step in range(start_step, cfg.max_steps + 1):
@@ -1009,7 +998,8 @@ def main():
         dt = time.time() - t0
         logger.bar.update(1)
         logger.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-        metrics["train/epoch"] = (step + 1) * per_step / len(train_data)  # passes over the training data
+        # passes over the training data: examples per optimizer step, all ranks, times steps, over examples
+        metrics["train/epoch"] = (step + 1) * per_rank * rt.world_size / len(train_data)
         metrics["perf/tokens_per_s"] = n_tokens / dt
         metrics["perf/step_ms"] = 1000 * dt
         logger.log(step, metrics, echo=step % cfg.log_every == 0)
@@ -1060,18 +1050,18 @@ def best_of_n(cfg, rt, out_dir):
     answers = []  # the text of each row's answer
     for i in range(0, len(rows), 1024):
         answers += sample_answers(policy, tok, rows[i : i + 1024], cfg, generator)
+    row_pairs = [(prompt, y) for (prompt, _), y in zip(rows, answers)]  # each row's (prompt, answer)
     # each problem's distinct answers, in order of first appearance: their verifier score and policy log-prob
-    pairs = list(dict.fromkeys((prompt, y) for (prompt, _), y in zip(rows, answers)))
+    pairs = list(dict.fromkeys(row_pairs))
     scores = solution_scores(verifier, tok, task, pairs, cfg.prm_aggregate, rt.device)
     logps = answer_logprobs(policy, tok, pairs, rt.device)
     found = dict(zip(pairs, zip(scores, logps)))  # (prompt, answer) -> (its score, its log-prob)
     # every row's score and gold, each problem's rows sorted by score (ties in sample order): (E, N) each
-    s = torch.tensor([found[prompt, y][0] for (prompt, _), y in zip(rows, answers)], dtype=torch.float64)
+    s = torch.tensor([found[pair][0] for pair in row_pairs], dtype=torch.float64)
     s, order = s.view(E, N).sort(stable=True)
     # each row's gold, from one check: 1.0 right, 0.5 well formed but wrong, 0.0 not well formed
     checked = [arithmetic_reward(y, answer, 0.5) for (_, answer), y in zip(rows, answers)]
-    right = torch.tensor(checked, dtype=torch.float64).eq(1.0).double()
-    right = right.view(E, N).gather(1, order)
+    right = (torch.tensor(checked) == 1.0).double().view(E, N).gather(1, order)
     W = torch.stack([best_of_n_weights(N, n) for n in every_n])  # (len(every_n), N)
     gold = right @ W.T  # (E, len(every_n)): each problem's estimate for each n
     proxy = s @ W.T
@@ -1100,14 +1090,17 @@ def best_of_n(cfg, rt, out_dir):
         "proxy": proxy.mean(0),  # the verifier's score of the pick
         "kl": kl.mean(0),  # exact, of the sampled answers and the uncovered rest
     }
-    results = []
-    for j, n in enumerate(every_n):
-        row = {"n": n, **{name: values[j].item() for name, values in columns.items()}}
-        row["kl_bound"] = math.log(n) - (n - 1) / n
-        row["n_problems"] = E
-        row["uncovered"] = uncovered  # the policy's probability of the answers never sampled, mean over problems
-        row["samples_per_problem"] = N
-        results.append(row)
+    results = [  # a row per n
+        {
+            "n": n,
+            **{name: values[j].item() for name, values in columns.items()},
+            "kl_bound": math.log(n) - (n - 1) / n,
+            "n_problems": E,
+            "uncovered": uncovered,  # the policy's probability of the answers never sampled, mean over problems
+            "samples_per_problem": N,
+        }
+        for j, n in enumerate(every_n)
+    ]
     if rt.master:
         save_config(cfg, out_dir, rt)
         with open(os.path.join(out_dir, "best_of_n.json"), "w") as f:
@@ -1127,8 +1120,9 @@ def solution_scores(verifier, tok, task, pairs, aggregate="prod", device="cpu"):
     chains = [encode("prm", tok, sampled_example("prm", prompt, "", y), block_size) for prompt, y in pairs]
     out = []
     for i in range(0, len(chains), 256):
-        idx, _ = pad_right([ids for ids, _ in chains[i : i + 256]], device)  # (B, T)
-        labels, _ = pad_right([labels for _, labels in chains[i : i + 256]], device, value=-1)  # (B, T)
+        ids, labels = zip(*chains[i : i + 256])  # the batch's token ids and labels
+        idx, _ = pad_right(ids, device)  # (B, T)
+        labels, _ = pad_right(labels, device, value=-1)  # (B, T)
         out += aggregate_steps(verifier(idx), labels, aggregate).tolist()
     return out
 
@@ -1139,11 +1133,10 @@ def answer_logprobs(policy, tok, pairs, device, batch_size=256):
     tokens, its newline included. A list of floats."""
     out = []
     for i in range(0, len(pairs), batch_size):
-        prompts = [tok.encode(prompt) for prompt, _ in pairs[i : i + batch_size]]
-        answers = [tok.encode(y) for _, y in pairs[i : i + batch_size]]
-        idx, _ = pad_right([p + a for p, a in zip(prompts, answers)], device)  # (B, T)
+        batch = [(tok.encode(prompt), tok.encode(y)) for prompt, y in pairs[i : i + batch_size]]
+        idx, _ = pad_right([p + a for p, a in batch], device)  # (B, T)
         # (B, T - 1): 1 where the target, the token at t + 1, is an answer's
-        is_answer, _ = pad_right([[0] * (len(p) - 1) + [1] * len(a) for p, a in zip(prompts, answers)], device)
+        is_answer, _ = pad_right([[0] * (len(p) - 1) + [1] * len(a) for p, a in batch], device)
         logp, _ = policy(idx[:, :-1], idx[:, 1:], output="logprobs")  # (B, T - 1)
         out += (logp * is_answer).sum(1).tolist()
     return out
