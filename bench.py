@@ -72,7 +72,7 @@ class Config:
     model: str = "tiny"  # tiny | small | gpt2 (random weights, GPT-2 vocabulary)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 autocast on CUDA if supported, else float32)
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the model, and for sample_kv the decode step (reduce-overhead: CUDA graphs)
     batch_size: int = 64  # sampling: prompts per batch
     prompt_len: int = 32  # sampling: random prompt tokens per row
     new_tokens: int = 64  # sampling: tokens generated per row

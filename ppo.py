@@ -170,7 +170,7 @@ class Config:
     # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
-    compile: bool = False  # torch.compile the training forward passes
+    compile: bool = False  # torch.compile the training forward passes and the rollouts' decode step (a CUDA graph)
     parallel: str = "ddp"  # ddp | fsdp (under torchrun)
     seed: int = 1337  # random seed (each rank adds its rank)
     deterministic: bool = False  # torch.use_deterministic_algorithms
