@@ -398,22 +398,20 @@ def training_step(run, step):
     if cfg.ref_sync_steps and (step + 1) % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows the policy
         sync_reference(run.ref, run.raw, cfg.ref_mixup)
 
-    metrics = rollout_metrics(run.task, rounds[0], batch, G, rt)
     sampled = len(rounds) * batch["mask"].numel() * rt.world_size  # token positions sampled, every round and rank
-    metrics.update(
-        {
-            **losses,  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean, rl/..._frac
-            "rl/beta": beta,
-            "rl/sampling_rounds": len(rounds),
-            "rl/tokens": run.tokens,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-            "perf/rollout_ms": 1000 * t_rollout,
-            "perf/rollout_tokens_per_s": sampled / max(t_rollout, 1e-9),
-            "perf/peak_mem_mb": peak_memory_mb(rt),
-            "perf/step_ms": 1000 * (time.time() - t0),
-        }
-    )
+    metrics = {
+        **rollout_metrics(run.task, rounds[0], batch, G, rt),
+        **losses,  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean, rl/..._frac
+        "rl/beta": beta,
+        "rl/sampling_rounds": len(rounds),
+        "rl/tokens": run.tokens,
+        "train/lr": lr,
+        "train/grad_norm": grad_norm.item(),
+        "perf/rollout_ms": 1000 * t_rollout,
+        "perf/rollout_tokens_per_s": sampled / max(t_rollout, 1e-9),
+        "perf/peak_mem_mb": peak_memory_mb(rt),
+        "perf/step_ms": 1000 * (time.time() - t0),
+    }
     if run.ref is None:
         metrics["rl/kl"] = None  # no reference, no KL
     return metrics
@@ -434,7 +432,7 @@ def sample_batch(run):
             return rounds[0], rounds
         zero = torch.cat([zero_std_groups(r["rewards"], G) for r in rounds])  # (groups so far,)
         # every rank samples as many rounds (FSDP's forward passes are collective)
-        short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max").item()
+        short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max")  # 1.0: a rank is short
         if not short or len(rounds) == cfg.max_sampling_rounds:
             # (B*G,) the rows of the groups with signal first, then the others, each in the order sampled
             rows = torch.argsort(zero.repeat_interleave(G).int(), stable=True)[: cfg.batch_size * G]
@@ -467,7 +465,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
     The policy samples in train mode: it has no dropout, so train and eval modes compute the same."""
     G = cfg.group_size
     H = cfg.horizon
-    top_k = cfg.top_k or None  # 0: the whole vocabulary
+    top_k = cfg.top_k  # 0: the whole vocabulary
     prompts, info = task.sample(n_prompts)
     rows = [p for p in prompts for _ in range(G)]  # each prompt G times in a row: a group
     with torch.no_grad(), rt.autocast():
@@ -475,7 +473,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
         completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt, n_ends=cfg.steps)
         truncated = None  # a task without an end token (next_token)
         if task.eos_id is not None:
-            truncated = ((completion == task.eos_id) & (mask > 0)).sum(1) < cfg.steps  # (N,) not ended within H
+            truncated = ((completion == task.eos_id) * mask).sum(1) < cfg.steps  # (N,) not ended within H
         if isinstance(info, torch.Tensor):
             info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
         elif info is not None:
@@ -496,22 +494,21 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
             s = seq[cut]
             a = None if attn is None else attn[cut]
             logits = None
-            if task.needs_logits:  # (n, H, V): the reward reads them, and they give old_logp for free
+            logp = None  # (n, H) the sampling policy's log-probs, where something reads them
+            if task.needs_logits:  # (n, H, V): the reward reads them, and they give the log-probs for free
                 logits = completion_logits(raw, s, a, H)
-                old_logp.append(token_logprobs(logits, s[:, -H:], cfg.temperature, top_k))  # (n, H)
+                logp = token_logprobs(logits, completion[cut], cfg.temperature, top_k)
+            elif cfg.num_iterations > 1 or learned:
+                logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]
             # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-            # training pass's own, detached, and this pass is skipped (unless the reward needs the policy's logits)
-            elif cfg.num_iterations > 1:
-                old_logp.append(completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0])
+            # training pass's own, detached, and old_logp is not kept (unless the reward's logits gave it for free)
+            if task.needs_logits or cfg.num_iterations > 1:
+                old_logp.append(logp)
             if isinstance(ref, BigramReference):
-                ref_logp.append(ref(s[:, -H - 1 : -1], s[:, -H:]))  # (n, H): bigram of (previous, sampled)
+                ref_logp.append(ref(s[:, -H - 1 : -1], completion[cut]))  # (n, H): bigram of (previous, sampled)
             elif ref is not None:
                 ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
             if learned:  # the KL of exactly these rollouts, for the metric only: the update never reads it
-                if old_logp:
-                    logp = old_logp[-1]
-                else:
-                    logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]  # (n, H)
                 rollout_kl.append(((logp - ref_logp[-1]) * mask[cut]).sum(1))  # (n,)
             part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
             if process:
@@ -608,8 +605,7 @@ def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
         seq_rewards = (rewards * mask).sum(1) / mask.sum(1)
     if kind == "rloo":
         return rloo_advantages(seq_rewards, group_size)  # (N,)
-    every_rank = gather_rows(seq_rewards, rt)  # (world_size * N,)
-    adv = group_advantages(every_rank, group_size, scale)  # (world_size * N,)
+    adv = group_advantages(gather_rows(seq_rewards, rt), group_size, scale)  # (world_size * N,): every rank's rows
     return adv.view(rt.world_size, -1)[rt.rank]  # (N,) this rank's rows
 
 
@@ -652,7 +648,7 @@ def update_policy(run, batch, adv, beta):
                     cfg.horizon,
                     entropy=True,
                     temperature=cfg.temperature,
-                    top_k=cfg.top_k or None,
+                    top_k=cfg.top_k,  # 0: the whole vocabulary
                 )
             # The first iteration's policy is the sampler (no update yet): its entropies are the sampling
             # distribution's, and the mask it gives stays for the later iterations
@@ -663,17 +659,7 @@ def update_policy(run, batch, adv, beta):
             # without a reference (beta 0) the policy's own log-probs stand in: a KL of zero, with zero gradient
             ref_logp = logp.detach() if batch["ref_logp"] is None else batch["ref_logp"][rows]
             loss, shares = grpo_loss(
-                cfg,
-                logp,
-                entropies,
-                old_logp,
-                ref_logp,
-                adv[rows],
-                keep[rows],
-                mask[rows],
-                beta=beta,
-                n_seqs=n_seqs,
-                n_tokens=n_tokens,
+                cfg, logp, entropies, old_logp, ref_logp, adv[rows], keep[rows], mask[rows], beta, n_seqs, n_tokens
             )
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
             for name, value in shares.items():
@@ -692,16 +678,16 @@ def grpo_loss(cfg, logp, entropies, old_logp, ref_logp, adv, keep, mask, beta, n
     (n, H)."""
     # (n, 1): 0.0 drops a sequence too far off-policy with A < 0; --off_policy_mask 0 (off): no threshold
     on_policy = off_policy_mask(adv, logp, old_logp, mask, cfg.off_policy_mask or math.inf)
-    # a dropped token's advantage is 0: it leaves the policy term, but the normalisers still count it
+    # a dropped token's advantage is 0: it leaves the policy term, but the normalisers still count it. The tensors'
+    # width is --horizon (completions are padded to it): dr_grpo's constant length L
     pg_loss, stats = policy_loss(
         logp,
         old_logp,
         adv * keep * on_policy,
         mask,
         cfg.loss_type,
-        clip_eps=cfg.clip_eps,
-        clip_eps_high=cfg.clip_eps_high,
-        max_len=cfg.horizon,
+        cfg.clip_eps,
+        cfg.clip_eps_high,
         num_seqs=n_seqs,
         num_tokens=n_tokens,
         sapo_tau_pos=cfg.sapo_tau_pos,
@@ -713,21 +699,20 @@ def grpo_loss(cfg, logp, entropies, old_logp, ref_logp, adv, keep, mask, beta, n
         entropies = entropies.detach()  # no bonus: the entropy is only logged
     entropy = masked_mean(entropies, mask, n_tokens)
     loss = pg_loss + beta * kl - cfg.entropy_coef * entropy
-    with torch.no_grad():
-        # the stats' part of the step: its tokens, or for gspo and luspo (per-sequence stats) its sequences
-        part = mask.sum() / n_tokens
-        if cfg.loss_type in ("gspo", "luspo"):
-            part = len(mask) / n_seqs
-        shares = {
-            "train/loss": loss.detach(),
-            "rl/pg_loss": pg_loss.detach(),
-            "rl/kl": masked_mean(logp - ref_logp, mask, n_tokens),  # k1, whatever --kl_estimator
-            "rl/entropy": entropy.detach(),
-            "rl/clip_frac": stats["clip_frac"] * part,
-            "rl/ratio_mean": stats["ratio_mean"] * part,
-            "rl/entropy_mask_frac": masked_mean(keep, mask, n_tokens),  # the real tokens kept
-            "rl/off_policy_masked_frac": (1 - on_policy).sum() / n_seqs,
-        }
+    # the stats' part of the step: its tokens, or for gspo and luspo (per-sequence stats) its sequences
+    part = mask.sum() / n_tokens
+    if cfg.loss_type in ("gspo", "luspo"):
+        part = len(mask) / n_seqs
+    shares = {  # detached: only logged (stats, keep and on_policy carry no gradient)
+        "train/loss": loss.detach(),
+        "rl/pg_loss": pg_loss.detach(),
+        "rl/kl": masked_mean(logp.detach() - ref_logp, mask, n_tokens),  # k1, whatever --kl_estimator
+        "rl/entropy": entropy.detach(),
+        "rl/clip_frac": stats["clip_frac"] * part,
+        "rl/ratio_mean": stats["ratio_mean"] * part,
+        "rl/entropy_mask_frac": masked_mean(keep, mask, n_tokens),  # the real tokens kept
+        "rl/off_policy_masked_frac": (1 - on_policy).sum() / n_seqs,
+    }
     return loss, shares
 
 
@@ -762,8 +747,7 @@ def rollout_metrics(task, first, batch, group_size, rt):
 
     rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
     if rewards.dim() == 2:  # per token: those of the positions that carry one (every real token, or each step's end)
-        carry = first.get("steps", first["mask"])  # a batch without steps: every real token
-        rewards = rewards[gather_rows(carry, rt) > 0]
+        rewards = rewards[gather_rows(first["steps"], rt) > 0]
     return {
         "rl/reward_mean": rewards.mean().item(),
         "rl/reward_std": rewards.std().item(),
@@ -1409,18 +1393,21 @@ def validate(cfg):
         value = getattr(cfg, name)
         check(value in allowed, f"--{name} {value!r}: use one of {' '.join(allowed)}")
     # a sequence loss averages the masked advantages over each completion, so the mask would not pick token gradients
-    sequence_loss = cfg.loss_type in ("gspo", "luspo")
     check(
-        not (sequence_loss and cfg.top_entropy_quantile < 1),
+        not (cfg.loss_type in ("gspo", "luspo") and cfg.top_entropy_quantile < 1),
         f"--top_entropy_quantile acts on token losses; --loss_type {cfg.loss_type} averages a sequence's advantages",
     )
     if cfg.clip_delta:
-        clips = ("grpo", "dapo", "dr_grpo")  # the losses with a clipped min, whose unclipped ratio the cap bounds
-        check(cfg.loss_type in clips, f"--clip_delta acts on grpo, dapo and dr_grpo, not --loss_type {cfg.loss_type}")
+        # the losses with a clipped min, whose unclipped ratio the cap bounds
+        check(
+            cfg.loss_type in ("grpo", "dapo", "dr_grpo"),
+            f"--clip_delta acts on grpo, dapo and dr_grpo, not --loss_type {cfg.loss_type}",
+        )
         # at or below the upper clip, a token with A > 0 and a ratio between the two would get no gradient
         upper = 1 + (cfg.clip_eps_high if cfg.loss_type == "dapo" else cfg.clip_eps)
-        message = f"--clip_delta {cfg.clip_delta:g} must be above the upper clip 1 + eps ({upper:g})"
-        check(cfg.clip_delta > upper, message)
+        check(
+            cfg.clip_delta > upper, f"--clip_delta {cfg.clip_delta:g} must be above the upper clip 1 + eps ({upper:g})"
+        )
     # the over-optimisation measures of a learned reward are the KL to the initial policy, which a moving one hides
     check(
         not (cfg.ref_sync_steps and cfg.reward_model),
@@ -1435,8 +1422,10 @@ def validate(cfg):
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
     check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
-    n_rm = len(cfg.reward_model.split(","))
-    check(cfg.rm_ensemble == "mean" or n_rm > 1, f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..")
+    check(
+        cfg.rm_ensemble == "mean" or "," in cfg.reward_model,
+        f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..",
+    )
     check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
 
 
@@ -1447,30 +1436,25 @@ def setup(cfg):
     out_dir = prepare_out_dir(cfg, "grpo", rt)
     stop = GracefulExit()
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    source = ckpt_path if cfg.resume else cfg.init_from
-    ckpt = None
-    if source != "scratch":
-        model, spec, ckpt = load_model(source)
-    text = None  # next_token's text, and the file it came from
-    path = None
+    text = None  # next_token's text (path: the file it came from)
     if cfg.task == "next_token":
-        if cfg.data != "shakespeare":
-            path = cfg.data
-        elif cfg.data_path:  # a local copy of tiny Shakespeare
-            path = cfg.data_path
-        else:
-            path = download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
+        path = cfg.data
+        if cfg.data == "shakespeare":  # --data_path: a local copy; else data/'s (downloaded there if missing)
+            path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
+    source = ckpt_path if cfg.resume else cfg.init_from
+    ckpt = None  # the checkpoint loaded, if any: a resumed run's state is read from it
     if source == "scratch":  # a new model
-        chars = sorted(set(text)) if text is not None else ARITHMETIC_CHARS
+        chars = sorted(set(text or ARITHMETIC_CHARS))  # the text's characters, or arithmetic's
         tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(chars)
-        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0, True))
+        model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd))  # no dropout
     else:
+        model, spec, ckpt = load_model(source)
         tok = get_tokenizer(spec)
-    if text is not None and isinstance(tok, CharTokenizer):
-        unknown = sorted(set(text) - set(tok.chars))
-        check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
     if cfg.task == "next_token":
+        if isinstance(tok, CharTokenizer):
+            unknown = sorted(set(text) - set(tok.chars))
+            check(not unknown, f"{path} has characters {''.join(unknown[:10])!r} outside the model's char vocabulary")
         task = NextTokenTask(cfg, tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
@@ -1482,11 +1466,15 @@ def setup(cfg):
     # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
     # check has no checksum, and is refused when a reward model is used)
     rm_checksum = reward_checksum(task.rm)
-    same = not cfg.resume or ckpt.get("rm_checksum") == rm_checksum
-    check(same, f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on")
+    check(
+        not cfg.resume or ckpt.get("rm_checksum") == rm_checksum,
+        f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on",
+    )
     longest = prompt_len + cfg.horizon
-    block_size = model.config.block_size
-    check(longest <= block_size, f"prompts + --horizon ({longest}) exceed block_size {block_size}")
+    check(
+        longest <= model.config.block_size,
+        f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
+    )
     model.to(rt.device)
     adv_kind = cfg.adv
     if cfg.adv == "auto":  # per-token rewards (next_token): process supervision
@@ -1501,7 +1489,7 @@ def setup(cfg):
     ref = None
     if reference == "bigram":
         ref = BigramReference(task.train_ids.to(rt.device), model.config.vocab_size)
-    elif reference in ("random", "init"):
+    elif reference != "none":  # random or init
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
             ref = GPT(model.config)
@@ -1543,8 +1531,10 @@ def setup(cfg):
         run.tokens = ckpt["tokens"]
         run.first_eval = ckpt["first_eval"]
     if rt.master:
-        sizes = f"{model.num_params() / 1e6:.2f}M params, vocab {tok.vocab_size}, {rt.world_size} x {rt.device}"
-        print(f"{sizes}, {cfg.task}, loss {cfg.loss_type}, adv {adv_kind}, ref {reference}, out_dir {out_dir}")
+        print(
+            f"{model.num_params() / 1e6:.2f}M params, vocab {tok.vocab_size}, {rt.world_size} x {rt.device}, "
+            f"{cfg.task}, loss {cfg.loss_type}, adv {adv_kind}, ref {reference}, out_dir {out_dir}"
+        )
     return run
 
 

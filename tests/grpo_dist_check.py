@@ -81,13 +81,15 @@ def check_rollouts(rt):
         if not torch.allclose(part, whole[rows], atol=1e-6):
             errors.append(f"{kind} advantages, scale {scale}, {r.dim()}-d rewards: rank {rt.rank} differs")
     for r in (rewards, token_rewards):
-        first = {"completion": None, "info": None, "rewards": r, "mask": mask, "rollout_kl": rollout_kl}
+        # steps: the positions that carry a per-token reward, here every real token (as collect gives it)
+        first = {"completion": None, "info": None, "rewards": r, "mask": mask, "steps": mask, "rollout_kl": rollout_kl}
         whole = grpo.rollout_metrics(task, first, {"mask": mask, "truncated": truncated}, G, one)
         first = {
             "completion": None,
             "info": None,
             "rewards": r[rows],
             "mask": mask[rows],
+            "steps": mask[rows],
             "rollout_kl": rollout_kl[rows],
         }
         part = grpo.rollout_metrics(task, first, {"mask": mask[rows], "truncated": truncated[rows]}, G, rt)
