@@ -183,7 +183,7 @@ class Config:
     # system
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA if supported)
-    compile: bool = False  # torch.compile the policy's training forward
+    compile: bool = False  # torch.compile the training forward and the rollouts' decode step (a CUDA graph on a GPU)
     parallel: str = "ddp"  # ddp | fsdp (under torchrun)
     seed: int = 1337  # random seed (each rank adds its rank)
     deterministic: bool = False  # torch.use_deterministic_algorithms
