@@ -1894,12 +1894,13 @@ def left_pad(prompts, device):
     return idx, torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
 
 
-def model_cache(model, batch_size, n):
-    """The model's KVCache for batch_size rows of n positions, with pos set back to 0. n is rounded up to a multiple
-    of 32, so a few caches serve every prompt length; they are kept on the model, and a compiled decode step replays
-    its graph on the same tensors at every call (a new cache would be a new graph)."""
+def model_cache(model, batch_size, n, device):
+    """The model's KVCache for batch_size rows of n positions on device, with pos set back to 0. n is rounded up to a
+    multiple of 32, so a few caches serve every prompt length; they are kept on the model (a GPT, or a module built
+    around one that has its config), and a compiled decode step replays its graph on the same tensors at every call
+    (a new cache would be a new graph)."""
     n = min(-(-n // 32) * 32, model.config.block_size)
-    key = (batch_size, n, model.lm_head.weight.device)
+    key = (batch_size, n, device)
     caches = model.__dict__.setdefault("kv_caches", {})
     if key not in caches:
         caches[key] = KVCache(model.config, *key)
@@ -1943,7 +1944,7 @@ def generate(
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
-    cache = model_cache(model, B, T + max_new_tokens) if use_cache else None
+    cache = model_cache(model, B, T + max_new_tokens, device) if use_cache else None
     stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
