@@ -5,7 +5,9 @@ Measurements (`--only`, comma-separated; all by default), each the median of `--
 warm-up runs, CUDA synchronized around every timed run:
     sample_kv       new tokens/s of generate(..., use_cache=True): batch_size prompts of prompt_len random tokens;
                     beside it prefill_ms (the prompt's forward) and decode_step_ms (the rest of the run, the
-                    decode loop, over new_tokens: ms per decode step, one token for every row), medians over the runs
+                    decode loop, over new_tokens: ms per decode step, one token for every row), medians over the runs.
+                    --profile: `repeats` more runs under torch.profiler, the table sorted by self CPU time (the
+                    host's share of a decode step) in --profile_out's name with _sample_kv before its suffix
     sample_nocache  the same with use_cache=False (the whole sequence is recomputed for every new token)
     train           training tokens/s of one step (forward with targets, backward, AdamW) at train_batch x
                     train_seq; `mfu` against the GPU's dense bf16 peak (null off CUDA and on unknown GPUs).
@@ -41,6 +43,7 @@ Commands:
     python bench.py --model gpt2 --device cuda                       # one GPU, bf16 autocast
     python bench.py --model gpt2 --device cuda --compile --only train,memory --train_batch 16 --train_seq 1024
     python bench.py --model gpt2 --device cuda --compile --only train --profile      # top kernels: bench_profile.txt
+    python bench.py --model gpt2 --device cuda --compile --only sample_kv --profile  # bench_profile_sample_kv.txt
 The measured tables, with their hardware and dates: docs/performance.md.
 """
 
@@ -89,8 +92,8 @@ class Config:
     only: str = "sample_kv,sample_nocache,train,memory,grpo_step,ppo_step,dpo_step,rm_step,rookworld_step"  # to run
     seed: int = 1337  # seed of the weights, the prompts and the sampler
     vs: str = ""  # hf: also run transformers (TRL for grpo_step, dpo_step, rm_step) on the same work; print speedup
-    profile: bool = False  # train: profile `repeats` more training steps after the timed ones (torch.profiler)
-    profile_out: str = "bench_profile.txt"  # train --profile: where the table of the top ops by self time goes
+    profile: bool = False  # train, sample_kv: profile `repeats` more runs after the timed ones (torch.profiler)
+    profile_out: str = "bench_profile.txt"  # --profile: the file of train's table of top ops (sample_kv: *_sample_kv)
 
 
 MODELS = {
@@ -485,8 +488,8 @@ def parse_config(argv=None):
     for name in positive:
         if getattr(cfg, name) <= 0:
             die(f"--{name} must be positive (got {getattr(cfg, name)})")
-    if cfg.profile and "train" not in cfg.only.split(","):
-        die("--profile profiles the train measurement: add train to --only")
+    if cfg.profile and not {"train", "sample_kv"} & set(cfg.only.split(",")):
+        die("--profile profiles the train and sample_kv measurements: add one of them to --only")
     if cfg.warmup < 0:
         die(f"--warmup must be >= 0 (got {cfg.warmup})")
     if cfg.prompt_len + cfg.new_tokens > 1024 or cfg.train_seq > 1024 or cfg.pair_len > 1024:
@@ -578,7 +581,10 @@ def bench_sample(model, cfg, env, use_cache):
 
     model.eval()
     seconds, prefill, decode = generate_seconds(run, model, env["device"], cfg.warmup, cfg.repeats)
-    return cfg.batch_size * cfg.new_tokens / seconds, "tokens/s", sample_details(cfg, seconds, prefill, decode)
+    details = sample_details(cfg, seconds, prefill, decode)
+    if cfg.profile and use_cache:
+        details["profile"] = profile_steps(run, cfg, env, "sample_kv")
+    return cfg.batch_size * cfg.new_tokens / seconds, "tokens/s", details
 
 
 def train_setup(model, cfg, env):
@@ -608,14 +614,17 @@ def bench_train(model, cfg, env):
         mfu = flops_per_token(env["raw_model"], cfg.train_seq) * tokens / seconds / env["peak_flops"]
     details = dict(train_batch=cfg.train_batch, train_seq=cfg.train_seq, step_ms=1000 * seconds, mfu=mfu)
     if cfg.profile:
-        details["profile"] = profile_steps(step, cfg, env)
+        details["profile"] = profile_steps(step, cfg, env, "train")
     return tokens / seconds, "tokens/s", details
 
 
-def profile_steps(step, cfg, env):
-    """`repeats` more training steps under torch.profiler, after the timed ones (so compilation and warm-up are
-    not in it, and the profiler's own cost is not in the timing). Writes the table of the 20 ops or kernels with
-    the most self time (device time on CUDA, CPU time elsewhere) to cfg.profile_out and returns its path."""
+def profile_steps(step, cfg, env, name):
+    """`repeats` more runs of step (a training step, or a whole generation) under torch.profiler, after the timed
+    ones (so compilation and warm-up are not in it, and the profiler's own cost is not in the timing). Writes the
+    table of the 20 ops or kernels with the most self time to a file and returns its path: train's, sorted by
+    device time on CUDA (CPU time elsewhere), to cfg.profile_out; sample_kv's, sorted by CPU time (a decode step
+    on a GPU waits on the host: the compiled region, the sampler's launches), to cfg.profile_out with _sample_kv
+    before its suffix. The table's last lines give the self CPU and device totals."""
     from torch.profiler import ProfilerActivity, profile
 
     device = env["device"]
@@ -625,13 +634,20 @@ def profile_steps(step, cfg, env):
             step()
         sync(device)
     # self_device_time_total is the current name of self_cuda_time_total
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if device.type == "cuda" and name == "train" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=20)
-    title = f"bench.py train --profile: {cfg.repeats} step(s) of {cfg.train_batch} x {cfg.train_seq} tokens"
+    path = cfg.profile_out
+    if name == "train":
+        title = f"bench.py train --profile: {cfg.repeats} step(s) of {cfg.train_batch} x {cfg.train_seq} tokens"
+    else:
+        stem, suffix = os.path.splitext(path)
+        path = f"{stem}_{name}{suffix}"
+        title = f"bench.py {name} --profile: {cfg.repeats} generation(s) of {cfg.new_tokens} tokens for"
+        title += f" {cfg.batch_size} prompts of {cfg.prompt_len}"
     title += f", --model {cfg.model}, {device.type}, {env['dtype']}, compile={cfg.compile}; sorted by {sort_by}"
-    with open(cfg.profile_out, "w") as f:
+    with open(path, "w") as f:
         f.write(f"{title}\n{table}\n")
-    return cfg.profile_out
+    return path
 
 
 def rss_peak_mb():

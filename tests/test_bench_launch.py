@@ -86,6 +86,21 @@ def test_bench_sampling_rows_give_prefill_and_ms_per_decode_step():
         assert r["prefill_ms"] + r["new_tokens"] * r["decode_step_ms"] <= 1000 * r["seconds"] * 1.01, r
 
 
+def test_bench_sample_kv_profile_writes_a_table_sorted_by_cpu_time_beside_trains(tmp_path):
+    """sample_kv --profile writes its own table (sorted by self CPU time: the host's share of decoding) to
+    --profile_out with _sample_kv before the suffix, named in the sample_kv row; train's keeps --profile_out."""
+    out = tmp_path / "profile.txt"
+    args = ["--model", "tiny", "--only", "sample_kv,train", "--train_batch", "2", "--train_seq", "16"]
+    args += ["--batch_size", "2", "--prompt_len", "4", "--new_tokens", "4", "--repeats", "1", "--warmup", "0"]
+    proc = run_script("bench.py", *args, "--profile", "--profile_out", out, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["bench"]: row for row in map(json.loads, proc.stdout.splitlines())}
+    assert rows["train"]["profile"] == str(out)
+    assert rows["sample_kv"]["profile"] == str(tmp_path / "profile_sample_kv.txt")
+    table = (tmp_path / "profile_sample_kv.txt").read_text()
+    assert "bench.py sample_kv --profile" in table and "aten::" in table and "self_cpu_time_total" in table
+
+
 def test_bench_train_profile_writes_a_table_of_aten_ops(tmp_path):
     """train --profile writes the profiler's table of top ops by self CPU time to --profile_out, names the file in
     the train row, and keeps stdout one JSON line per measurement."""
@@ -121,7 +136,7 @@ def test_bench_vs_hf_adds_a_static_cache_peer_row_with_the_same_fields():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "args", [["--only", "nope"], ["--vs", "trl"], ["--group_size", "1"], ["--profile", "--only", "sample_kv"]]
+    "args", [["--only", "nope"], ["--vs", "trl"], ["--group_size", "1"], ["--profile", "--only", "memory"]]
 )
 def test_bench_new_flags_refuse_bad_values_in_one_line(args):
     proc = run_script("bench.py", *args)
