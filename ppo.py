@@ -1470,8 +1470,8 @@ class KVCache:
     by position, so every decode step has the same shapes. The keys and values start as zeros, not garbage: a
     masked key's weight is 0, and 0 * NaN would be NaN. pos (a 0-dim tensor, gpt-fast's input_pos) counts the
     positions filled, and at holds the positions of the chunk being written: tensors, so a compiled decode step
-    needs no new graph per position and the host never waits for them. generate keeps one cache per batch size and
-    length on the model (model_cache) and empties it for the next call, so the addresses stay fixed too."""
+    needs no new graph per position and the host never waits for them. With a compiled decode step, generate keeps
+    one cache per batch size and length on the model (model_cache) and reuses it, so the addresses stay fixed too."""
 
     def __init__(self, config, batch_size, max_len, device):
         self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
@@ -1709,14 +1709,15 @@ def left_pad(prompts, device):
     return idx, torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
 
 
-def model_cache(model, batch_size, n, device):
-    """The model's KVCache for batch_size rows of n positions on device, with pos set back to 0. n is rounded up to a
-    multiple of 32, so a few caches serve every prompt length; they are kept on the model (a GPT, or a module built
-    around one that has its config), and a compiled decode step replays its graph on the same tensors at every call
-    (a new cache would be a new graph)."""
+def model_cache(model, batch_size, n, device, keep=True):
+    """A KVCache for batch_size rows of n positions on device, n rounded up to a multiple of 32. With keep, the
+    model's own, kept on it (a GPT, or a module built around one that has its config) with pos set back to 0: one
+    per batch size and rounded length, so a few serve every prompt length, and a compiled decode step replays its
+    graph on the same tensors at every call (a new cache would be a new graph). Without keep, a new one, freed
+    when the caller lets it go (eager decoding: no memory held between calls)."""
     n = min(-(-n // 32) * 32, model.config.block_size)
     key = (batch_size, n, device)
-    caches = model.__dict__.setdefault("kv_caches", {})
+    caches = model.__dict__.setdefault("kv_caches", {}) if keep else {}
     if key not in caches:
         caches[key] = KVCache(model.config, *key)
     # what the last call left at positions >= pos is never read: a query sees only keys at or before its own
@@ -1759,7 +1760,9 @@ def generate(
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
-    cache = model_cache(model, B, T + max_new_tokens, device) if use_cache else None
+    cache = None
+    if use_cache:  # compiled: the model's cache of this size, kept; eager: a cache of this call's own
+        cache = model_cache(model, B, T + max_new_tokens, device, keep=decode is not decode_step)
     stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []

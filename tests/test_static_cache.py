@@ -160,18 +160,26 @@ def test_a_compiled_decode_step_is_traced_once_for_every_position():
     assert len(graphs) == after_first
 
 
-def test_generate_keeps_one_cache_per_batch_size_and_length_and_empties_it_between_calls():
-    """A compiled decode step replays on fixed memory, so generate reuses the model's cache: the same tensors for
-    the same batch size and rounded length, emptied (a second call gives the first call's tokens), a new one for
-    another batch size or device."""
+def test_a_compiled_step_reuses_one_cache_per_batch_size_and_length_and_eager_decoding_keeps_none():
+    """A compiled decode step replays on fixed memory, so generate then reuses the model's cache: the same tensors
+    for the same batch size and rounded length, emptied (a second call gives the first call's tokens), a new one
+    for another batch size. Eager decoding keeps no cache on the model (no memory held between calls)."""
+    from gpt import decode_step
+
+    def step(model, token, cache):  # any decode step but the default one counts as compiled
+        return decode_step(model, token, cache)
+
     m = model(torch.float32)
-    first, _ = generate(m, PROMPTS, 16, temperature=0)
+    eager, _ = generate(m, PROMPTS, 16, temperature=0)
+    assert not getattr(m, "kv_caches", {})
+    first, _ = generate(m, PROMPTS, 16, temperature=0, decode=step)
     (cache,) = m.kv_caches.values()
     k = cache.k
-    again, _ = generate(m, PROMPTS, 12, temperature=0)  # 7 + 12 and 7 + 16 both round up to 32 positions
-    assert torch.equal(again, first[:, :12]) and list(m.kv_caches.values()) == [cache] and cache.k is k
+    again, _ = generate(m, PROMPTS, 12, temperature=0, decode=step)  # 7 + 12 and 7 + 16 both round up to 32
+    assert torch.equal(first, eager) and torch.equal(again, first[:, :12])
+    assert list(m.kv_caches.values()) == [cache] and cache.k is k
     assert cache.k.shape[3] == 32 and int(cache.pos) == 7 + 11  # the last token is sampled, never written
-    generate(m, PROMPTS[:2], 4, temperature=0)
+    generate(m, PROMPTS[:2], 4, temperature=0, decode=step)
     assert len(m.kv_caches) == 2
 
 
