@@ -787,7 +787,8 @@ class KVCache:
     masked key's weight is 0, and 0 * NaN would be NaN. pos (a 0-dim tensor, gpt-fast's input_pos) counts the
     positions filled, and at holds the positions of the chunk being written: tensors, so a compiled decode step
     needs no new graph per position and the host never waits for them. With a compiled decode step, generate keeps
-    one cache per batch size and length on the model (model_cache) and reuses it, so the addresses stay fixed too."""
+    one cache per batch size and length on the model (model_cache), reuses it and marks its tensors as static
+    addresses, so a CUDA graph finds them where it recorded them."""
 
     def __init__(self, config, batch_size, max_len, device):
         self.shape = (config.n_layer, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
@@ -799,9 +800,6 @@ class KVCache:
         if self.k is None or self.k.dtype != k.dtype:
             self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros_like(self.k)
-            for t in (self.k, self.v, self.real, self.pos):  # a CUDA graph replays on fixed memory: tell torch.compile
-                if not torch.compiler.is_compiling():  # they never move (unless a compiled prefill allocated them)
-                    torch._dynamo.mark_static_address(t)
         self.k[layer].index_copy_(2, self.at, k)
         self.v[layer].index_copy_(2, self.at, v)
         return self.k[layer], self.v[layer]
@@ -1076,13 +1074,17 @@ def generate(
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
-    cache = None
-    if use_cache:  # compiled: the model's cache of this size, kept; eager: a cache of this call's own
-        cache = model_cache(model, B, T + max_new_tokens, device, keep=decode is not decode_step)
+    # a compiled decode step replays a CUDA graph on fixed memory: the model's cache of this size, kept between
+    # calls (model_cache); eager decoding makes a cache of this call's own, and never imports the compiler
+    compiled = use_cache and decode is not decode_step
+    cache = model_cache(model, B, T + max_new_tokens, device, keep=compiled) if use_cache else None
     stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
+    if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
+        for t in (cache.k, cache.v, cache.real, cache.pos):
+            torch._dynamo.mark_static_address(t)
     for step in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
         masks.append(~done)
@@ -1093,8 +1095,9 @@ def generate(
         # checking every 8th token keeps the host from waiting on the device at every step
         if step == max_new_tokens - 1 or (stop is not None and step % 8 == 7 and bool(done.all())):
             break
+        if compiled:  # the last step's logits are read: its CUDA graph may reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
         if use_cache:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: its graph may reuse them
             logits = decode(model, nxt, cache)
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
