@@ -368,11 +368,12 @@ def model_cache(model, batch_size, n, device, keep=True):
     n = min(-(-n // 32) * 32, model.config.block_size)
     key = (batch_size, n, device)
     caches = model.__dict__.setdefault("kv_caches", {}) if keep else {}
-    if key not in caches:
+    if key in caches:
+        # reused: what the last call left at positions >= pos is never read, since a query sees only keys at or
+        # before its own position, and the prefill and each decode step write theirs (real included) first
+        caches[key].pos.zero_()
+    else:
         caches[key] = KVCache(model.config, *key)
-    # what the last call left at positions >= pos is never read: a query sees only keys at or before its own
-    # position, and the prefill and each decode step write theirs (real included) before attending
-    caches[key].pos.zero_()
     return caches[key]
 
 
@@ -583,7 +584,15 @@ def bench_sample(model, cfg, env, use_cache):
     def run():
         sampler = torch.Generator(env["device"]).manual_seed(cfg.seed)  # the same tokens in every run
         with env["autocast"]():
-            generate(model, prompts, cfg.new_tokens, 1.0, None, None, sampler, use_cache, decode=env["decode"])
+            generate(
+                model,
+                prompts,
+                cfg.new_tokens,
+                temperature=1.0,
+                generator=sampler,
+                use_cache=use_cache,
+                decode=env["decode"],
+            )
 
     model.eval()
     seconds, prefill, decode = generate_seconds(run, model, env["device"], cfg.warmup, cfg.repeats)

@@ -1560,11 +1560,12 @@ def model_cache(model, batch_size, n, device, keep=True):
     n = min(-(-n // 32) * 32, model.config.block_size)
     key = (batch_size, n, device)
     caches = model.__dict__.setdefault("kv_caches", {}) if keep else {}
-    if key not in caches:
+    if key in caches:
+        # reused: what the last call left at positions >= pos is never read, since a query sees only keys at or
+        # before its own position, and the prefill and each decode step write theirs (real included) first
+        caches[key].pos.zero_()
+    else:
         caches[key] = KVCache(model.config, *key)
-    # what the last call left at positions >= pos is never read: a query sees only keys at or before its own
-    # position, and the prefill and each decode step write theirs (real included) before attending
-    caches[key].pos.zero_()
     return caches[key]
 
 

@@ -586,8 +586,8 @@ def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids)
     collective = rt.distributed and rt.parallel == "fsdp"
     eos_id = None if collective else stop_ids
     with rt.autocast():
-        horizon = cfg.horizon
-        completion, _ = generate(model, prompts, horizon, temperature, top_k, eos_id, decode=rt.decode)
+        # (N, n); rt.decode: the decode step, compiled under --compile
+        completion, _ = generate(model, prompts, cfg.horizon, temperature, top_k, eos_id, decode=rt.decode)
     ends = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).long()  # (N, n)
     mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
     texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
@@ -1709,11 +1709,12 @@ def model_cache(model, batch_size, n, device, keep=True):
     n = min(-(-n // 32) * 32, model.config.block_size)
     key = (batch_size, n, device)
     caches = model.__dict__.setdefault("kv_caches", {}) if keep else {}
-    if key not in caches:
+    if key in caches:
+        # reused: what the last call left at positions >= pos is never read, since a query sees only keys at or
+        # before its own position, and the prefill and each decode step write theirs (real included) first
+        caches[key].pos.zero_()
+    else:
         caches[key] = KVCache(model.config, *key)
-    # what the last call left at positions >= pos is never read: a query sees only keys at or before its own
-    # position, and the prefill and each decode step write theirs (real included) before attending
-    caches[key].pos.zero_()
     return caches[key]
 
 
