@@ -103,7 +103,7 @@ class Config:
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     max_steps: int = 300  # rollout batches
     lr: float = 1e-3  # peak learning rate
-    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    min_lr: float = None  # learning rate at the end of the cosine decay (unset: --lr / 10)
     warmup_steps: int = 20  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
@@ -581,8 +581,12 @@ def validate(cfg):
     ]
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("min_lr", "beta_kl", "kl_warmup_tokens", "clip_eps_high", "grad_clip", "weight_decay", "warmup_steps"):
+    for name in ("beta_kl", "kl_warmup_tokens", "clip_eps_high", "grad_clip", "weight_decay", "warmup_steps"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     check(cfg.group_size >= 2, f"--group_size must be >= 2, GRPO compares rollouts in a group (got {cfg.group_size})")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.temperature > 0, f"--temperature must be > 0: greedy rollouts of a group are alike ({cfg.temperature})")
@@ -1282,7 +1286,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

@@ -138,7 +138,7 @@ class Config:
     # optimisation
     max_steps: int = 100  # optimizer steps
     lr: float = 1e-5  # peak learning rate (a small model SFT'd by gpt.py takes about 2e-4)
-    min_lr: float = 1e-6  # learning rate at the end of the cosine decay
+    min_lr: float = None  # learning rate at the end of the cosine decay (unset: --lr / 10)
     warmup_steps: int = 10  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
@@ -1041,12 +1041,16 @@ def validate(cfg):
     positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "log_every", "save_every", "sample_tokens"]
     positive += ["lr", "beta", "discopop_tau", "orpo_lambda", "kto_desirable_weight", "kto_undesirable_weight"]
     positive += ["digits", "steps", "pair_prompts"]
-    non_negative = ["eval_size", "judge_prompts", "num_samples", "warmup_steps", "min_lr", "weight_decay"]
+    non_negative = ["eval_size", "judge_prompts", "num_samples", "warmup_steps", "weight_decay"]
     non_negative += ["grad_clip", "sft_weight", "gamma", "ref_sync_steps"]
     for name in positive:
         check(0 < getattr(cfg, name) < math.inf, f"--{name} must be positive (got {getattr(cfg, name)})")
     for name in non_negative:
         check(0 <= getattr(cfg, name) < math.inf, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     check(cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     check(
         cfg.f_divergence in F_DIVERGENCES, f"--f_divergence {cfg.f_divergence!r}: use one of {', '.join(F_DIVERGENCES)}"
@@ -1810,7 +1814,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

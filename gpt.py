@@ -116,7 +116,7 @@ class Config:
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int = 1500  # optimizer steps
     lr: float = 2e-3  # peak learning rate
-    min_lr: float = 2e-4  # learning rate at the end of the cosine decay
+    min_lr: float = None  # learning rate at the end of the cosine decay (unset: --lr / 10)
     warmup_steps: int = 100  # linear warm-up steps
     lr_decay_steps: int = 0  # steps of cosine decay (0: max_steps)
     weight_decay: float = 0.1  # AdamW weight decay on matrices
@@ -606,7 +606,11 @@ def validate(cfg):
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     check(cfg.num_samples >= 0, f"--num_samples must be >= 0 (got {cfg.num_samples})")
-    check(cfg.lr > 0 and cfg.min_lr >= 0, f"--lr must be positive and --min_lr >= 0 (got {cfg.lr}, {cfg.min_lr})")
+    check(cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1) (got {cfg.dropout})")
     check(cfg.warmup_steps >= 0 and cfg.lr_decay_steps >= 0, "--warmup_steps and --lr_decay_steps must be >= 0")
     check(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
@@ -1432,7 +1436,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

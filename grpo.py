@@ -167,7 +167,7 @@ class Config:
     max_steps: int = 200  # optimizer steps (batches of rollouts)
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     lr: float = 1e-3  # peak learning rate
-    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    min_lr: float = None  # learning rate at the end of the cosine decay (unset: --lr / 10)
     warmup_steps: int = 10  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
@@ -1353,7 +1353,6 @@ def validate(cfg):
         value = getattr(cfg, name)
         check(value > 0, f"--{name} must be positive (got {value})")
     zero_ok = [
-        "min_lr",
         "beta_kl",
         "kl_warmup_tokens",
         "entropy_coef",
@@ -1369,6 +1368,10 @@ def validate(cfg):
     for name in zero_ok:
         value = getattr(cfg, name)
         check(value >= 0, f"--{name} must be >= 0 (got {value})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     check(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO compares the completions of a group (at least 2)")
     check(cfg.batch_size % cfg.grad_accum == 0, "--batch_size must be a multiple of --grad_accum (groups stay whole)")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators from +-*")
@@ -2151,7 +2154,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

@@ -156,7 +156,9 @@ class Config:
     target_kl_stop: float = 0.0  # stop the passes when an epoch's mean approx KL exceeds this (0: never)
     lr: float = 1e-3  # peak learning rate of the policy (and of the shared value head)
     value_lr: float = 0.0  # peak learning rate of a separate value model (0: --lr)
-    min_lr: float = 1e-4  # learning rate at the end of the cosine decay (the value model's scaled alike)
+    min_lr: float = (
+        None  # learning rate at the end of the cosine decay (unset: --lr / 10; the value model's scaled alike)
+    )
     warmup_steps: int = 10  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm of each model to this (0: off)
@@ -1166,7 +1168,6 @@ def validate(cfg):
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
     non_negative = [
         "value_lr",
-        "min_lr",
         "clip_eps_value",
         "vf_coef",
         "entropy_coef",
@@ -1180,6 +1181,10 @@ def validate(cfg):
     ]
     for name in non_negative:
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     for name in ["gamma", "lam"]:
         check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
     rows = cfg.num_minibatches * cfg.grad_accum
@@ -1966,7 +1971,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

@@ -143,7 +143,7 @@ class Config:
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int = 500  # optimizer steps
     lr: float = 3e-4  # peak learning rate (1e-5 suits a pretrained GPT-2)
-    min_lr: float = 3e-5  # learning rate at the end of the cosine decay
+    min_lr: float = None  # learning rate at the end of the cosine decay (unset: --lr / 10)
     warmup_steps: int = 50  # linear warm-up steps
     weight_decay: float = 0.1  # AdamW weight decay on matrices
     beta1: float = 0.9  # AdamW beta1
@@ -843,8 +843,12 @@ def validate(cfg):
     positive += ["digits", "steps", "n_layer", "n_head", "n_embd", "block_size", "lr", "samples_per_problem"]
     for name in positive:
         check(getattr(cfg, name) > 0, f"--{name} must be positive (got {getattr(cfg, name)})")
-    for name in ("eval_size", "center_coef", "min_lr", "warmup_steps", "grad_clip", "weight_decay"):
+    for name in ("eval_size", "center_coef", "warmup_steps", "grad_clip", "weight_decay"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0 (got {getattr(cfg, name)})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     check(cfg.pos_weight is None or cfg.pos_weight > 0, f"--pos_weight must be positive (got {cfg.pos_weight})")
     choices = {
         "task": ["preference", "orm", "prm"],
@@ -1662,7 +1666,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

@@ -163,7 +163,7 @@ class Config:
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
     max_steps: int = 50  # optimizer steps (batches of rollouts)
     lr: float = 1e-5  # peak learning rate (1e-5 suits RookWorld-LM; ~1e-4 a small model SFT'd here; 1e-3 wrecks it)
-    min_lr: float = 0.0  # learning rate at the end of the cosine decay
+    min_lr: float = None  # learning rate at the end of the cosine decay (unset: --lr / 10)
     warmup_steps: int = 5  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay on matrices
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
@@ -1230,11 +1230,15 @@ def validate(cfg):
     for name in positive:
         value = getattr(cfg, name)
         check(value > 0, f"--{name} must be positive (got {value})")
-    non_negative = ["eval_size", "make_data", "sf_depth", "sf_nodes", "min_lr", "beta_kl", "entropy_coef", "vf_coef"]
+    non_negative = ["eval_size", "make_data", "sf_depth", "sf_nodes", "beta_kl", "entropy_coef", "vf_coef"]
     non_negative += ["clip_eps_high", "grad_clip", "weight_decay", "warmup_steps", "top_k"]
     for name in non_negative:
         value = getattr(cfg, name)
         check(value >= 0, f"--{name} must be >= 0 (got {value})")
+    check(
+        cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.lr,
+        f"--min_lr {cfg.min_lr}: the decay ends at or below --lr {cfg.lr}",
+    )
     for name in ["task_mix", "random_move_frac", "illegal_frac", "gamma", "lam"]:
         value = getattr(cfg, name)
         check(0 <= value <= 1, f"--{name} must be in [0, 1] (got {value})")
@@ -1959,7 +1963,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
 
 
 def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
-    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after."""
+    """Linear warm-up to lr, then cosine decay to min_lr at decay_steps, constant after. min_lr None means lr / 10
+    (nanoGPT's rule), so a smaller --lr never leaves the schedule climbing to a default floor above it."""
+    if min_lr is None:
+        min_lr = lr / 10
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))

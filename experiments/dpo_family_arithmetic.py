@@ -27,9 +27,9 @@ def main():
     args = parse_args("dpo_family_arithmetic", __doc__.splitlines()[0])
     sft = ["--data", "arithmetic", "--tokenizer", "char", "--digits", "2", "--ops", "+-", "--n_layer", "3"]
     sft += ["--n_head", "4", "--n_embd", "96", "--block_size", "32", "--batch_size", "64", "--lr", "3e-3"]
-    sft += ["--warmup_steps", "50", "--max_steps", "2000", "--eval_every", "1000"]
+    sft += ["--min_lr", "2e-4", "--warmup_steps", "50", "--max_steps", "2000", "--eval_every", "1000"]
     dpo = ["--data", "arithmetic", "--digits", "2", "--ops", "+-", "--pair_prompts", "1024", "--lr", "3e-4"]
-    dpo += ["--sft_weight", "1", "--max_steps", "150", "--eval_every", "25", "--eval_size", "300"]
+    dpo += ["--min_lr", "1e-6", "--sft_weight", "1", "--max_steps", "150", "--eval_every", "25", "--eval_size", "300"]
     forms = FORMS
     if args.quick:
         sft = ["--data", "arithmetic", "--tokenizer", "char", "--digits", "1", "--ops", "+-", "--n_layer", "1"]

@@ -17,8 +17,8 @@ from common import final_results, fmt, metrics, parse_args, print_table, run  # 
 from rlhf_loop import EARLIER_SFT, QUICK, VERIFIER, flags  # noqa: E402
 
 DPO = dict(
-    data="arithmetic", digits=2, ops="+-", pair_prompts=1024, lr=3e-4, sft_weight=1, max_steps=150, eval_every=25,
-    eval_size=300,
+    data="arithmetic", digits=2, ops="+-", pair_prompts=1024, lr=3e-4, min_lr=1e-6, sft_weight=1, max_steps=150,
+    eval_every=25, eval_size=300,
 )  # fmt: skip
 QUICK_DPO = dict(pair_prompts=16, batch_size=4, max_steps=2, eval_every=1, eval_size=16)
 

@@ -16,9 +16,9 @@ args = parse_args("grpo_family", __doc__)
 
 SFT = ["--data", "arithmetic", "--tokenizer", "char", "--digits", 2, "--ops", "+-", "--n_layer", 3, "--n_head", 4]
 SFT += ["--n_embd", 96, "--block_size", 32, "--batch_size", 64, "--lr", 3e-3, "--warmup_steps", 50]
-SFT += ["--max_steps", 2000, "--eval_every", 1000]
+SFT += ["--min_lr", 2e-4, "--max_steps", 2000, "--eval_every", 1000]
 G = ["--task", "arithmetic", "--digits", 2, "--ops", "+-", "--horizon", 6, "--batch_size", 32, "--group_size", 8]
-G += ["--max_steps", 100, "--lr", 1e-4, "--warmup_steps", 5, "--eval_every", 25, "--eval_size", 300]
+G += ["--max_steps", 100, "--lr", 1e-4, "--min_lr", 1e-4, "--warmup_steps", 5, "--eval_every", 25, "--eval_size", 300]
 steps = [0, 25, 50, 75, 100]
 ROWS = [
     ("`grpo`", ["--loss_type", "grpo"]),

@@ -35,7 +35,8 @@ from rlhf_loop import GRPO, best_of_n, flags, quick, read_json, rl_flags, start 
 
 PPO = dict(batch_size=256, max_steps=100, lr=1e-5)  # the same 256 answers a step as GRPO's 32 x 8
 DPO = dict(
-    data="arithmetic", digits=2, ops="+-", pair_prompts=1024, lr=3e-5, max_steps=300, eval_every=20, eval_size=1000,
+    data="arithmetic", digits=2, ops="+-", pair_prompts=1024, lr=3e-5, min_lr=1e-6, max_steps=300, eval_every=20,
+    eval_size=1000,
 )  # fmt: skip
 QUICK_DPO = dict(pair_prompts=16, batch_size=4, max_steps=2, eval_every=1, eval_size=16)
 DPO_BETAS = [0.01, 0.05, 0.1, 0.5]

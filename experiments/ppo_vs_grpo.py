@@ -18,8 +18,8 @@ from common import fmt, metrics, parse_args, print_table, run  # noqa: E402
 from rlhf_loop import EARLIER_SFT, QUICK, flags  # noqa: E402
 
 GOLD = dict(
-    task="arithmetic", digits=2, ops="+-", horizon=6, max_steps=100, lr=1e-4, warmup_steps=5, eval_every=25,
-    eval_size=300,
+    task="arithmetic", digits=2, ops="+-", horizon=6, max_steps=100, lr=1e-4, min_lr=1e-4, warmup_steps=5,
+    eval_every=25, eval_size=300,
 )  # fmt: skip
 QUICK_GOLD = dict(max_steps=2, warmup_steps=1, eval_every=1, eval_size=16)
 BATCH = {"grpo.py": ["--batch_size", 32, "--group_size", 8], "ppo.py": ["--batch_size", 256]}  # 256 answers a step

@@ -24,7 +24,16 @@ SFT = dict(
 )  # fmt: skip
 # the earlier recipe (one SFT model, gpt.py's default seed 1337), which the tables of dpo_gold_vs_judged.py and
 # ppo_vs_grpo.py were measured from: its greedy held-out accuracy ranged from 0.21 to 0.55 over seeds 1-3
-EARLIER_SFT = {**SFT, "n_layer": 3, "n_embd": 96, "lr": 3e-3, "warmup_steps": 50, "max_steps": 2000, "eval_every": 1000}
+EARLIER_SFT = {
+    **SFT,
+    "n_layer": 3,
+    "n_embd": 96,
+    "lr": 3e-3,
+    "min_lr": 2e-4,
+    "warmup_steps": 50,
+    "max_steps": 2000,
+    "eval_every": 1000,
+}
 VERIFIER = dict(
     task="orm", digits=2, ops="+-", n_train=50000, n_val=2000, batch_size=64, max_steps=2000, eval_every=500
 )

@@ -32,9 +32,10 @@ def main():
     stockfish = args.stockfish
     make = ["--make_data", "2000"]
     sft = ["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "224", "--batch_size", "8"]
-    sft += ["--max_steps", "600", "--lr", "5e-3", "--warmup_steps", "20", "--eval_every", "200", "--eval_iters", "4"]
+    sft += ["--max_steps", "600", "--lr", "5e-3", "--min_lr", "2e-4", "--warmup_steps", "20", "--eval_every", "200"]
+    sft += ["--eval_iters", "4"]
     grpo = ["--batch_size", "8", "--group_size", "8", "--max_steps", "20", "--eval_every", "10", "--eval_size", "32"]
-    grpo += ["--lr", "1e-4", "--warmup_steps", "2"]
+    grpo += ["--lr", "1e-4", "--min_lr", "0", "--warmup_steps", "2"]
     if args.quick:
         stockfish = ""
         make = ["--make_data", "60", "--illegal_frac", "0.2"]

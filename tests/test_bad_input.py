@@ -172,6 +172,8 @@ CASES = {
         s: (["--init_from", "nobody/no-such-model"], ("nobody/no-such-model", "Hugging Face hub")) for s in SCRIPTS
     },
     "folder_holds_a_run": {s: ([], "already holds a run") for s in SCRIPTS},
+    # the cosine schedule would climb from --lr to a floor above it
+    "min_lr_above_lr": {s: (["--lr", "1e-4", "--min_lr", "1e-3"], "--min_lr") for s in SCRIPTS},
 }
 
 NOT_APPLICABLE = {

@@ -1,6 +1,7 @@
 """gpt.py end to end: the run folder, exact resume, checkpoints, data preparation, distributed gradients, and
 bad input answered with one line and exit code 2."""
 
+import importlib
 import json
 import os
 import random
@@ -197,6 +198,20 @@ def test_cosine_schedule_warms_up_then_decays_to_min_lr():
     assert max(lrs) <= 1.0 and lrs[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:100], lrs[11:101]))
     assert lrs[100] == lrs[119] == 0.1
+
+
+def test_cosine_schedule_without_min_lr_decays_to_a_tenth_of_lr():
+    """An unset --min_lr is --lr / 10 (nanoGPT's rule): a small --lr decays instead of climbing to a fixed floor."""
+    lrs = [gpt.cosine_lr(s, 3e-5, None, 5, 150) for s in range(160)]
+    assert max(lrs) == pytest.approx(3e-5) and lrs[150] == pytest.approx(3e-6)
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))
+
+
+@pytest.mark.parametrize("script", ["gpt", "char_grpo", "grpo", "ppo", "dpo", "reward_model", "rookworld_grpo"])
+def test_every_script_leaves_min_lr_unset_by_default(script):
+    """No script carries a fixed --min_lr default, which a smaller --lr would sit below."""
+    module = importlib.import_module(script)
+    assert module.Config().min_lr is None and module.cosine_lr(10**6, 1e-5, None, 0, 100) == pytest.approx(1e-6)
 
 
 def test_config_flags_parse_types_booleans_and_help(capsys):
