@@ -97,7 +97,7 @@ class Config:
     # loss
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo 3e-4
-    clip_eps_high: float = None  # upper clip range of dapo, gspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
+    clip_eps_high: float = None  # upper clip range (DAPO's clip-higher: 0.28); unset or 0: clip_eps, gspo 4e-4
     num_iterations: int = 1  # optimizer steps per batch of rollouts (>1 reuses them through the ratio)
     # optimisation
     grad_accum: int = 1  # micro-batches per optimizer step (groups are never split)
@@ -225,8 +225,7 @@ def policy_loss(
     ratio = log_ratio.exp()  # (N, T)
     clipped = torch.zeros_like(ratio)  # sapo (a soft gate) and reinforce never clip
     if loss_type in ("grpo", "dapo", "dr_grpo"):
-        high = 1 + (clip_eps_high if loss_type == "dapo" else clip_eps)
-        clipped_ratio = ratio.clamp(1 - clip_eps, high)
+        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)  # DAPO's clip-higher when the two differ
         unclipped = ratio.clamp(max=clip_delta) if clip_delta else ratio  # (N, T)
         per_token = -torch.min(unclipped * adv, clipped_ratio * adv)
         clipped = per_token != -ratio * adv  # (N, T) bool: the clip or the cap holds the term

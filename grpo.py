@@ -14,13 +14,14 @@ the reference is scored at the same temperature over the whole vocabulary (as TR
 Advantages (--adv): group  A_i = (R_i - mean_G R) / (std_G R + 1e-4), unbiased std (--scale_rewards batch: the
 batch's std; none: no division, Dr. GRPO) | rloo  A_i = R_i - mean of the other G - 1 rewards (Ahmadian et al.
 2024) | process  per-token rewards normalised by their group's mean and std, A_t = their sum from t on (next_token;
-arithmetic with a --reward_model, prm or orm: only the token ending each step carries a reward, sigmoid(its score)).
+arithmetic with a --reward_model, prm or orm: only each step's newline carries a reward, sigmoid(its score)).
 Loss types (--loss_type): N sequences of |o_i| tokens in the optimizer step (all micro-batches and ranks), L =
 --horizon, term_it the clipped token term above:
     grpo       -1/N sum_i 1/|o_i| sum_t term_it        each sequence weighs the same: a token of a long completion
                                                          weighs less (the length bias of Dr. GRPO)
-    dapo       -1/(sum_i |o_i|) sum_i,t term_it         clip [1 - eps, 1 + eps_high] (Yu et al. 2025); every token
-                                                         of the step weighs the same
+    dapo       -1/(sum_i |o_i|) sum_i,t term_it         every token of the step weighs the same (Yu et al. 2025),
+                                                         with its clip-higher --clip_eps_high 0.28 (which, as TRL's
+                                                         epsilon_high, is the upper clip of every clipped loss)
     dr_grpo    -1/(N L) sum_i,t term_it                 a constant normaliser, no length bias (Liu et al. 2025);
                                                          pair it with --scale_rewards none
     gspo       -1/N sum_i min(s_i A_i, clip(s_i) A_i)   sequence ratio s_i = exp(mean_t log r_it) (Zheng et al.
@@ -115,6 +116,7 @@ class Config:
     reward_model: str = ""  # reward_model.py's ckpt.pt (A,B,..: an ensemble): learned reward: reward_model, arithmetic
     rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
     uwo_lambda: float = 0.5  # uwo's weight on the members' variance (0.5: not tuned here)
+    rm_sigmoid: bool = False  # arithmetic outcome reward: sigmoid(score) of the orm/prm (--adv process's transform)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
@@ -145,7 +147,7 @@ class Config:
     scale_rewards: str = "group"  # group advantages: group | batch | none (Dr. GRPO: no std scaling)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | luspo | cispo | reinforce | sapo (the docstring's table)
     clip_eps: float = None  # PPO clip range, lower (and upper unless clip_eps_high is set); unset: 0.2, gspo/luspo 3e-4
-    clip_eps_high: float = None  # upper clip of dapo, gspo, luspo, cispo (DAPO: 0.28); unset or 0: clip_eps, gspo 4e-4
+    clip_eps_high: float = None  # upper clip range (DAPO's clip-higher: 0.28); unset or 0: clip_eps, gspo 4e-4
     clip_delta: float = 0.0  # grpo, dapo, dr_grpo: cap (> 1 + eps) of the min's unclipped ratio (INTELLECT-2; 0: off)
     sapo_tau_pos: float = 1.0  # sapo: temperature of the soft gate on tokens with A > 0
     sapo_tau_neg: float = 1.05  # sapo: temperature of the soft gate on tokens with A <= 0
@@ -302,8 +304,7 @@ def policy_loss(
     ratio = log_ratio.exp()  # (N, T)
     clipped = torch.zeros_like(ratio)  # sapo (a soft gate) and reinforce never clip
     if loss_type in ("grpo", "dapo", "dr_grpo"):
-        high = 1 + (clip_eps_high if loss_type == "dapo" else clip_eps)
-        clipped_ratio = ratio.clamp(1 - clip_eps, high)
+        clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)  # DAPO's clip-higher when the two differ
         unclipped = ratio.clamp(max=clip_delta) if clip_delta else ratio  # (N, T)
         per_token = -torch.min(unclipped * adv, clipped_ratio * adv)
         clipped = per_token != -ratio * adv  # (N, T) bool: the clip or the cap holds the term
@@ -512,7 +513,7 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
                 rollout_kl.append(((logp - ref_logp[-1]) * mask[cut]).sum(1))  # (n,)
             part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
             if process:
-                rewards.append(process_rewards(task.rm, rows[cut], completion[cut], steps[cut]))
+                rewards.append(process_rewards(task.rm, rows[cut], completion[cut], steps[cut], task.eos_id))
             else:
                 rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
     return dict(
@@ -906,7 +907,10 @@ class ArithmeticTask:
     def rewards(self, prompts, completion, mask, answers, logits):
         if self.rm is None:
             return self.gold(completion, mask, answers)
-        return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+        scores = reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+        if self.cfg.rm_sigmoid:  # the verifier's probability of a right answer
+            return torch.sigmoid(scores)
+        return scores
 
     def correct(self, completion, mask, answers, rewards):
         return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
@@ -1192,16 +1196,23 @@ def reward_model_scores(rm, prompts, completion, mask):
     return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
 
 
-def process_rewards(rm, prompts, completion, steps):
+def process_rewards(rm, prompts, completion, steps, eos_id):
     """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
-    step_ends) the sigmoid of its score there, 0 at every other position. A prm (reward_model.py --task prm) gives its
-    probability that every step so far is right; an orm, trained on the outcome label at every answer token, its
-    probability that the answer will end right (an outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275).
-    A completion follows its left-padded prompt whole: the model is causal, so what comes after a completion's last
-    real token changes no score up to it."""
-    seq, attn = join(prompts, completion)  # (N, P+H)
-    scores = rm(seq, attn)[:, -completion.size(1) :]  # (N, H) the score at each completion position
-    return torch.sigmoid(scores) * steps
+    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
+    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
+    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
+    trained on the outcome label at every answer token, its probability that the answer will end right (an
+    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
+    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
+    H = completion.size(1)
+    cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
+    after = F.pad(cut_off, (1, 0))  # (N, H+1) 1.0 just after it, where a newline is written
+    written = torch.cat([completion, completion.new_full((completion.size(0), 1), eos_id)], 1)  # (N, H+1)
+    written = torch.where(after > 0, eos_id, written)
+    seq, attn = join(prompts, written)  # (N, P+H+1)
+    scores = rm(seq, attn)[:, -H - 1 :]  # (N, H+1) the score at each completion position and one after
+    at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
+    return torch.sigmoid(at_end) * steps
 
 
 def step_ends(completion, mask, eos_id):
@@ -1407,7 +1418,7 @@ def validate(cfg):
             f"--clip_delta acts on grpo, dapo and dr_grpo, not --loss_type {cfg.loss_type}",
         )
         # at or below the upper clip, a token with A > 0 and a ratio between the two would get no gradient
-        upper = 1 + (cfg.clip_eps_high if cfg.loss_type == "dapo" else cfg.clip_eps)
+        upper = 1 + (cfg.clip_eps_high or cfg.clip_eps or 0.2)
         check(
             cfg.clip_delta > upper, f"--clip_delta {cfg.clip_delta:g} must be above the upper clip 1 + eps ({upper:g})"
         )
@@ -1430,6 +1441,10 @@ def validate(cfg):
         f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..",
     )
     check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
+    check(
+        not cfg.rm_sigmoid or (cfg.reward_model and cfg.task == "arithmetic" and cfg.adv != "process"),
+        "--rm_sigmoid transforms an arithmetic outcome reward model's score (--adv process always uses the sigmoid)",
+    )
 
 
 def setup(cfg):

@@ -16,7 +16,8 @@ sequence's reward is the score at its last real token.
       answer token; the reward is the last token's score.
   --task prm (process RM, Lightman et al. 2023): the same problems (--steps K >= 2), a solution with one step's
       result off (any step, the later steps computing on from it); binary cross-entropy at the newline after each
-      step against the label "this step and every step before it are right" (step_correct).
+      step up to and including the first wrong one (step_correct), none after it, as PRM800K is labelled: p_k =
+      sigmoid(s) at step k estimates P(step k right | the steps before it right), and their product P(all right).
   --samples_from CKPT (orm, prm; a `gpt.py --data arithmetic` policy): the solutions are the policy's own instead,
       --samples_per_problem per problem at temperature 1, as Cobbe et al. train the verifier on the generator's
       samples: the policy's mistakes, not synthetic ones, are what RL will meet. The same seed gives orm and prm the
@@ -29,9 +30,8 @@ optimizer step, all ranks and micro-batches together, so they do not depend on h
 
 Where we depart from the papers, on purpose:
   - the margin is one constant for every pair (HH-RLHF has no ratings; Llama 2 takes it from the rating gap);
-  - a step is labelled wrong when it or any step before it is wrong (as Math-Shepherd's labels: can the solution
-    so far still reach the right answer?), so the score after the last step judges the whole solution; a right
-    final answer reached through a wrong step is wrong;
+  - a step is wrong when it does not continue the chain from the previous step's result, so a right final answer
+    reached through a wrong step is wrong (the exact checker stands in for PRM800K's human raters);
   - the training data are read in a fresh shuffled order per epoch, the global batch fixed by the step number,
     so a resumed run sees the same examples. Reward models overfit soon after one epoch: watch eval/loss.
 The model and the losses are hand-written on purpose: reading them is the point.
@@ -53,8 +53,9 @@ held-out evaluation problems at temperature 1, and best_of_n.json holds, for eac
 score of the verifier's favourite of n (unbiased: the mean over all n-subsets of the N), majority voting's gold (the
 most frequent final answer of n, Wang et al. 2023), and the exact KL of best-of-n to the policy, pi_bon(y) = F(y)^n -
 F(y-)^n with F the policy's cumulative probability in score order (best_of_n_kl), beside its bound log n - (n - 1)/n
-(Beirami et al. 2024). A prm verifier scores a solution by --prm_aggregate of its steps' p = sigmoid(s): prod (the
-probability that all are right, Lightman et al.), min or last.
+(Beirami et al. 2024), and weighted majority voting (each vote weighted by the verifier's probability that its
+solution is right: Uesato et al. 2022). A prm scores a solution by --prm_aggregate of its steps' p: prod (the
+probability that all are right, Lightman et al.), min or last (the last step's alone).
 
 The checkpoint (ckpt.pt) holds the body as a plain GPT (`model`, so any script takes it as --init_from) and the
 head (`reward_head`, `reward_task`); ppo.py and grpo.py load it with load_reward_model() as --reward_model.
@@ -240,13 +241,18 @@ def best_of_n_weights(N, n):
     return torch.tensor([math.comb(i, n - 1) / math.comb(N, n) for i in range(N)], dtype=torch.float64)
 
 
+# a prm label (encode) at the end of a step after the first wrong one: no loss there, but a step that is scored
+AFTER_ERROR = -2
+
+
 def aggregate_steps(scores, labels, how="prod"):
-    """A solution's score from its steps': (B, T) logits of a prm and (B, T) labels, >= 0 at each step's end (as
-    encode() writes them) -> (B,). With p = sigmoid(score) a step's probability of being right: prod, the probability
-    that every step is right (Lightman et al. 2023); min, the weakest step's; last, the last step's, which a prm
-    trained on "every step so far is right" reads as the whole solution's. A row without a step scores 1 (prod,
-    min) or its first position's p (last)."""
-    is_step = labels >= 0
+    """A solution's score from its steps': (B, T) logits of a prm and (B, T) labels, other than -1 at each step's end
+    (as encode() writes them: 0, 1, or AFTER_ERROR) -> (B,). A prm trained on Lightman et al.'s labels (each step up
+    to the first wrong one) reads p_k = sigmoid(score) at step k as P(step k right | the steps before it right), so:
+    prod, P(every step right) (Lightman et al. 2023); min, the weakest step's p; last, the last step's p alone (the
+    chance that the last step is right if all before it are). A row without a step scores 1 (prod, min) or its first
+    position's p (last)."""
+    is_step = labels != -1
     probs = torch.where(is_step, torch.sigmoid(scores), 1.0)  # (B, T): 1, the identity of prod and min, off the steps
     if how == "prod":
         return probs.prod(1)
@@ -256,12 +262,16 @@ def aggregate_steps(scores, labels, how="prod"):
     return probs.gather(1, last[:, None]).squeeze(1)
 
 
-def majority_vote(finals, truth):
+def majority_vote(finals, truth, weights=None):
     """Self-consistency's gold of one set of answers (Wang et al. 2023): 1.0 when the most frequent final result is
     truth; ties among the most frequent split the credit (the expected gold of a random pick among them). finals:
     each answer's final result (a string), None for an answer that is not well formed, which does not vote; 0.0
-    when none votes."""
-    votes = Counter(f for f in finals if f is not None)
+    when none votes. weights: each answer's vote, for verifier-weighted majority voting (Uesato et al. 2022, Li et
+    al. 2023: a final result's votes are the verifier's probabilities that its solutions are right); None: one each."""
+    votes = Counter()
+    for final, weight in zip(finals, weights or [1] * len(finals)):
+        if final is not None:
+            votes[final] += weight
     if not votes:
         return 0.0
     most = max(votes.values())
@@ -287,7 +297,8 @@ def truncate_pair(prompt, chosen, rejected, max_len):
 #
 # A row, as encode() makes it (token ids: a list of ints, at most --max_len long):
 #   preference   (chosen_ids, rejected_ids)   prompt + response (+ <|endoftext|>), the same prompt tokens in both
-#   orm, prm     (ids, labels)                labels: an int per token, 1 right, 0 wrong, -1 no loss there
+#   orm, prm     (ids, labels)                labels: an int per token, 1 right, 0 wrong, -1 no loss there;
+#                                             prm: AFTER_ERROR (no loss) at the end of a step after the first wrong
 # batch_loss's statistics, {name: (2,) tensor [sum, count]}, are added up by name over micro-batches, summed over
 # ranks and divided by summarize() (a count of 0 gives 0.0), then logged as train/<name> and eval/<name>:
 #   every task   loss                     train/loss, eval/loss                  per pair or labelled position
@@ -380,6 +391,7 @@ def batch_loss(model, batch, cfg, rt):
                 "reward_wrong": wrong,
             }
         else:
+            rewards = aggregate_steps(scores.detach(), labels, "prod")  # (B,) P(every step right)
             values = {"step_accuracy": ((scores > 0) == (labels == 1))[labelled].float()}
     stats = {"loss": torch.stack([loss.detach(), terms])}
     for name, value in values.items():
@@ -422,7 +434,8 @@ def held_out_metrics(model, eval_data, cfg, rt, problems):
     if cfg.task != "preference":  # the AUC needs every row's reward: each rank fills in its own rows
         rewards = torch.zeros(len(eval_data), device=rt.device)
         rewards[rt.rank :: rt.world_size] = torch.cat(found)
-        outcomes = torch.tensor([labels[-1] for _, labels in eval_data])
+        # a solution is right when its last label is (prm: the last step is labelled only if every step before is right)
+        outcomes = torch.tensor([int(labels[-1] == 1) for _, labels in eval_data])
         rewards = all_reduce(rewards, rt).cpu()
         metrics["eval/auc"] = roc_auc(rewards, outcomes)
         if cfg.task == "orm" or cfg.samples_from:  # within each problem, as best-of-n and RL rank answers
@@ -706,15 +719,19 @@ def step_correct(prompt, solution):
 def sampled_example(task, prompt, answer, y):
     """The example of a policy's answer y to a problem (prompt, answer). orm: (prompt, y, label), label 1 when y is
     exactly the answer (arithmetic_reward). prm: y's lines as a chain of steps ((text, label), ...), the first with
-    the prompt before it ("17+25-9=17+25=42"), each labelled by step_correct (right, and every step before it
-    right); a last line without its newline is not a finished step and is labelled wrong."""
+    the prompt before it ("17+25-9=17+25=42"), labelled as Lightman et al. label PRM800K: each step up to and
+    including the first wrong one by step_correct (1 right, 0 wrong), every step after it AFTER_ERROR (no label:
+    whether it is right says nothing once the solution has gone wrong). A last line without its newline is not a
+    finished step and is wrong."""
     if task == "orm":
         return prompt, y, int(arithmetic_reward(y, answer))
     right = step_correct(prompt, y)
     right[-1] = right[-1] and y.endswith("\n")
+    first_wrong = right.index(False) if False in right else len(right)
+    labels = [int(r) for r in right[: first_wrong + 1]] + [AFTER_ERROR] * (len(right) - first_wrong - 1)
     lines = y.splitlines()
     lines[0] = prompt + lines[0]
-    return tuple(zip(lines, map(int, right)))
+    return tuple(zip(lines, labels))
 
 
 def first_lines(text, k):
@@ -817,7 +834,8 @@ def encode(task, tok, example, max_len):
     """The training row of an example. preference: the token ids of prompt + chosen and prompt + rejected, cut
     together by truncate_pair. orm and prm: token ids (+ <|endoftext|>) and a label per token, -1 where there is no
     loss. orm puts the outcome label on every answer token. prm writes one step a line, as gpt.py's arithmetic data,
-    and puts each step's label on the last token after it: its newline (the last step's <|endoftext|>, if any)."""
+    and puts each step's label on the newline after it (a cut-off last line gets one, as grpo.py scores it): 1 or 0,
+    or AFTER_ERROR for a step after the first wrong one, which is scored but not trained on."""
     if task == "preference":
         return encode_pair(tok, *example, max_len)[:2]  # prompt + chosen, prompt + rejected
     if task == "orm":
@@ -1035,9 +1053,10 @@ def best_of_n(cfg, rt, out_dir):
     random.Random(1234), the distinct ones kept. N = max n answers a problem at temperature 1 (an answer ends at its
     --steps-th newline, as in sampled_data); gold, proxy: best_of_n_weights' unbiased estimate from the N, per
     problem, then the mean over problems (gold_se: their standard error); majority: majority_vote's gold, the mean
-    over 64 random n-subsets of the N. kl: best_of_n_kl of the distinct answers sampled,
-    p(y) the policy's probability of y's tokens (the newlines included), the rest (uncovered: its mean) one answer
-    ranked lowest. Every rank computes the same; rank 0 writes and prints."""
+    over 64 random n-subsets of the N; weighted_majority: the same subsets' votes weighted by the verifier's
+    probability that each answer is right (orm: sigmoid of its score; prm: the --prm_aggregate). kl: best_of_n_kl
+    of the distinct answers sampled, p(y) the policy's probability of y's tokens (the newlines included), the rest
+    (uncovered: its mean) one answer ranked lowest. Every rank computes the same; rank 0 writes and prints."""
     verifier, spec, task = load_reward_model(cfg.init_from)
     check(task in ("orm", "prm"), f"--best_of needs an arithmetic verifier (--task orm or prm), not a {task} model")
     policy, policy_spec, _ = load_model(cfg.policy)
@@ -1071,18 +1090,29 @@ def best_of_n(cfg, rt, out_dir):
     proxy = s @ W.T
     # each answer's final result, None where it is not well formed
     finals = [y.split("=")[-1].strip() if c > 0 else None for y, c in zip(answers, checked)]
+    # each answer's vote in weighted majority voting: the verifier's probability that it is right
+    votes = [found[pair][0] for pair in row_pairs]
+    if task == "orm":
+        votes = torch.sigmoid(torch.tensor(votes)).tolist()
     majority = torch.zeros_like(gold)
+    weighted = torch.zeros_like(gold)
     kl = torch.zeros_like(gold)
     uncovered = 0.0
     for e, (prompt, answer) in enumerate(problems):
         truth = answer.split("=")[-1].strip()
         mine = finals[e * N : (e + 1) * N]
+        my_votes = votes[e * N : (e + 1) * N]
         distinct = dict.fromkeys(answers[e * N : (e + 1) * N])  # the problem's K distinct answers
         s_y, logp_y = torch.tensor([found[prompt, y] for y in distinct], dtype=torch.float64).T  # (K,) each
         uncovered += (1 - logp_y.exp().sum()).clamp(min=0).item() / E
         for j, n in enumerate(every_n):
-            # 64 random n-subsets, from the random stream --seed set (rank 0's: rank 0 writes the results)
-            majority[e, j] = sum(majority_vote(random.sample(mine, n), truth) for _ in range(64)) / 64
+            # 64 random n-subsets, from the random stream --seed set (rank 0's: rank 0 writes the results); plain
+            # and weighted voting count the same subsets
+            for _ in range(64):
+                subset = random.sample(range(N), n)
+                picked = [mine[i] for i in subset]
+                majority[e, j] += majority_vote(picked, truth) / 64
+                weighted[e, j] += majority_vote(picked, truth, [my_votes[i] for i in subset]) / 64
             kl[e, j] = best_of_n_kl(logp_y.exp(), s_y, n)
     columns = {  # (len(every_n),) each: a mean over the problems, or its standard error (nan for one problem)
         "gold": gold.mean(0),  # exact answers of the pick
@@ -1091,6 +1121,8 @@ def best_of_n(cfg, rt, out_dir):
         "gold_b": gold[1::2].mean(0),  # report it on the other
         "majority": majority.mean(0),  # majority voting's gold over the same answers
         "majority_se": majority.std(0) / math.sqrt(E),
+        "weighted_majority": weighted.mean(0),  # votes weighted by the verifier's probability that each is right
+        "weighted_majority_se": weighted.std(0) / math.sqrt(E),
         "proxy": proxy.mean(0),  # the verifier's score of the pick
         "kl": kl.mean(0),  # exact, of the sampled answers and the uncovered rest
     }

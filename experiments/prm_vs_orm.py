@@ -6,12 +6,14 @@ et al. 2023's best-of-n comparison in miniature, and GRPO on process rewards (De
 For each seed S, all at seed S:
 1. an SFT model of `17+2*5=` problems (three operations on 1-digit numbers, `+-*`), solved one step a line;
 2. an outcome verifier (--task orm) and a process verifier (--task prm) trained on the same solutions of that SFT
-   model (the same seed draws the same samples): the orm labels each solution's final answer, the prm each step, by
-   the exact step checker;
+   model (the same seed draws the same samples): the orm labels each solution's final answer, the prm each step up
+   to the first wrong one (Lightman et al.'s labels), by the exact step checker;
 3. best-of-n of the SFT model's sampled solutions to the held-out problems under the orm, and under the prm with each
-   aggregate (prod, min, last), beside majority voting over the same solutions (n from 1 to 64);
+   aggregate (prod, min, last), beside majority voting over the same solutions and voting weighted by each
+   verifier's probability that a solution is right (n from 1 to 64);
 4. GRPO from the SFT model on the prm's step rewards (--adv process), on the orm's outcome reward, and on the gold
-   reward, the same budget.
+   reward, the same budget; both verifiers' rewards are probabilities (sigmoid of the score: --rm_sigmoid for the
+   orm), so the runs differ in where the reward sits, not in its transform.
 Every measure is on the distinct held-out problems of 500 draws, and says how many.
 """
 
@@ -40,10 +42,10 @@ QUICK = {
 }
 AGGREGATES = ("prod", "min", "last")
 STEP_METRICS = ("eval/step_accuracy_right", "eval/step_accuracy_wrong")
-RL_RUNS = {  # name: (the reward model, --adv)
-    "GRPO on the prm, process advantages": ("prm", "process"),
-    "GRPO on the orm, outcome advantages": ("orm", "group"),
-    "GRPO on the gold reward": (None, "group"),
+RL_RUNS = {  # name: (the reward model, its flags)
+    "GRPO on the prm, process advantages": ("prm", ["--adv", "process"]),
+    "GRPO on the orm, outcome advantages": ("orm", ["--adv", "group", "--rm_sigmoid"]),
+    "GRPO on the gold reward": (None, ["--adv", "group"]),
 }
 
 
@@ -75,9 +77,9 @@ def pipeline(args, seed):
             bon_flags = flags(BEST_OF, quick.get("best_of")) + ["--init_from", verifier, "--policy", sft, *seed_flag]
             run("reward_model.py", bon_flags + ["--prm_aggregate", aggregate], folder)
         folders[name] = folder
-    for name, (task, adv) in RL_RUNS.items():
+    for name, (task, adv_flags) in RL_RUNS.items():
         rm_flags = ["--reward_model", f"{folders[task]}/ckpt.pt"] if task else []
-        rl_flags = flags(RL, quick.get("rl")) + flags(GRPO, quick.get("grpo")) + ["--adv", adv, *rm_flags]
+        rl_flags = flags(RL, quick.get("rl")) + flags(GRPO, quick.get("grpo")) + [*adv_flags, *rm_flags]
         folders[name] = run("grpo.py", rl_flags + ["--init_from", sft, *seed_flag], f"{out}/grpo_{task or 'gold'}")
     return folders
 
@@ -102,13 +104,15 @@ def main():
     ns = sorted(bon["bon_orm"][0])
     n_problems = bon["bon_orm"][0][ns[0]]["n_problems"]
     header = ["n", "ORM", *[f"PRM ({aggregate})" for _, aggregate in list(best_of_runs(args).values())[1:]]]
-    header += ["majority voting", "PRM (prod) - ORM"]
+    header += ["majority voting", "weighted by the ORM", "weighted by the PRM (prod)", "PRM (prod) - ORM"]
     table = []
     for n in ns:
         row = [str(n)]
         for name in names:
             row.append(fmt([b[n]["gold"] for b in bon[name]]))
         row.append(fmt([b[n]["majority"] for b in bon["bon_orm"]]))
+        row.append(fmt([b[n]["weighted_majority"] for b in bon["bon_orm"]]))
+        row.append(fmt([b[n]["weighted_majority"] for b in bon["bon_prm_prod"]]))
         row.append(fmt([p[n]["gold"] - o[n]["gold"] for p, o in zip(bon["bon_prm_prod"], bon["bon_orm"])]))
         table.append(row)
     print(f"\nbest-of-n gold on {n_problems} held-out problems, mean +- s.e. over {len(runs)} seeds:")

@@ -169,7 +169,7 @@ def test_best_of_writes_best_of_n_json_and_prints_its_table(tmp_path, monkeypatc
     assert [r["n"] for r in rows] == [1, 2, 4, 8]
     for r in rows:
         fields = {"n", "gold", "gold_se", "proxy", "kl", "kl_bound", "n_problems", "uncovered", "samples_per_problem"}
-        fields |= {"gold_a", "gold_b", "majority", "majority_se"}
+        fields |= {"gold_a", "gold_b", "majority", "majority_se", "weighted_majority", "weighted_majority_se"}
         assert fields <= set(r)
         assert r["n_problems"] == len(problems) and r["samples_per_problem"] == 8
         assert r["kl_bound"] == pytest.approx(bound(r["n"]))
@@ -291,6 +291,15 @@ def test_majority_vote_hand_cases():
     assert rm.majority_vote(["-3", "-3", "3"], "-3") == 1.0
 
 
+def test_weighted_majority_vote_sums_each_final_results_weights():
+    """Verifier-weighted voting: a final result's votes are the weights of its answers; the heaviest wins, ties split,
+    answers that are not well formed still do not vote."""
+    assert rm.majority_vote(["7", "8", "8"], "7", [0.9, 0.2, 0.3]) == 1.0  # 0.9 against 0.5
+    assert rm.majority_vote(["7", "7", "8"], "7", [0.1, 0.1, 0.5]) == 0.0
+    assert rm.majority_vote(["7", "8", None], "7", [0.5, 0.5, 9.0]) == 0.5  # a tie; None's weight counts for nothing
+    assert rm.majority_vote(["7", "8"], "8", [1, 1]) == rm.majority_vote(["7", "8"], "8")
+
+
 def test_best_of_with_a_prm_scores_by_the_aggregate_and_votes_by_majority(tmp_path, monkeypatch, checkpoints):
     """--task prm verifier, --prm_aggregate min, --steps 2: a stand-in generate writes each problem's right solution
     five times in eight and one with a wrong final result three times: majority voting's gold is 1 at n = N (five
@@ -321,6 +330,18 @@ def test_best_of_with_a_prm_scores_by_the_aggregate_and_votes_by_majority(tmp_pa
     assert rows[1]["majority"] == 1.0 and rows[1]["majority_se"] == 0.0
     assert rows[0]["majority"] == pytest.approx(5 / 8, abs=0.1) and rows[0]["gold"] == pytest.approx(5 / 8)
     assert json.loads((out / "config.json").read_text())["prm_aggregate"] == "min"
+
+    # a stand-in verifier sure of the wrong solutions (0.99) and not of the right ones (0.01): weighted by its
+    # probabilities the three wrong votes (2.97) outweigh the five right ones (0.05) at n = 8; plain voting is unmoved
+    def sure_of_the_wrong(verifier, tok, task, pairs, aggregate="prod", device="cpu"):
+        return [0.01 if y.splitlines() == right_solution(prompt) else 0.99 for prompt, y in pairs]
+
+    monkeypatch.setattr(rm, "solution_scores", sure_of_the_wrong)
+    code, _, err = run_main(monkeypatch, *args, "--out_dir", tmp_path / "weighted", "--device", "cpu")
+    assert code == 0, err[-5:]
+    rows = json.loads((tmp_path / "weighted" / "best_of_n.json").read_text())
+    assert rows[1]["majority"] == 1.0 and rows[1]["weighted_majority"] == 0.0 and rows[1]["gold"] == 0.0
+    assert rows[0]["weighted_majority"] == pytest.approx(rows[0]["majority"])  # one vote: its weight cannot matter
 
 
 def right_solution(prompt):

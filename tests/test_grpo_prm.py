@@ -131,21 +131,25 @@ def test_step_ends_are_the_newlines_and_the_last_token_of_a_cut_off_completion()
     assert [row.nonzero().flatten().tolist() for row in ends] == expected
 
 
-def test_the_prm_reward_of_a_step_is_the_sigmoid_of_its_score_at_the_step_end(tmp_path):
-    """process_rewards: sigmoid(score) at each step end, the score recomputed here by the reward model on prompt +
-    completion alone (no padding, no batch); 0 at every other position."""
+@pytest.mark.parametrize("horizon", [12, 14])
+def test_the_prm_reward_of_a_step_is_the_sigmoid_of_its_score_at_the_step_newline(tmp_path, horizon):
+    """process_rewards: sigmoid(score) at each step's newline, the score recomputed here by the reward model on
+    prompt + completion alone (no padding, no batch); a step cut off before its newline (at the horizon, 12, or
+    before it) is scored at a newline written after it, where reward_model.py trains it; 0 at every other position."""
     prm = grpo.load_reward_model(str(prm_checkpoint(tmp_path / "prm.pt")))[0]
     prompts = ["1+2*4=", "12-3+5=", "9*9-1="]
-    texts = ["1+2=3\n3*4=12\n", "12-3=9\n9+5=1", "9*9=81\n"]
-    completion, mask = completion_of(texts, 14)
+    texts = ["1+2=3\n3*4=1", "12-3=9\n9+5=1", "9*9=81\n"]
+    completion, mask = completion_of(texts, horizon)
     ends = grpo.step_ends(completion, mask, NEWLINE)
-    rewards = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, ends)
+    rewards = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, ends, NEWLINE)
     assert torch.all(rewards[ends == 0] == 0)
     with torch.no_grad():
         for i, (p, t) in enumerate(zip(prompts, texts)):
-            scores = prm(torch.tensor([TOK.encode(p + t)]))[0, len(p) :]  # (len(t),) at each completion token
+            newline = "" if t.endswith("\n") else "\n"
+            scores = prm(torch.tensor([TOK.encode(p + t + newline)]))[0, len(p) :]  # at each completion token
             for j in ends[i].nonzero().flatten().tolist():
-                assert rewards[i, j].item() == pytest.approx(torch.sigmoid(scores[j]).item(), abs=1e-5)
+                at = j if t[j] == "\n" else j + 1  # the step's own newline, or the one written after it
+                assert rewards[i, j].item() == pytest.approx(torch.sigmoid(scores[at]).item(), abs=1e-5)
 
 
 def arithmetic_task(tmp_path, **overrides):
@@ -174,7 +178,7 @@ def test_collect_gives_the_reward_at_each_step_end_and_advantages_on_every_real_
     completion, mask = batch["completion"], batch["mask"]
     steps = grpo.step_ends(completion, mask, NEWLINE)
     assert torch.equal(batch["steps"], steps)
-    expected = grpo.process_rewards(task.rm, batch["prompts"], completion, steps)
+    expected = grpo.process_rewards(task.rm, batch["prompts"], completion, steps, NEWLINE)
     torch.testing.assert_close(batch["rewards"], expected)
     assert torch.all(batch["rewards"][steps == 0] == 0) and torch.all(batch["rewards"][steps > 0] > 0)
     adv = grpo.compute_advantages(batch["rewards"], mask, "process", 4, "group", rt, batch["steps"])
@@ -283,3 +287,33 @@ def test_process_advantages_without_step_rewards_are_refused(tmp_path, monkeypat
     code, _, err = run_main_captured(grpo, monkeypatch, *args, "--device", "cpu", "--out_dir", out)
     assert code == 2 and len(err) == 1 and "--adv process" in err[0], err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_step_is_scored_alike_in_training_best_of_n_and_grpo(tmp_path):
+    """One place a step is scored: the same solutions (a cut-off last step, a wrong step and one after it, right
+    ones) give the same step probabilities where reward_model.py trains the prm (its labelled positions, encode), in
+    best-of-n (solution_scores: their product and the last one) and in grpo.py's process rewards (at step_ends)."""
+    import reward_model
+
+    path = str(prm_checkpoint(tmp_path / "prm.pt"))
+    verifier = reward_model.load_reward_model(path)[0]
+    tok = reward_model.CharTokenizer(CHARS)
+    prompts = ["1+2*4=", "12-3+5=", "9*9-1=", "2+2*3="]
+    texts = ["1+2=3\n3*4=12\n", "12-3=9\n9+5=1", "9*9=81\n81-1=8", "2+2=5\n5*3=15\n"]
+    trained = []  # each solution's step probabilities where training puts the labels
+    with torch.no_grad():
+        for p, t in zip(prompts, texts):
+            ids, labels = reward_model.encode("prm", tok, reward_model.sampled_example("prm", p, "", t), 64)
+            probs = torch.sigmoid(verifier(torch.tensor([ids])))[0]
+            trained.append(probs[torch.tensor(labels) != -1].tolist())
+    assert [len(t) for t in trained] == [2, 2, 2, 2]
+    pairs = list(zip(prompts, texts))
+    for how, expected in (("prod", [math.prod(t) for t in trained]), ("last", [t[-1] for t in trained])):
+        found = reward_model.solution_scores(verifier, tok, "prm", pairs, how)
+        assert found == pytest.approx(expected, abs=1e-5)
+    prm = grpo.load_reward_model(path)[0]
+    completion, mask = completion_of(texts, 14)
+    ends = grpo.step_ends(completion, mask, NEWLINE)
+    rewards = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, ends, NEWLINE)
+    for i, expected in enumerate(trained):
+        assert rewards[i][ends[i] > 0].tolist() == pytest.approx(expected, abs=1e-5)

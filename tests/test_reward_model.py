@@ -195,8 +195,8 @@ def test_orm_examples_are_labelled_by_whether_the_answer_is_right():
 @pytest.mark.parametrize("steps", [2, 3, 4])
 def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step(steps):
     """A chain is the solution of a K-step problem, the prompt before its first step; each step applies the prompt's
-    next operation to the previous step's written result; at most one result is wrong, and a step's label is 1
-    exactly when it and every step before it are right."""
+    next operation to the previous step's written result; at most one result is wrong; as Lightman et al. label, a
+    step up to the first wrong one is labelled 1 (right) or 0 (wrong), and every step after it AFTER_ERROR (none)."""
     rng, with_error = random.Random(0), 0
     cfg = rm.Config(task="prm", digits=2, ops="+-*", steps=steps, error_frac=0.5)
     wrong_at = set()
@@ -208,7 +208,8 @@ def test_prm_chains_are_labelled_right_up_to_the_first_wrong_step(steps):
         parsed = [parse(text) for text in texts]
         right = [truth == given for _, truth, given in parsed]
         assert sum(not r for r in right) <= 1
-        assert [label for _, label in chain] == [int(all(right[: i + 1])) for i in range(steps)]
+        expected = [int(right[i]) if all(right[:i]) else rm.AFTER_ERROR for i in range(steps)]
+        assert [label for _, label in chain] == expected
         assert all(parsed[i + 1][0] == parsed[i][2] for i in range(steps - 1))  # starts from the last result
         operations = "".join(re.sub(r"^-?\d+", "", t.split("=")[0]) for t in texts)  # each step's "op y"
         assert operations == re.sub(r"^\d+", "", prompt)
@@ -443,14 +444,16 @@ def test_samples_from_prm_labels_equal_the_step_checker_and_orm_sees_the_same_so
         checked = grpo.step_correct(prompt, solution)
         checked[-1] = checked[-1] and solution.endswith("\n")
         labels = [label for _, label in chain]
-        assert labels == [int(c) for c in checked]
+        first_wrong = checked.index(False) + 1 if False in checked else len(checked)  # labelled up to it, none after
+        assert labels == [int(c) for c in checked[:first_wrong]] + [rm.AFTER_ERROR] * (len(checked) - first_wrong)
         value = int(re.match(r"\d+", prompt).group())
         for op, y in re.findall(r"([-+*])(\d+)", prompt):  # left to right
             value = {"+": value + int(y), "-": value - int(y), "*": value * int(y)}[op]
         assert outcome == int(solution.endswith("\n") and solution.split("=")[-1] == f"{value}\n")
         assert labels[-1] <= outcome  # every step right: the final answer is right
         kinds[tuple(labels), outcome] += 1
-    assert kinds[(1, 1), 1] and kinds[(0, 0), 0] and kinds[(0, 0), 1] and kinds[(1, 0), 0]  # each kind occurs
+    after = rm.AFTER_ERROR
+    assert kinds[(1, 1), 1] and kinds[(0, after), 0] and kinds[(0, after), 1] and kinds[(1, 0), 0]  # each kind occurs
     assert not any(is_held_out(prompt) for prompt, _, _ in orm_train) and all(is_held_out(p) for p, _, _ in orm_val)
 
 
