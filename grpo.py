@@ -401,7 +401,7 @@ def training_step(run, step):
 
     sampled = len(rounds) * batch["mask"].numel() * rt.world_size  # token positions sampled, every round and rank
     metrics = {
-        **rollout_metrics(run.task, rounds[0], batch, G, rt),
+        **rollout_metrics(run.task, rounds[0], batch, G, rt, run.adv_kind),
         **losses,  # train/loss, rl/pg_loss, rl/kl, rl/entropy, rl/clip_frac, rl/ratio_mean, rl/..._frac
         "rl/beta": beta,
         "rl/sampling_rounds": len(rounds),
@@ -431,7 +431,7 @@ def sample_batch(run):
         rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
         if not cfg.dynamic_sampling:
             return rounds[0], rounds
-        zero = torch.cat([zero_std_groups(r["rewards"], G) for r in rounds])  # (groups so far,)
+        zero = torch.cat([no_signal(r, run.adv_kind, G) for r in rounds])  # (groups so far,)
         # every rank samples as many rounds (FSDP's forward passes are collective)
         short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max")  # 1.0: a rank is short
         if not short or len(rounds) == cfg.max_sampling_rounds:
@@ -576,10 +576,18 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
 
 
-def zero_std_groups(rewards, group_size):
-    """(N/G,) True for groups whose rewards (per sequence, or per token) are all equal: every advantage is 0."""
-    r = rewards.view(-1, group_size, rewards[0].numel())  # (N/G, G, 1 or H)
-    return (r == r[:, :1]).all(2).all(1)
+def zero_std_groups(rewards, group_size, steps=None):
+    """(N/G,) True for the groups without signal, those whose every advantage is 0, by the advantages' own rule. (N,)
+    rewards per sequence (group, rloo): the group's G rewards are equal. (N, H) rewards with steps, the positions that
+    carry one (process_advantages): every reward at those positions of the group's completions is equal, since they
+    are normalised together; so identical solutions whose steps score differently have signal, and different ones
+    whose every step scores the same have none."""
+    if steps is None:
+        r = rewards.view(-1, group_size)  # (N/G, G)
+        return (r == r[:, :1]).all(1)
+    r = rewards.reshape(-1, group_size * rewards.size(1))  # (N/G, G*H): one row per group
+    m = steps.reshape(r.shape) > 0
+    return ((r == r.max(1, keepdim=True).values) | ~m).all(1)  # process_advantages' test of no spread
 
 
 def take_rows(batches, rows):
@@ -594,6 +602,20 @@ def take_rows(batches, rows):
     return out
 
 
+def sequence_rewards(rewards, mask):
+    """(N,) one reward per completion: per-token (N, H) rewards averaged over its real tokens, or (N,) as they are."""
+    if rewards.dim() == 2:
+        return (rewards * mask).sum(1) / mask.sum(1)
+    return rewards
+
+
+def no_signal(batch, kind, group_size):
+    """zero_std_groups of a collected batch, its rewards read as compute_advantages reads them for this kind."""
+    if kind == "process":
+        return zero_std_groups(batch["rewards"], group_size, batch["steps"])
+    return zero_std_groups(sequence_rewards(batch["rewards"], batch["mask"]), group_size)
+
+
 def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
     """ALGO LOGIC 4: this rank's advantages, (N, H) for process (steps: the positions that carry a reward; None:
     every real token), else (N,) from each completion's reward (per-token rewards averaged over its real tokens).
@@ -601,9 +623,7 @@ def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
     runs on all ranks' rewards and each rank keeps its own rows."""
     if kind == "process":
         return process_advantages(rewards, mask, group_size, steps=steps)  # (N, H)
-    seq_rewards = rewards  # (N,)
-    if rewards.dim() == 2:  # per token: the mean over each completion's real tokens
-        seq_rewards = (rewards * mask).sum(1) / mask.sum(1)
+    seq_rewards = sequence_rewards(rewards, mask)  # (N,)
     if kind == "rloo":
         return rloo_advantages(seq_rewards, group_size)  # (N,)
     adv = group_advantages(gather_rows(seq_rewards, rt), group_size, scale)  # (world_size * N,): every rank's rows
@@ -734,7 +754,7 @@ def step_optimizer(cfg, run):
     return grad_norm
 
 
-def rollout_metrics(task, first, batch, group_size, rt):
+def rollout_metrics(task, first, batch, group_size, rt, kind):
     """rl/ metrics of the step's rollouts over every rank's rows (each rank holds as many): rewards, accuracy and
     groups without signal of the first sampling round, lengths of the batch trained on."""
     correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
@@ -755,7 +775,7 @@ def rollout_metrics(task, first, batch, group_size, rt):
         "rl/accuracy": mean(correct),
         "rl/gold_reward": mean(gold),
         "rl/rollout_kl": mean(first["rollout_kl"]),
-        "rl/zero_std_frac": mean(zero_std_groups(first["rewards"], group_size)),
+        "rl/zero_std_frac": mean(no_signal(first, kind, group_size)),
         "rl/completion_len": mean(batch["mask"].sum(1)),
         "rl/truncated_frac": mean(batch["truncated"]),  # None for a task without an end token (next_token)
     }

@@ -83,7 +83,8 @@ def check_rollouts(rt):
     for r in (rewards, token_rewards):
         # steps: the positions that carry a per-token reward, here every real token (as collect gives it)
         first = {"completion": None, "info": None, "rewards": r, "mask": mask, "steps": mask, "rollout_kl": rollout_kl}
-        whole = grpo.rollout_metrics(task, first, {"mask": mask, "truncated": truncated}, G, one)
+        kind = "process" if r.dim() == 2 else "group"
+        whole = grpo.rollout_metrics(task, first, {"mask": mask, "truncated": truncated}, G, one, kind)
         first = {
             "completion": None,
             "info": None,
@@ -92,7 +93,7 @@ def check_rollouts(rt):
             "steps": mask[rows],
             "rollout_kl": rollout_kl[rows],
         }
-        part = grpo.rollout_metrics(task, first, {"mask": mask[rows], "truncated": truncated[rows]}, G, rt)
+        part = grpo.rollout_metrics(task, first, {"mask": mask[rows], "truncated": truncated[rows]}, G, rt, kind)
         for k, v in whole.items():
             if v is None and part[k] is None:  # a metric this task does not have (rl/gold_reward)
                 continue

@@ -28,6 +28,7 @@ import char_grpo as cg
 import gpt
 import grpo
 import ppo
+import rookworld_grpo
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32"]
 NEXT = [*TINY, "--tokenizer", "char", "--context_len", "8", "--horizon", "4", "--batch_size", "4", "--group_size", "4"]
@@ -91,7 +92,8 @@ def hand_batch():
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_aggregates_as_its_formula_on_a_hand_made_batch(loss_type):
     """clip_eps 0.2, clip_eps_high 0.28, max_len 5. Clipped token terms min(rA, clip(r)A):
-    sequence 0: r = 2 clips to 1.2 (grpo, dr_grpo) or 1.28 (dapo), then 2, 2; sequence 1: min(-0.5, -0.8) = -0.8.
+    sequence 0: r = 2 clips to 1.28 (the upper clip of grpo, dapo and dr_grpo alike, as TRL's epsilon_high), then 2,
+    2; sequence 1: min(-0.5, -0.8) = -0.8.
     grpo averages within each sequence, then over the 2 sequences; dapo over the 4 real tokens; dr_grpo over
     N * max_len = 10; gspo clips the sequence ratio (2 * 1 * 1)^(1/3) = 1.26 < 1.28; cispo weighs log-probs by
     the detached min(r, 1.28); reinforce by nothing."""
@@ -100,9 +102,9 @@ def test_every_loss_type_aggregates_as_its_formula_on_a_hand_made_batch(loss_typ
     lp = logp[mask > 0].tolist()  # the 4 real tokens' log-probs
     s0 = 2.0 ** (1 / 3)
     expected = {
-        "grpo": -((2.4 + 2 + 2) / 3 + -0.8) / 2,
+        "grpo": -((2.56 + 2 + 2) / 3 + -0.8) / 2,
         "dapo": -(2.56 + 2 + 2 - 0.8) / 4,
-        "dr_grpo": -(2.4 + 2 + 2 - 0.8) / (2 * 5),
+        "dr_grpo": -(2.56 + 2 + 2 - 0.8) / (2 * 5),
         "gspo": -(s0 * 2 + -0.8) / 2,
         "cispo": -(1.28 * 2 * lp[0] + 2 * lp[1] + 2 * lp[2] + 0.5 * -1 * lp[3]) / 4,
         "reinforce": -(2 * (lp[0] + lp[1] + lp[2]) - lp[3]) / 4,
@@ -289,8 +291,33 @@ def test_sparse_bigram_equals_the_dense_add_one_table():
 def test_zero_std_groups_find_groups_without_signal():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
     assert grpo.zero_std_groups(rewards, 2).tolist() == [True, False, True]
-    token_rewards = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
-    assert grpo.zero_std_groups(token_rewards, 2).tolist() == [True, False]
+
+
+def test_zero_std_groups_of_step_rewards_follow_process_advantages():
+    """Step rewards (N, H) with the positions that carry them. Group 0: two identical two-step solutions whose steps
+    score 0.9 and 0.3: signal (the second step's tokens get a negative advantage). Group 1: two different solutions
+    whose every step scores 1.0: no signal (every advantage is 0), though their rows differ."""
+    rewards = torch.tensor([[0, 0.9, 0, 0.3], [0, 0.9, 0, 0.3], [1.0, 0, 0, 1.0], [0, 1.0, 1.0, 0]])
+    steps = (rewards > 0).float()
+    mask = torch.ones(4, 4)
+    assert grpo.zero_std_groups(rewards, 2, steps).tolist() == [False, True]
+    adv = grpo.process_advantages(rewards, mask, 2, steps=steps)
+    assert adv[:2, 2:].lt(0).all() and torch.all(adv[2:] == 0)
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=24, max_size=24),
+    st.lists(st.booleans(), min_size=24, max_size=24),
+)
+@settings(max_examples=100, deadline=None)
+def test_a_group_has_no_signal_exactly_when_its_process_advantages_are_all_zero(values, is_step):
+    """zero_std_groups(rewards, G, steps) is True for a group exactly when process_advantages gives every one of its
+    tokens 0: the rule of rl/zero_std_frac and --dynamic_sampling is the advantages' own."""
+    steps = torch.tensor(is_step, dtype=torch.float).view(4, 6)
+    rewards = torch.tensor(values).view(4, 6) * steps
+    adv = grpo.process_advantages(rewards, torch.ones(4, 6), 2, steps=steps)
+    zero = adv.view(2, 12).eq(0).all(1)
+    assert grpo.zero_std_groups(rewards, 2, steps).tolist() == zero.tolist()
 
 
 def test_completion_logprobs_skip_left_padding():
@@ -611,7 +638,7 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
     assert gold == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     first = dict(completion=completion, mask=mask, info=answers, rewards=proxy, rollout_kl=None)
     batch = dict(mask=mask, truncated=torch.tensor([t[-1] != "\n" for t in texts]))
-    metrics = grpo.rollout_metrics(task, first, batch, 2, rt)
+    metrics = grpo.rollout_metrics(task, first, batch, 2, rt, "group")
     assert metrics["rl/gold_reward"] == pytest.approx(sum(gold) / len(gold))
     assert metrics["rl/accuracy"] == pytest.approx(sum(gold) / len(gold))
     assert metrics["rl/reward_mean"] == pytest.approx(proxy.mean().item())
@@ -641,3 +668,18 @@ def test_rl_on_a_learned_arithmetic_reward_measures_the_gold_reward_beside_it(tm
     if script == "grpo.py":
         bad = run_script(script, "--task", "next_token", "--reward_model", rm, "--out_dir", tmp_path / "bad")
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+@pytest.mark.parametrize("module", [grpo, cg, rookworld_grpo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_clip_eps_high_is_the_upper_clip_of_grpo_dapo_and_dr_grpo(module, loss_type):
+    """As TRL 1.16's epsilon_high: a token with A > 0 and ratio 1.25 keeps its gradient under clip_eps_high 0.28
+    (1.25 < 1.28) and loses it under the symmetric clip (1.25 > 1.2), in every script's copy of policy_loss."""
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[math.log(1.25), 0.0]], requires_grad=True)
+    adv = torch.tensor([1.0])
+    mask = torch.ones(1, 2)
+    for high, clipped in ((0.28, False), (None, True)):
+        loss, stats = module.policy_loss(logp, old, adv, mask, loss_type, 0.2, high, max_len=2)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert (grad[0, 0].item() == 0) == clipped and stats["clip_frac"].item() == pytest.approx(0.5 * clipped)

@@ -214,7 +214,7 @@ def test_masked_positions_never_change_the_loss(loss_type, seed):
 
 def test_policy_loss_hand_values():
     """Two sequences, lengths 2 and 1, ratios r = exp(logp - old), clip_eps 0.2, clip_eps_high 0.28:
-    seq 0 (A = +1): r = [1.5, 1.0] -> grpo terms min(rA, clip(r)A) = [1.2, 1.0]; dapo [1.28, 1.0]
+    seq 0 (A = +1): r = [1.5, 1.0] -> terms min(rA, clip(r)A) = [1.28, 1.0] (grpo, dapo, dr_grpo: TRL's epsilon_high)
     seq 1 (A = -1): r = [0.5]      -> grpo term min(-0.5, -0.8) = -0.8."""
     old = torch.log(torch.tensor([[0.2, 0.5], [0.4, 0.3]]))
     logp = old + torch.log(torch.tensor([[1.5, 1.0], [0.5, 7.0]]))  # seq 1's second token is padding
@@ -224,9 +224,11 @@ def test_policy_loss_hand_values():
     def loss(loss_type, **kw):
         return cg.policy_loss(logp, old, adv, mask, loss_type, clip_eps=0.2, clip_eps_high=0.28, **kw)[0].item()
 
-    assert loss("grpo") == pytest.approx(-((1.2 + 1.0) / 2 + (-0.8)) / 2)
+    assert loss("grpo") == pytest.approx(-((1.28 + 1.0) / 2 + (-0.8)) / 2)
     assert loss("dapo") == pytest.approx(-(1.28 + 1.0 - 0.8) / 3)
-    assert loss("dr_grpo", max_len=4) == pytest.approx(-(1.2 + 1.0 - 0.8) / (2 * 4))
+    assert loss("dr_grpo", max_len=4) == pytest.approx(-(1.28 + 1.0 - 0.8) / (2 * 4))
+    symmetric = cg.policy_loss(logp, old, adv, mask, "grpo", clip_eps=0.2)[0].item()  # clip_eps_high unset
+    assert symmetric == pytest.approx(-((1.2 + 1.0) / 2 + (-0.8)) / 2)
     # sequence ratios: geometric means of the token ratios
     s0 = math.exp((math.log(1.5) + 0) / 2)
     s1 = 0.5

@@ -144,7 +144,7 @@ def test_grpo_logs_the_kl_of_the_rollouts_the_rewards_score(tmp_path):
         "rollout_kl": torch.tensor([0.5, 1.0, 1.5, 4.0]),
     }
     batch = {"mask": mask[:2].repeat(2, 1), "truncated": torch.tensor([True, False, True, False])}  # other rows
-    metrics = grpo.rollout_metrics(task, first, batch, 2, rt)
+    metrics = grpo.rollout_metrics(task, first, batch, 2, rt, "group")
     assert metrics["rl/rollout_kl"] == pytest.approx(1.75)
     cfg = grpo.Config(task="arithmetic", reward_model=str(rm_path), horizon=4, group_size=2, mask_truncated=True)
     policy = tiny_policy(grpo)
