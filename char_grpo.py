@@ -886,7 +886,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **dist):
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **sampling):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
         positions count from each row's first real token. With a KVCache, idx continues the cached sequence and only
         the last position's logits are computed (all that sampling needs); keep_last=n computes only the last n
@@ -896,7 +896,7 @@ class GPT(nn.Module):
           "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
                       each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
-                      temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
+                      temperature and top_k (sampling: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         q_at = torch.arange(T, device=idx.device)  # (T,) absolute query positions
@@ -924,7 +924,7 @@ class GPT(nn.Module):
         if output == "hidden":
             return x, None
         if output == "logprobs":
-            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **dist)
+            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **sampling)
             return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
         logits = None if output == "loss" else self.lm_head(x)  # (B, T, V)
         if targets is None:
@@ -1087,6 +1087,8 @@ def generate(
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
+        if cache.k is None:  # gpt.py's MLA keeps latents instead (wrap_model compiles no decode step for it)
+            raise ValueError("a compiled decode step needs a KVCache's k and v: decode this model eagerly")
         for t in (cache.k, cache.v, cache.real, cache.pos):
             torch._dynamo.mark_static_address(t)
     for step in range(max_new_tokens):
@@ -1256,7 +1258,8 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
-    elif compile:
+    elif compile and all(isinstance(m.attn, CausalSelfAttention) for m in model.modules() if isinstance(m, Block)):
+        # a compiled step replays on a KVCache's k and v; another attention's cache (gpt.py's MLA) decodes eagerly
         rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":

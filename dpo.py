@@ -285,11 +285,12 @@ def f_prime(logratio, f_divergence, f_alpha):
     forward_kl adds 1 to its -1/u (c = +1); the rewards shift by beta c. The losses of h = a - b cancel c; ipo and
     sigmoid_norm do not: they divide a and b by the response lengths first, so their h shifts by
     c (1/|y_c| - 1/|y_r|) against the paper's form (for reverse_kl their form is TRL's IPO on log u, the usual one).
-    The exponent of forward_kl and alpha is capped as TRL's cap_exp caps it, at log of the dtype's largest number
-    (88.7228 in float32; alpha: less log 1/(1 - f_alpha), which the division then takes back): a log-ratio far below 0
-    (forward_kl -110, alpha -200 in float32) would make exp overflow to inf and the loss or its gradient NaN; capped,
-    f' stays finite and that log-ratio gets no gradient, while log-ratios within the cap keep their values exactly."""
-    cap = math.floor(math.log(torch.finfo(logratio.dtype).max) * 1e4) / 1e4  # TRL's get_exp_cap
+    The exponent of forward_kl and alpha is capped at the log of the dtype's largest number (88.7228 in float32; alpha:
+    less log 1/(1 - f_alpha), which the division then takes back): a log-ratio far below 0 (forward_kl -110, alpha -200
+    in float32) would make exp overflow to inf and the loss or its gradient NaN; capped, f' stays finite and that
+    log-ratio gets no gradient, while log-ratios within the cap keep their values exactly. TRL 1.16 has no such cap
+    (its forward_kl overflows; its alpha clamps the exponent at 80, which also changes values below the overflow)."""
+    cap = math.floor(math.log(torch.finfo(logratio.dtype).max) * 1e4) / 1e4  # log of the largest number, rounded down
     if f_divergence == "forward_kl":  # f'(u) = 1 - 1/u
         return 1 - torch.exp((-logratio).clamp(max=cap))
     if f_divergence == "js":  # f'(u) = log(2u / (1 + u))
@@ -1078,6 +1079,12 @@ def validate(cfg):
     check(not cfg.data_path or os.path.isfile(cfg.data_path), f"data file {cfg.data_path} does not exist")
     check(not cfg.judge or os.path.isfile(cfg.judge), f"--judge {cfg.judge}: no such checkpoint")
     check(not cfg.reward_model or cfg.data == "arithmetic", "--reward_model scores answers of --data arithmetic")
+    check(cfg.steps == 1 or cfg.data == "arithmetic", "--steps is for --data arithmetic")
+    # eval/sample_kl is the over-optimisation axis: the KL to the SFT model, which a moving reference hides
+    check(
+        not (cfg.reward_model and cfg.ref_sync_steps),
+        "--ref_sync_steps with --reward_model: eval/sample_kl is the KL to the SFT model, not to a moving reference",
+    )
     check(not cfg.reward_model or os.path.isfile(cfg.reward_model), f"--reward_model {cfg.reward_model}: no checkpoint")
     check(cfg.ops and set(cfg.ops) <= set("+-*"), f"--ops {cfg.ops!r}: use operators of +-*")
     check(cfg.pair_samples >= 2, "--pair_samples must be >= 2: a pair is two answers to one problem")
@@ -1415,7 +1422,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **dist):
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **sampling):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
         positions count from each row's first real token. With a KVCache, idx continues the cached sequence and only
         the last position's logits are computed (all that sampling needs); keep_last=n computes only the last n
@@ -1425,7 +1432,7 @@ class GPT(nn.Module):
           "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
                       each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
-                      temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
+                      temperature and top_k (sampling: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         q_at = torch.arange(T, device=idx.device)  # (T,) absolute query positions
@@ -1453,7 +1460,7 @@ class GPT(nn.Module):
         if output == "hidden":
             return x, None
         if output == "logprobs":
-            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **dist)
+            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **sampling)
             return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
         logits = None if output == "loss" else self.lm_head(x)  # (B, T, V)
         if targets is None:
@@ -1616,6 +1623,8 @@ def generate(
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
+        if cache.k is None:  # gpt.py's MLA keeps latents instead (wrap_model compiles no decode step for it)
+            raise ValueError("a compiled decode step needs a KVCache's k and v: decode this model eagerly")
         for t in (cache.k, cache.v, cache.real, cache.pos):
             torch._dynamo.mark_static_address(t)
     for step in range(max_new_tokens):
@@ -1785,7 +1794,8 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
-    elif compile:
+    elif compile and all(isinstance(m.attn, CausalSelfAttention) for m in model.modules() if isinstance(m, Block)):
+        # a compiled step replays on a KVCache's k and v; another attention's cache (gpt.py's MLA) decodes eagerly
         rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":

@@ -582,11 +582,8 @@ def zero_std_groups(rewards, group_size, steps=None):
     carry one (process_advantages): every reward at those positions of the group's completions is equal, since they
     are normalised together; so identical solutions whose steps score differently have signal, and different ones
     whose every step scores the same have none."""
-    if steps is None:
-        r = rewards.view(-1, group_size)  # (N/G, G)
-        return (r == r[:, :1]).all(1)
-    r = rewards.reshape(-1, group_size * rewards.size(1))  # (N/G, G*H): one row per group
-    m = steps.reshape(r.shape) > 0
+    r = rewards.reshape(-1, group_size * rewards[0].numel())  # (N/G, G) or (N/G, G*H): one row per group
+    m = torch.ones_like(r, dtype=torch.bool) if steps is None else steps.reshape(r.shape) > 0
     return ((r == r.max(1, keepdim=True).values) | ~m).all(1)  # process_advantages' test of no spread
 
 
@@ -1224,13 +1221,11 @@ def process_rewards(rm, prompts, completion, steps, eos_id):
     trained on the outcome label at every answer token, its probability that the answer will end right (an
     outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
     whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
-    H = completion.size(1)
     cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
-    after = F.pad(cut_off, (1, 0))  # (N, H+1) 1.0 just after it, where a newline is written
-    written = torch.cat([completion, completion.new_full((completion.size(0), 1), eos_id)], 1)  # (N, H+1)
-    written = torch.where(after > 0, eos_id, written)
+    # (N, H+1): a newline written just after it
+    written = torch.where(F.pad(cut_off, (1, 0)) > 0, eos_id, F.pad(completion, (0, 1)))
     seq, attn = join(prompts, written)  # (N, P+H+1)
-    scores = rm(seq, attn)[:, -H - 1 :]  # (N, H+1) the score at each completion position and one after
+    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
     at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
     return torch.sigmoid(at_end) * steps
 
@@ -1395,6 +1390,7 @@ def validate(cfg):
         "clip_delta",
         "off_policy_mask",
         "ref_sync_steps",
+        "uwo_lambda",
     ]
     for name in zero_ok:
         value = getattr(cfg, name)
@@ -1438,7 +1434,7 @@ def validate(cfg):
             f"--clip_delta acts on grpo, dapo and dr_grpo, not --loss_type {cfg.loss_type}",
         )
         # at or below the upper clip, a token with A > 0 and a ratio between the two would get no gradient
-        upper = 1 + (cfg.clip_eps_high or cfg.clip_eps or 0.2)
+        upper = 1 + cfg.clip_eps_high  # resolve_clip set it (clip_eps when unset)
         check(
             cfg.clip_delta > upper, f"--clip_delta {cfg.clip_delta:g} must be above the upper clip 1 + eps ({upper:g})"
         )
@@ -1460,11 +1456,23 @@ def validate(cfg):
         cfg.rm_ensemble == "mean" or "," in cfg.reward_model,
         f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..",
     )
-    check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
+    check(cfg.rm_ensemble == "uwo" or cfg.uwo_lambda == Config.uwo_lambda, "--uwo_lambda needs --rm_ensemble uwo")
     check(
         not cfg.rm_sigmoid or (cfg.reward_model and cfg.task == "arithmetic" and cfg.adv != "process"),
         "--rm_sigmoid transforms an arithmetic outcome reward model's score (--adv process always uses the sigmoid)",
     )
+    # process advantages normalise by their group's std, and rloo's need none: --scale_rewards would do nothing
+    check(
+        cfg.scale_rewards == Config.scale_rewards or advantage_kind(cfg) == "group",
+        f"--scale_rewards scales group advantages; --adv {cfg.adv} on {cfg.task} does not read it",
+    )
+
+
+def advantage_kind(cfg):
+    """--adv as it runs: auto is process for next_token's per-token rewards, group otherwise."""
+    if cfg.adv == "auto":
+        return "process" if cfg.task == "next_token" else "group"
+    return cfg.adv
 
 
 def setup(cfg):
@@ -1514,9 +1522,7 @@ def setup(cfg):
         f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
     )
     model.to(rt.device)
-    adv_kind = cfg.adv
-    if cfg.adv == "auto":  # per-token rewards (next_token): process supervision
-        adv_kind = "process" if cfg.task == "next_token" else "group"
+    adv_kind = advantage_kind(cfg)
     reference = cfg.reference
     if reference == "auto":  # a model trained from scratch on text has no sensible initial policy
         text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
@@ -1790,7 +1796,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **dist):
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **sampling):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
         positions count from each row's first real token. With a KVCache, idx continues the cached sequence and only
         the last position's logits are computed (all that sampling needs); keep_last=n computes only the last n
@@ -1800,7 +1806,7 @@ class GPT(nn.Module):
           "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
                       each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
-                      temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
+                      temperature and top_k (sampling: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         q_at = torch.arange(T, device=idx.device)  # (T,) absolute query positions
@@ -1828,7 +1834,7 @@ class GPT(nn.Module):
         if output == "hidden":
             return x, None
         if output == "logprobs":
-            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **dist)
+            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **sampling)
             return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
         logits = None if output == "loss" else self.lm_head(x)  # (B, T, V)
         if targets is None:
@@ -1991,6 +1997,8 @@ def generate(
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
+        if cache.k is None:  # gpt.py's MLA keeps latents instead (wrap_model compiles no decode step for it)
+            raise ValueError("a compiled decode step needs a KVCache's k and v: decode this model eagerly")
         for t in (cache.k, cache.v, cache.real, cache.pos):
             torch._dynamo.mark_static_address(t)
     for step in range(max_new_tokens):
@@ -2160,7 +2168,8 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
-    elif compile:
+    elif compile and all(isinstance(m.attn, CausalSelfAttention) for m in model.modules() if isinstance(m, Block)):
+        # a compiled step replays on a KVCache's k and v; another attention's cache (gpt.py's MLA) decodes eagerly
         rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":

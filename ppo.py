@@ -115,6 +115,9 @@ class Config:
     reward_model: str = ""  # reward_model.py's ckpt.pt (A,B,..: an ensemble): the learned reward, --value_init
     rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
     uwo_lambda: float = 0.5  # uwo's weight on the members' variance (0.5: not tuned here)
+    rm_sigmoid: bool = (
+        False  # arithmetic outcome reward: sigmoid(score) of the orm/prm, its probability of a right answer
+    )
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
@@ -762,7 +765,10 @@ class ArithmeticTask:
     def rewards(self, prompts, completion, mask, answers, logits):
         if self.rm is None:
             return self.gold(completion, mask, answers)
-        return reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+        scores = reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
+        if self.cfg.rm_sigmoid:  # the verifier's probability of a right answer
+            return torch.sigmoid(scores)
+        return scores
 
     def correct(self, completion, mask, answers, rewards):
         return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
@@ -1213,6 +1219,11 @@ def validate(cfg):
     n_rm = len(cfg.reward_model.split(","))
     check(cfg.rm_ensemble == "mean" or n_rm > 1, f"--rm_ensemble {cfg.rm_ensemble} needs --reward_model A,B,..")
     check(cfg.uwo_lambda >= 0, f"--uwo_lambda must be >= 0 (got {cfg.uwo_lambda})")
+    check(cfg.rm_ensemble == "uwo" or cfg.uwo_lambda == Config.uwo_lambda, "--uwo_lambda needs --rm_ensemble uwo")
+    check(
+        not cfg.rm_sigmoid or (cfg.reward_model and cfg.task == "arithmetic"),
+        "--rm_sigmoid transforms an arithmetic outcome reward model's score (--task arithmetic --reward_model)",
+    )
     check(cfg.value_init != "reward_model" or n_rm == 1, "--value_init reward_model takes one --reward_model")
 
 
@@ -1572,7 +1583,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **dist):
+    def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **sampling):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
         positions count from each row's first real token. With a KVCache, idx continues the cached sequence and only
         the last position's logits are computed (all that sampling needs); keep_last=n computes only the last n
@@ -1582,7 +1593,7 @@ class GPT(nn.Module):
           "loss"      (None, the same mean cross-entropy), the logits made one chunk at a time (autograd keeps
                       each chunk's log-softmax for backward, as F.cross_entropy keeps its softmax)
           "logprobs"  (log p(targets), entropy or None), each (B, T) float32, under the sampling distribution of
-                      temperature and top_k (dist: linear_logprobs' entropy, temperature and top_k)"""
+                      temperature and top_k (sampling: linear_logprobs' entropy, temperature and top_k)"""
         B, T = idx.size()
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         q_at = torch.arange(T, device=idx.device)  # (T,) absolute query positions
@@ -1610,7 +1621,7 @@ class GPT(nn.Module):
         if output == "hidden":
             return x, None
         if output == "logprobs":
-            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **dist)
+            logp, ent = linear_logprobs(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), **sampling)
             return logp.view(targets.shape), None if ent is None else ent.view(targets.shape)
         logits = None if output == "loss" else self.lm_head(x)  # (B, T, V)
         if targets is None:
@@ -1773,6 +1784,8 @@ def generate(
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
+        if cache.k is None:  # gpt.py's MLA keeps latents instead (wrap_model compiles no decode step for it)
+            raise ValueError("a compiled decode step needs a KVCache's k and v: decode this model eagerly")
         for t in (cache.k, cache.v, cache.real, cache.pos):
             torch._dynamo.mark_static_address(t)
     for step in range(max_new_tokens):
@@ -1942,7 +1955,8 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
-    elif compile:
+    elif compile and all(isinstance(m.attn, CausalSelfAttention) for m in model.modules() if isinstance(m, Block)):
+        # a compiled step replays on a KVCache's k and v; another attention's cache (gpt.py's MLA) decodes eagerly
         rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":

@@ -196,6 +196,7 @@ NOT_APPLICABLE = {
 EXTRA = {
     "gpt": [
         (["--lr", "-0.1"], "--lr"),
+        (["--steps", "2"], "--steps"),  # a text file has no steps
         (["--n_embd", "30", "--n_head", "4"], "--n_embd"),
         (["--data", "hh_sft", "--tokenizer", "char"], "--tokenizer gpt2"),
         (["--init_from", "/nonexistent/ckpt.pt"], "--init_from /nonexistent/ckpt.pt: no such file"),
@@ -207,7 +208,20 @@ EXTRA = {
         (["--temperature", "0"], "--temperature"),
         (["--batch_size", "3", "--grad_accum", "2"], "--grad_accum"),
     ],
-    "dpo": [(["--loss_type", "dpo2"], "--loss_type"), (["--beta", "0"], "--beta")],
+    "dpo": [
+        (["--loss_type", "dpo2"], "--loss_type"),
+        (["--beta", "0"], "--beta"),
+        (["--steps", "2"], "--steps"),  # HH-RLHF pairs have no steps
+        (["--data", "arithmetic", "--reward_model", "rm.pt", "--ref_sync_steps", "5"], "--ref_sync_steps"),
+    ],
+    "grpo": [
+        (["--scale_rewards", "none"], "--scale_rewards"),  # next_token: process advantages
+        (["--task", "arithmetic", "--adv", "rloo", "--scale_rewards", "batch"], "--scale_rewards"),
+        (["--uwo_lambda", "1.0"], "--uwo_lambda"),  # no ensemble
+        (["--rm_sigmoid"], "--rm_sigmoid"),  # no reward model
+    ],
+    "ppo": [(["--uwo_lambda", "1.0"], "--uwo_lambda"), (["--rm_sigmoid"], "--rm_sigmoid")],
+    "reward_model": [(["--steps", "2"], "--steps"), (["--task", "prm", "--data_path", ""], "--task prm needs --steps")],
 }
 
 # Cases that reach the GPT-2 BPE files before their error (they skip where tiktoken has no files).

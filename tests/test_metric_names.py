@@ -116,7 +116,7 @@ def test_every_logged_metric_name_is_documented_and_every_documented_name_is_log
     rm_args = [*TINY[:-2], "--block_size", "64", "--max_len", "64", "--batch_size", "4", *steps]
     logged |= run("reward_model", monkeypatch, next(out), "--data_path", pairs, "--tokenizer", "char", *rm_args)
     for task in ("orm", "prm"):
-        synthetic = ["--task", task, "--n_train", "100", "--n_val", "20"]
+        synthetic = ["--task", task, "--n_train", "100", "--n_val", "20", "--steps", "2" if task == "prm" else "1"]
         logged |= run("reward_model", monkeypatch, next(out), *synthetic, *rm_args)
     # rookworld_grpo.py: --adv ema (the baselines), --value_head (the value loss)
     rw = importlib.import_module("rookworld_grpo")

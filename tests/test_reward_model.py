@@ -693,7 +693,8 @@ def test_orm_and_prm_runs(tmp_path, monkeypatch, task):
     """A few steps of each synthetic task: held-out metrics in range, the checkpoint names its task."""
     out = tmp_path / task
     args = [*TINY, "--n_train", "400", "--n_val", "40", "--max_steps", "4", "--eval_every", "2", "--out_dir", out]
-    code, _, err = run_main(monkeypatch, "--task", task, *args, "--device", "cpu")
+    steps = ["--steps", "2"] if task == "prm" else []  # a prm judges the steps of a solution of several
+    code, _, err = run_main(monkeypatch, "--task", task, *args, *steps, "--device", "cpu")
     assert code == 0, err[-5:]
     results = json.loads((out / "final_results.json").read_text())
     keys = ("step_accuracy", "auc")
@@ -731,6 +732,7 @@ def test_orm_and_prm_train_from_a_gpt_py_char_arithmetic_checkpoint(tmp_path, mo
 
     out = tmp_path / task
     args = ["--task", task, "--init_from", arithmetic_sft, "--n_train", 200, "--n_val", 20, "--max_steps", 2]
+    args += ["--steps", 2] if task == "prm" else []
     code, _, err = run_main(monkeypatch, *args, "--batch_size", 4, "--out_dir", out, "--device", "cpu")
     assert code == 0, err[-5:]
     assert not any("cannot do arithmetic" in line for line in err)
