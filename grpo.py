@@ -116,7 +116,7 @@ class Config:
     reward_model: str = ""  # reward_model.py's ckpt.pt (A,B,..: an ensemble): learned reward: reward_model, arithmetic
     rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
     uwo_lambda: float = 0.5  # uwo's weight on the members' variance (0.5: not tuned here)
-    rm_sigmoid: bool = False  # arithmetic outcome reward: sigmoid(score) of the orm/prm (--adv process's transform)
+    rm_sigmoid: bool = False  # arithmetic: an orm's reward is sigmoid(score) (a prm's and --adv process's always are)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
@@ -431,7 +431,7 @@ def sample_batch(run):
         rounds.append(collect(run.task, run.raw, run.ref, cfg, run.rt, cfg.batch_size))
         if not cfg.dynamic_sampling:
             return rounds[0], rounds
-        zero = torch.cat([no_signal(r, run.adv_kind, G) for r in rounds])  # (groups so far,)
+        zero = torch.cat([no_signal(r, run.adv_kind, G, run.rt) for r in rounds])  # (groups so far,)
         # every rank samples as many rounds (FSDP's forward passes are collective)
         short = all_reduce(((~zero).sum() < cfg.batch_size).float(), run.rt, op="max")  # 1.0: a rank is short
         if not short or len(rounds) == cfg.max_sampling_rounds:
@@ -582,9 +582,11 @@ def zero_std_groups(rewards, group_size, steps=None):
     carry one (process_advantages): every reward at those positions of the group's completions is equal, since they
     are normalised together; so identical solutions whose steps score differently have signal, and different ones
     whose every step scores the same have none."""
+    if steps is None:  # every reward counts
+        steps = torch.ones_like(rewards)
     r = rewards.reshape(-1, group_size * rewards[0].numel())  # (N/G, G) or (N/G, G*H): one row per group
-    m = torch.ones_like(r, dtype=torch.bool) if steps is None else steps.reshape(r.shape) > 0
-    return ((r == r.max(1, keepdim=True).values) | ~m).all(1)  # process_advantages' test of no spread
+    m = steps.reshape(r.shape)  # 1.0 where a reward is
+    return ((r == r.max(1, keepdim=True).values) | (m == 0)).all(1)  # process_advantages' test of no spread
 
 
 def take_rows(batches, rows):
@@ -599,18 +601,12 @@ def take_rows(batches, rows):
     return out
 
 
-def sequence_rewards(rewards, mask):
-    """(N,) one reward per completion: per-token (N, H) rewards averaged over its real tokens, or (N,) as they are."""
-    if rewards.dim() == 2:
-        return (rewards * mask).sum(1) / mask.sum(1)
-    return rewards
-
-
-def no_signal(batch, kind, group_size):
-    """zero_std_groups of a collected batch, its rewards read as compute_advantages reads them for this kind."""
-    if kind == "process":
-        return zero_std_groups(batch["rewards"], group_size, batch["steps"])
-    return zero_std_groups(sequence_rewards(batch["rewards"], batch["mask"]), group_size)
+def no_signal(batch, kind, group_size, rt):
+    """(N/G,) True for this rank's groups of a collected batch whose advantages (compute_advantages, of this kind)
+    are all 0: the advantages are centred on their group, so they are all equal (zero_std_groups) exactly when all 0.
+    The scale is left out (none): it never makes an advantage 0."""
+    adv = compute_advantages(batch["rewards"], batch["mask"], kind, group_size, "none", rt, batch["steps"])
+    return zero_std_groups(adv, group_size)
 
 
 def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
@@ -620,7 +616,9 @@ def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
     runs on all ranks' rewards and each rank keeps its own rows."""
     if kind == "process":
         return process_advantages(rewards, mask, group_size, steps=steps)  # (N, H)
-    seq_rewards = sequence_rewards(rewards, mask)  # (N,)
+    seq_rewards = rewards  # (N,)
+    if rewards.dim() == 2:  # per token: the mean over each completion's real tokens
+        seq_rewards = (rewards * mask).sum(1) / mask.sum(1)
     if kind == "rloo":
         return rloo_advantages(seq_rewards, group_size)  # (N,)
     adv = group_advantages(gather_rows(seq_rewards, rt), group_size, scale)  # (world_size * N,): every rank's rows
@@ -772,7 +770,7 @@ def rollout_metrics(task, first, batch, group_size, rt, kind):
         "rl/accuracy": mean(correct),
         "rl/gold_reward": mean(gold),
         "rl/rollout_kl": mean(first["rollout_kl"]),
-        "rl/zero_std_frac": mean(no_signal(first, kind, group_size)),
+        "rl/zero_std_frac": mean(no_signal(first, kind, group_size, rt)),
         "rl/completion_len": mean(batch["mask"].sum(1)),
         "rl/truncated_frac": mean(batch["truncated"]),  # None for a task without an end token (next_token)
     }
@@ -905,9 +903,13 @@ class ArithmeticTask:
         self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
         self.rm = None
         if cfg.reward_model:  # a learned reward; the gold one is only measured
-            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon  # the longest prompt, then the completion
-            self.rm, task = frozen_reward_model(cfg, tok, rt, longest)
-            check(task in ("orm", "prm"), f"--reward_model {cfg.reward_model} is a {task} model; use an orm or prm")
+            # the longest prompt, the completion and a newline after it (process_rewards)
+            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon + 1
+            self.rm, self.rm_task = frozen_reward_model(cfg, tok, rt, longest)
+            check(
+                self.rm_task in ("orm", "prm"),
+                f"--reward_model {cfg.reward_model} is a {self.rm_task} model; use an orm or prm",
+            )
 
     def sample(self, n):
         problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
@@ -922,10 +924,17 @@ class ArithmeticTask:
         return torch.tensor(r, device=completion.device)  # (N,)
 
     def rewards(self, prompts, completion, mask, answers, logits):
+        """(N,) the gold rewards, or with --reward_model the learned one (the proxy): an orm's score at the last real
+        token (--rm_sigmoid: its sigmoid, the probability of a right answer); a prm's product of its steps'
+        probabilities, P(every step right)."""
         if self.rm is None:
             return self.gold(completion, mask, answers)
-        scores = reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
-        if self.cfg.rm_sigmoid:  # the verifier's probability of a right answer
+        if self.rm_task == "prm":
+            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
+            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
+            return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
+        scores = reward_model_scores(self.rm, prompts, completion, mask)
+        if self.cfg.rm_sigmoid:
             return torch.sigmoid(scores)
         return scores
 
@@ -950,7 +959,7 @@ class ArithmeticTask:
         if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
             metrics.update(step_metrics(self.eval_problems, texts, exact))
         if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+            metrics["eval/rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
         if ref is not None and (self.rm is not None or self.cfg.steps > 1):
             # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
             # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
@@ -965,7 +974,7 @@ class ArithmeticTask:
             metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
             metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
             if self.rm is not None:
-                metrics["eval/sample_rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+                metrics["eval/sample_rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
             metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
         return metrics, "\n".join(shown)
 
@@ -1222,8 +1231,9 @@ def process_rewards(rm, prompts, completion, steps, eos_id):
     outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
     whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
     cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
-    # (N, H+1): a newline written just after it
-    written = torch.where(F.pad(cut_off, (1, 0)) > 0, eos_id, F.pad(completion, (0, 1)))
+    # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
+    # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
+    written = F.pad(completion, (0, 1), value=eos_id)
     seq, attn = join(prompts, written)  # (N, P+H+1)
     scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
     at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
@@ -1458,8 +1468,8 @@ def validate(cfg):
     )
     check(cfg.rm_ensemble == "uwo" or cfg.uwo_lambda == Config.uwo_lambda, "--uwo_lambda needs --rm_ensemble uwo")
     check(
-        not cfg.rm_sigmoid or (cfg.reward_model and cfg.task == "arithmetic" and cfg.adv != "process"),
-        "--rm_sigmoid transforms an arithmetic outcome reward model's score (--adv process always uses the sigmoid)",
+        not cfg.rm_sigmoid or (cfg.reward_model and cfg.task == "arithmetic"),
+        "--rm_sigmoid transforms an arithmetic verifier's score (--task arithmetic --reward_model)",
     )
     # process advantages normalise by their group's std, and rloo's need none: --scale_rewards would do nothing
     check(
@@ -1997,7 +2007,7 @@ def generate(
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
-        if cache.k is None:  # gpt.py's MLA keeps latents instead (wrap_model compiles no decode step for it)
+        if cache.k is None:  # gpt.py's MLA keeps latents instead (its samples are eager: this is never reached)
             raise ValueError("a compiled decode step needs a KVCache's k and v: decode this model eagerly")
         for t in (cache.k, cache.v, cache.real, cache.pos):
             torch._dynamo.mark_static_address(t)
@@ -2168,8 +2178,7 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
-    elif compile and all(isinstance(m.attn, CausalSelfAttention) for m in model.modules() if isinstance(m, Block)):
-        # a compiled step replays on a KVCache's k and v; another attention's cache (gpt.py's MLA) decodes eagerly
+    elif compile:
         rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":

@@ -115,9 +115,7 @@ class Config:
     reward_model: str = ""  # reward_model.py's ckpt.pt (A,B,..: an ensemble): the learned reward, --value_init
     rm_ensemble: str = "mean"  # --reward_model A,B,..: mean | min (worst case) | uwo (mean - uwo_lambda * variance)
     uwo_lambda: float = 0.5  # uwo's weight on the members' variance (0.5: not tuned here)
-    rm_sigmoid: bool = (
-        False  # arithmetic outcome reward: sigmoid(score) of the orm/prm, its probability of a right answer
-    )
+    rm_sigmoid: bool = False  # arithmetic: an orm's reward is sigmoid(score) (a prm's is a probability already)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
     partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
@@ -746,9 +744,13 @@ class ArithmeticTask:
         self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
         self.rm = None
         if cfg.reward_model:  # a learned reward; the gold one is only measured
-            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon  # the longest prompt, then the completion
-            self.rm, task = frozen_reward_model(cfg, tok, rt, longest)
-            check(task in ("orm", "prm"), f"--reward_model {cfg.reward_model} is a {task} model; use an orm or prm")
+            # the longest prompt, the completion and a newline after it (process_rewards)
+            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon + 1
+            self.rm, self.rm_task = frozen_reward_model(cfg, tok, rt, longest)
+            check(
+                self.rm_task in ("orm", "prm"),
+                f"--reward_model {cfg.reward_model} is a {self.rm_task} model; use an orm or prm",
+            )
 
     def sample(self, n):
         problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
@@ -763,10 +765,17 @@ class ArithmeticTask:
         return torch.tensor(r, device=completion.device)  # (N,)
 
     def rewards(self, prompts, completion, mask, answers, logits):
+        """(N,) the gold rewards, or with --reward_model the learned one (the proxy): an orm's score at the last real
+        token (--rm_sigmoid: its sigmoid, the probability of a right answer); a prm's product of its steps'
+        probabilities, P(every step right)."""
         if self.rm is None:
             return self.gold(completion, mask, answers)
-        scores = reward_model_scores(self.rm, prompts, completion, mask)  # the proxy
-        if self.cfg.rm_sigmoid:  # the verifier's probability of a right answer
+        if self.rm_task == "prm":
+            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
+            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
+            return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
+        scores = reward_model_scores(self.rm, prompts, completion, mask)
+        if self.cfg.rm_sigmoid:
             return torch.sigmoid(scores)
         return scores
 
@@ -791,7 +800,7 @@ class ArithmeticTask:
         if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
             metrics.update(step_metrics(self.eval_problems, texts, exact))
         if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+            metrics["eval/rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
         if ref is not None and (self.rm is not None or self.cfg.steps > 1):
             # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
             # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
@@ -806,7 +815,7 @@ class ArithmeticTask:
             metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
             metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
             if self.rm is not None:
-                metrics["eval/sample_rm_score"] = reward_model_scores(self.rm, prompts, completion, mask).mean().item()
+                metrics["eval/sample_rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
             metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
         return metrics, "\n".join(shown)
 
@@ -1107,6 +1116,33 @@ def reward_model_scores(rm, prompts, completion, mask):
     return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
 
 
+def process_rewards(rm, prompts, completion, steps, eos_id):
+    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
+    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
+    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
+    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
+    trained on the outcome label at every answer token, its probability that the answer will end right (an
+    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
+    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
+    cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
+    # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
+    # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
+    written = F.pad(completion, (0, 1), value=eos_id)
+    seq, attn = join(prompts, written)  # (N, P+H+1)
+    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
+    at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
+    return torch.sigmoid(at_end) * steps
+
+
+def step_ends(completion, mask, eos_id):
+    """(N, H) 1.0 at the token that ends each step of a completion, else 0: each newline (eos_id) among its real
+    tokens, and the last real token of a completion cut off before its final newline (a partial last step). mask is
+    1.0 on the real tokens, a prefix of each row (as sample_completions gives it)."""
+    newlines = (completion == eos_id) * mask  # (N, H) the newline after each line
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 at each completion's last real token, where its mask ends
+    return torch.maximum(newlines, last)
+
+
 def read_jsonl(path, required):
     """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
     skipped with a summary line; a file with no usable record is an error."""
@@ -1222,7 +1258,7 @@ def validate(cfg):
     check(cfg.rm_ensemble == "uwo" or cfg.uwo_lambda == Config.uwo_lambda, "--uwo_lambda needs --rm_ensemble uwo")
     check(
         not cfg.rm_sigmoid or (cfg.reward_model and cfg.task == "arithmetic"),
-        "--rm_sigmoid transforms an arithmetic outcome reward model's score (--task arithmetic --reward_model)",
+        "--rm_sigmoid transforms an arithmetic verifier's score (--task arithmetic --reward_model)",
     )
     check(cfg.value_init != "reward_model" or n_rm == 1, "--value_init reward_model takes one --reward_model")
 
@@ -1784,7 +1820,7 @@ def generate(
     tokens, masks = [], []
     logits, _ = model(idx, attention_mask=attn, cache=cache, keep_last=1)  # prefill; only the last logits are used
     if compiled:  # the prefill allocated k and v: tell torch.compile the cache's tensors never move
-        if cache.k is None:  # gpt.py's MLA keeps latents instead (wrap_model compiles no decode step for it)
+        if cache.k is None:  # gpt.py's MLA keeps latents instead (its samples are eager: this is never reached)
             raise ValueError("a compiled decode step needs a KVCache's k and v: decode this model eagerly")
         for t in (cache.k, cache.v, cache.real, cache.pos):
             torch._dynamo.mark_static_address(t)
@@ -1955,8 +1991,7 @@ def wrap_model(model, rt, compile=False):
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)  # the root holds the rest: embeddings (tied to lm_head), ln_f, any head
-    elif compile and all(isinstance(m.attn, CausalSelfAttention) for m in model.modules() if isinstance(m, Block)):
-        # a compiled step replays on a KVCache's k and v; another attention's cache (gpt.py's MLA) decodes eagerly
+    elif compile:
         rt.decode = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     model = torch.compile(model) if compile else model
     if rt.distributed and rt.parallel == "ddp":

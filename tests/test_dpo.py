@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, metrics, needs_bpe, run_main, run_script, torchrun
+from conftest import ROOT, char_checkpoint, metrics, needs_bpe, run_main, run_script, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -1353,3 +1353,20 @@ def test_ref_sync_under_two_process_fsdp_matches_one_process(tmp_path, hh):
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, single = train_in_process(tmp_path / "one", *common, "--batch_size", "8")
     close(metrics(out), single, tol=1e-4)
+
+
+def test_a_prm_is_refused_as_judge_or_reward_model(tmp_path, capsys):
+    """dpo.py scores a whole answer at its last token; a prm, labelled up to the first wrong step, judges only the
+    last step there: --judge or --reward_model PRM ends with one line and exit code 2."""
+    from types import SimpleNamespace
+
+    chars = "\n*+-0123456789="
+    path = char_checkpoint(tmp_path / "prm.pt", chars, block_size=32, reward_head=True)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["reward_task"] = "prm"
+    torch.save(ckpt, path)
+    run = SimpleNamespace(tok=dpo.CharTokenizer(chars), rt=dpo.Runtime(torch.device("cpu"), torch.float32))
+    with pytest.raises(SystemExit) as e:
+        dpo.load_scorer(run, str(path), "judge")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and "prm" in lines[0]

@@ -42,14 +42,10 @@ def test_mla_cached_greedy_generation_equals_uncached():
     assert len(set(cached.flatten().tolist())) > 3  # not one token repeated: the comparison means something
 
 
-def test_mla_gets_no_compiled_decode_step_and_a_compiled_one_is_refused_in_one_line():
-    """A compiled decode step replays on a KVCache's k and v, which MLA never allocates: wrap_model(compile=True)
-    leaves an MLA model's rt.decode the eager step, and generate refuses a compiled step for it with one clear line
-    (a ValueError, not a TypeError from deep inside)."""
+def test_a_compiled_decode_step_for_mla_is_refused_in_one_line():
+    """A compiled decode step replays on a KVCache's k and v, which MLA never allocates: generate refuses a compiled
+    step for an MLA model with one clear line (a ValueError, not a TypeError from deep inside)."""
     mla = model(attention="mla", kv_latent_dim=12)
-    rt = gpt.Runtime(torch.device("cpu"), torch.float32)
-    gpt.wrap_model(mla, rt, compile=True)
-    assert rt.decode is gpt.decode_step
 
     def compiled_stand_in(model, token, cache):
         return gpt.decode_step(model, token, cache)

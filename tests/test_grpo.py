@@ -636,7 +636,7 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
         for p, t in zip(problems, texts)
     ]
     assert gold == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
-    first = dict(completion=completion, mask=mask, info=answers, rewards=proxy, rollout_kl=None)
+    first = dict(completion=completion, mask=mask, info=answers, rewards=proxy, steps=mask, rollout_kl=None)
     batch = dict(mask=mask, truncated=torch.tensor([t[-1] != "\n" for t in texts]))
     metrics = grpo.rollout_metrics(task, first, batch, 2, rt, "group")
     assert metrics["rl/gold_reward"] == pytest.approx(sum(gold) / len(gold))
@@ -683,3 +683,20 @@ def test_clip_eps_high_is_the_upper_clip_of_grpo_dapo_and_dr_grpo(module, loss_t
         loss, stats = module.policy_loss(logp, old, adv, mask, loss_type, 0.2, high, max_len=2)
         (grad,) = torch.autograd.grad(loss, logp)
         assert (grad[0, 0].item() == 0) == clipped and stats["clip_frac"].item() == pytest.approx(0.5 * clipped)
+
+
+def test_no_signal_is_every_advantage_zero_for_each_kind():
+    """no_signal, the rule of rl/zero_std_frac and --dynamic_sampling, against the advantages themselves: group and
+    rloo on (N,) rewards (equal rewards of 0.1, which no float mean reproduces exactly, have no signal), process on
+    step rewards (the issue's two cases: identical solutions with steps 0.9 and 0.3 have signal; different ones whose
+    every step scores 1.0 have none)."""
+    rt = grpo.Runtime(torch.device("cpu"), torch.float32)
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 1.0])
+    mask = torch.ones(6, 4)
+    for kind in ("group", "rloo"):
+        batch = {"rewards": rewards, "mask": mask, "steps": mask}
+        assert grpo.no_signal(batch, kind, 3, rt).tolist() == [True, False]
+    steps = torch.tensor([[0, 1.0, 0, 1], [0, 1, 0, 1], [1, 0, 0, 1], [0, 1, 1, 0]])
+    step_rewards = torch.tensor([[0, 0.9, 0, 0.3], [0, 0.9, 0, 0.3], [1.0, 0, 0, 1], [0, 1, 1, 0]])
+    batch = {"rewards": step_rewards, "mask": torch.ones(4, 4), "steps": steps}
+    assert grpo.no_signal(batch, "process", 2, rt).tolist() == [False, True]

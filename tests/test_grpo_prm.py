@@ -262,7 +262,7 @@ def test_a_tiny_prm_run_writes_its_run_folder_and_finite_process_advantages(tmp_
     run_main(grpo, monkeypatch, *args, "--max_steps", "2", "--eval_every", "2", "--device", "cpu", "--out_dir", out)
     for name in ("config.json", "metrics.jsonl", "final_results.json", "ckpt.pt"):
         assert (out / name).is_file(), name
-    assert len(seen) == 2
+    assert len(seen) == 4  # a step's update, and its rl/zero_std_frac (no_signal: are the advantages all 0?)
     for adv, steps in seen:
         assert adv.shape == (8, 14) and torch.isfinite(adv).all() and steps is not None
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

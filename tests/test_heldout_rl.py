@@ -3,6 +3,7 @@ is, distinct and counted), the sampled gold reward on each half of the held-out 
 model's checksum on --resume, the reward models the arithmetic task accepts, the hint for a model from scratch, and
 grpo's KL axis under --mask_truncated / --dynamic_sampling."""
 
+import math
 import random
 import shutil
 import zlib
@@ -141,6 +142,7 @@ def test_grpo_logs_the_kl_of_the_rollouts_the_rewards_score(tmp_path):
         "mask": mask,
         "info": ["1\n", "2\n", "3\n", "4\n"],
         "rewards": torch.randn(4),
+        "steps": mask,  # the positions that carry a reward: every real token (one reward per completion here)
         "rollout_kl": torch.tensor([0.5, 1.0, 1.5, 4.0]),
     }
     batch = {"mask": mask[:2].repeat(2, 1), "truncated": torch.tensor([True, False, True, False])}  # other rows
@@ -259,3 +261,33 @@ def test_sampled_evaluation_is_gold_proxy_and_kl_of_the_policys_own_answers(modu
     assert abs(metrics["eval/sample_kl"]) > 1e-3  # the two models differ
     same, _ = task.evaluate(policy, policy, task_runtime(module), task.tok, 5)
     assert same["eval/sample_kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_a_learned_outcome_reward_is_an_orms_score_or_a_prms_product_of_step_probabilities(module, tmp_path):
+    """The arithmetic task's learned reward of a completion: an orm's score at its last real token (with
+    --rm_sigmoid, its sigmoid: the probability of a right answer); a prm's product of its steps' probabilities,
+    P(every step right) under Lightman et al.'s labels, each step scored at its newline (a cut-off last step at a
+    newline written after it), never the last token's score alone."""
+    tok = module.CharTokenizer(CHARS)
+    prompts = [tok.encode(p) for p in ("1+2*4=", "9*9-1=")]
+    texts = ["1+2=3\n3*4=12\n", "9*9=81\n81-1=8"]
+    completion = torch.tensor([tok.encode(t.ljust(14, "\n")) for t in texts])
+    mask = torch.tensor([[float(i < len(t)) for i in range(14)] for t in texts])
+    orm = reward_checkpoint(tmp_path / "orm.pt", "orm")
+    raw = arithmetic_task(module, tmp_path, reward_model=str(orm), steps=2, horizon=14)
+    sig = arithmetic_task(module, tmp_path, reward_model=str(orm), steps=2, horizon=14, rm_sigmoid=True)
+    scores = raw.rewards(prompts, completion, mask, None, None)
+    with torch.no_grad():
+        last = [raw.rm(torch.tensor([p + tok.encode(t)]))[0, -1] for p, t in zip(prompts, texts)]
+    torch.testing.assert_close(scores, torch.stack(last), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sig.rewards(prompts, completion, mask, None, None), torch.sigmoid(scores))
+    prm_path = reward_checkpoint(tmp_path / "prm.pt", "prm")
+    prm = arithmetic_task(module, tmp_path, reward_model=str(prm_path), steps=2, horizon=14)
+    found = prm.rewards(prompts, completion, mask, None, None)
+    with torch.no_grad():
+        for i, (p, t) in enumerate(zip(prompts, texts)):
+            written = t if t.endswith("\n") else t + "\n"
+            probs = torch.sigmoid(prm.rm(torch.tensor([p + tok.encode(written)]))[0, len(p) :])
+            ends = [j for j, c in enumerate(written) if c == "\n"]
+            assert found[i].item() == pytest.approx(math.prod(probs[ends].tolist()), abs=1e-5)
