@@ -56,6 +56,9 @@ def sweep(args):
         folders["GRPO, beta_kl 0.2"] = run("grpo.py", grpo, f"{out}/grpo")
         folders["GRPO, beta_kl 0"] = run("grpo.py", grpo_beta0, f"{out}/grpo_beta0")
         folders["PPO, beta_kl 0"] = run("ppo.py", ppo, f"{out}/ppo_beta0")
+        if args.dpo == "no":
+            runs[seed] = folders
+            continue
         dpo = flags(DPO, QUICK_DPO if args.quick else None) + ["--init_from", sft, "--seed", seed]
         dpo += ["--judge", verifier, "--reward_model", verifier]
         for beta in DPO_BETAS[-1:] if args.quick else DPO_BETAS:
@@ -170,7 +173,10 @@ def figure_and_tables(figure, runs):
 
 
 def main():
-    extra = {"--figure": ("", "where the PNG goes (default: OUT/overoptimization.png)")}
+    extra = {
+        "--figure": ("", "where the PNG goes (default: OUT/overoptimization.png)"),
+        "--dpo": ("yes", "no: best-of-n, GRPO and PPO only, without the 4 DPO runs a seed"),
+    }
     args = parse_args("rlhf_loop", __doc__.splitlines()[0], extra=extra)  # the loop's runs are this sweep's start
     figure_and_tables(args.figure or os.path.join(args.out, "overoptimization.png"), sweep(args))
 
