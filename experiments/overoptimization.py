@@ -110,7 +110,8 @@ def gao_fit(d, gain, form):
 
 def figure_and_tables(figure, runs):
     labels = list(next(iter(runs.values())))
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True, sharey="row")
+    with_dpo = any(label.startswith("DPO") for label in labels)  # --dpo no: one column, RL and best-of-n
+    fig, axes = plt.subplots(2, 1 + with_dpo, figsize=(6 + 6 * with_dpo, 8), sharex=True, sharey="row", squeeze=False)
     table = []
     fits = []
     rl_colors = {"GRPO, beta_kl 0.2": "tab:blue", "GRPO, beta_kl 0": "tab:cyan", "PPO, beta_kl 0": "tab:purple"}
@@ -122,7 +123,7 @@ def figure_and_tables(figure, runs):
         xs = list(points)
         mean = {key: [mean_se(values(points[x], key, keys))[0] for x in xs] for key in keys}
         d = [math.sqrt(max(k, 0.0)) for k in mean["kl"]]  # k1 can dip below 0
-        columns = [0, 1] if label == "best-of-n" else [1 if label.startswith("DPO") else 0]
+        columns = [0, 1][: 1 + with_dpo] if label == "best-of-n" else [1 if label.startswith("DPO") else 0]
         for column in columns:
             color = "tab:red" if label == "best-of-n" else {**rl_colors, **dpo_colors}[label]
             marker = "s-" if label == "best-of-n" else "o-"
@@ -151,7 +152,7 @@ def figure_and_tables(figure, runs):
         alpha, beta, r2 = gao_fit(d, gain, "bon" if label == "best-of-n" else "rl")
         form = "d (alpha - beta d)" if label == "best-of-n" else "d (alpha - beta log d)"
         fits.append([label, form, f"{alpha:.3f}", f"{beta:.3f}", f"{r2:.2f}", len(xs)])
-    for column, title in enumerate(["GRPO and PPO on the verifier", "DPO on verifier-judged pairs"]):
+    for column, title in enumerate(["GRPO and PPO on the verifier", "DPO on verifier-judged pairs"][: 1 + with_dpo]):
         axes[0, column].set_title(f"{title} (mean of {len(runs)} seeds)")
         axes[1, column].set_xlabel("sqrt(KL to the SFT model, nats per answer)")
         axes[0, column].legend(fontsize=8)
