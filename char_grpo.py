@@ -490,11 +490,16 @@ class BigramReference:
         self.pair_counts = counts.float()
         self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
 
-    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
-        key = prev * self.vocab_size + nxt
+    def __call__(self, idx, targets, attention_mask=None, **sampling):
+        """log p(targets | the token before each) and no entropy (None), as the model's log-prob call answers
+        (completion_logprobs): the bigram serves as a reference model. The tokens before the targets (B, H) are the
+        last H of idx (B, T), or idx broadcast against them (chars[:, None] and chars[None, :]: the whole table); the
+        mask and the sampling arguments do not apply to a bigram."""
+        prev = idx[:, -targets.size(1) :]
+        key = prev * self.vocab_size + targets
         i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
         count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
-        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size)), None
 
 
 def evaluate_chars(cfg, run, rt, step):
@@ -649,7 +654,7 @@ def build_run(cfg, out_dir, rt):
         # a char vocabulary is small: the whole table, (V, V) log p(next | previous), whose rows serve as logits
         bigram = BigramReference(run.train_ids, model.config.vocab_size)
         chars = torch.arange(model.config.vocab_size)
-        run.ref_table = bigram(chars[:, None], chars[None, :]).to(rt.device)  # (V, V)
+        run.ref_table = bigram(chars[:, None], chars[None, :])[0].to(rt.device)  # (V, V)
     if cfg.reference in ("random", "init"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume

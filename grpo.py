@@ -386,8 +386,10 @@ def training_step(run, step):
     batch, rounds = sample_batch(run)
     t_rollout = time.time() - t0
 
-    # 4. advantages, (N,) per sequence or (N, H) per token
-    adv = compute_advantages(batch["rewards"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt, batch["steps"])
+    # 4. advantages (N, H), from the task's rewards where they sit
+    adv = compute_advantages(
+        batch["rewards"], batch["reward_mask"], batch["mask"], run.adv_kind, G, cfg.scale_rewards, rt
+    )
 
     # 5. loss and policy update; the KL coefficient warms up over the first --kl_warmup_tokens generated tokens
     beta = 0.0  # no reference, no KL term
@@ -442,117 +444,80 @@ def sample_batch(run):
 
 # The batch that collect returns, one row per completion: N = n_prompts * G rows, a group's G rows contiguous
 # (rows g*G .. g*G+G-1), H = --horizon.
-#   key         shape and type           what it holds; what None means
-#   prompts     N lists of token ids     the row's prompt, shared by its group's G rows
-#   completion  (N, H) long              sampled tokens, padded to H (with the end token, or 0)
-#   mask        (N, H) float             1.0 on real completion tokens, up to and including the end token
-#   truncated   (N,) bool                True: no end token within H. None: the task has no end token (next_token)
-#   info        (N, H) long | N strings  next_token: the true continuations; arithmetic: the answers. None: the
-#                                        reward needs nothing more (reward_model)
-#   old_logp    (N, H) float             log-probs under the sampling distribution. None: one update per batch and a
-#                                        reward that reads no logits, so the training pass's own (detached) stand in
-#   ref_logp    (N, H) float             the reference's log-probs (same temperature, every token). None: no reference
-#   rewards     (N,) | (N, H) float      per sequence, or per token (next_token; arithmetic --adv process: the
-#                                        reward model's reward at each step's end token, 0 between: process_rewards)
-#   steps       (N, H) float             1.0 at the positions that carry a reward: arithmetic --adv process, each
-#                                        step's end token (step_ends); else every real token (the mask)
-#   rollout_kl  (N,) float               k1 summed over each completion, sampling policy against the reference: the
-#                                        KL to the initial policy of the rollouts, only logged. None: no learned
-#                                        arithmetic reward
+#   key          shape and type         what it holds; what None means
+#   prompts      N lists of token ids   the row's prompt, shared by its group's G rows
+#   info         N entries              what the row's reward needs (task.sample's): next_token's true continuation,
+#                                       arithmetic's answer; None for reward_model
+#   completion   (N, H) long            sampled tokens, padded to H (with the end token, or 0)
+#   mask         (N, H) float           1.0 on real completion tokens, up to and including the end token
+#   truncated    (N,) bool              True: no end token within H. None: the task has no end token (next_token)
+#   old_logp     (N, H) float           log-probs under the sampling distribution. None: one update per batch and a
+#                                       reward that reads no logits, so the training pass's own (detached) stand in
+#   ref_logp     (N, H) float           the reference's log-probs (same temperature, every token). None: no reference
+#   rewards      (N, H) float           the task's rewards where reward_mask is 1.0, 0 elsewhere
+#   reward_mask  (N, H) float           1.0 where a reward sits: the last real token (an outcome reward), every real
+#                                       token (next_token), each step's end (arithmetic --adv process)
+#   rollout_kl   (N,) float             k1 summed over each completion, sampling policy against the reference, only
+#                                       logged. None: the reward is no learned proxy (task.proxy), or no reference
 def collect(task, raw, ref, cfg, rt, n_prompts):
-    """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then one no-grad pass for the
-    sampling policy's log-probs (under the sampling distribution) and the reference's (same temperature, whole
-    vocabulary), then the rewards. Returns the batch above.
-    The policy samples in train mode: it has no dropout, so train and eval modes compute the same."""
+    """ALGO LOGIC 1-3: sample prompts and G completions each (groups contiguous), then score them as many rows at a
+    time as a training micro-batch holds (score_rows). Returns the batch above. The policy samples in train mode: it
+    has no dropout, so train and eval modes compute the same."""
     G = cfg.group_size
-    H = cfg.horizon
-    top_k = cfg.top_k  # 0: the whole vocabulary
     prompts, info = task.sample(n_prompts)
     rows = [p for p in prompts for _ in range(G)]  # each prompt G times in a row: a group
+    info = [x for x in info for _ in range(G)]
     with torch.no_grad(), rt.autocast():
-        # (N, H) each; arithmetic --steps K: a completion ends at its K-th newline
-        completion, mask = sample_completions(raw, rows, H, cfg.temperature, top_k, task.eos_id, rt, n_ends=cfg.steps)
+        # (N, H) each; a completion ends at its task.n_ends-th end token (arithmetic --steps K: its K-th newline)
+        completion, mask = sample_completions(
+            raw, rows, cfg.horizon, cfg.temperature, cfg.top_k, task.eos_id, rt, n_ends=task.n_ends
+        )
         truncated = None  # a task without an end token (next_token)
         if task.eos_id is not None:
-            truncated = ((completion == task.eos_id) * mask).sum(1) < cfg.steps  # (N,) not ended within H
-        if isinstance(info, torch.Tensor):
-            info = info.repeat_interleave(G, 0).to(rt.device)  # (N, H)
-        elif info is not None:
-            info = [x for x in info for _ in range(G)]
+            truncated = ((completion == task.eos_id) * mask).sum(1) < task.n_ends  # (N,) not ended within H
+        batch = dict(prompts=rows, info=info, completion=completion, mask=mask, truncated=truncated)
         seq, attn = join(rows, completion)
-        old_logp = []
-        ref_logp = []
-        rewards = []
-        rollout_kl = []
-        learned = cfg.task == "arithmetic" and cfg.reward_model and ref is not None  # rl/rollout_kl is logged
-        process = cfg.task == "arithmetic" and cfg.adv == "process"  # the reward model's reward at each step's end
-        steps = mask  # every real token carries a reward (next_token), or the reward is per sequence
-        if process:
-            steps = step_ends(completion, mask, task.eos_id)  # (N, H)
         n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batch size: no pass here is larger
-        for i in range(0, len(rows), n_micro):
-            cut = slice(i, i + n_micro)
-            s = seq[cut]
-            a = None if attn is None else attn[cut]
-            logits = None
-            logp = None  # (n, H) the sampling policy's log-probs, where something reads them
-            if task.needs_logits:  # (n, H, V): the reward reads them, and they give the log-probs for free
-                logits = completion_logits(raw, s, a, H)
-                logp = token_logprobs(logits, completion[cut], cfg.temperature, top_k)
-            elif cfg.num_iterations > 1 or learned:
-                logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=top_k)[0]
-            # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the
-            # training pass's own, detached, and old_logp is not kept (unless the reward's logits gave it for free)
-            if task.needs_logits or cfg.num_iterations > 1:
-                old_logp.append(logp)
-            if isinstance(ref, BigramReference):
-                ref_logp.append(ref(s[:, -H - 1 : -1], completion[cut]))  # (n, H): bigram of (previous, sampled)
-            elif ref is not None:
-                ref_logp.append(completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0])  # all tokens
-            if learned:  # the KL of exactly these rollouts, for the metric only: the update never reads it
-                rollout_kl.append(((logp - ref_logp[-1]) * mask[cut]).sum(1))  # (n,)
-            part = None if info is None else info[cut]  # (n, H) true tokens, arithmetic's answers, or None
-            if process:
-                rewards.append(process_rewards(task.rm, rows[cut], completion[cut], steps[cut], task.eos_id))
-            else:
-                rewards.append(task.rewards(rows[cut], completion[cut], mask[cut], part, logits))
+        parts = [
+            score_rows(task, raw, ref, cfg, batch, seq, attn, slice(i, i + n_micro))
+            for i in range(0, len(rows), n_micro)
+        ]
+    for key in parts[0]:
+        values = [part[key] for part in parts]
+        batch[key] = None if values[0] is None else torch.cat(values)
+    return batch
+
+
+def score_rows(task, raw, ref, cfg, batch, seq, attn, rows):
+    """ALGO LOGIC 2-3: collect's scores of the rows (a slice) of its batch: the sampling policy's log-probs (under the
+    sampling distribution) where something reads them, the reference's (the same temperature, the whole vocabulary;
+    the bigram answers the model's call) and the task's rewards with their reward mask."""
+    H = cfg.horizon
+    s = seq[rows]
+    a = None if attn is None else attn[rows]
+    completion = batch["completion"][rows]
+    mask = batch["mask"][rows]
+    # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the training
+    # pass's own, detached, and old_logp is not kept (unless the reward's logits give it for free)
+    keep_old = task.needs_logits or cfg.num_iterations > 1
+    logs_kl = task.proxy and ref is not None  # rl/rollout_kl, the KL of exactly these rollouts, for the metric only
+    logits = None
+    logp = None  # (n, H) the sampling policy's log-probs, where something reads them
+    if task.needs_logits:  # (n, H, V): the reward reads them, and they give the log-probs for free
+        logits = completion_logits(raw, s, a, H)
+        logp = token_logprobs(logits, completion, cfg.temperature, cfg.top_k)
+    elif keep_old or logs_kl:
+        logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=cfg.top_k)[0]
+    ref_logp = None  # no reference
+    if ref is not None:
+        ref_logp = completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0]
+    rewards, reward_mask = task.rewards(batch["prompts"][rows], completion, mask, batch["info"][rows], logits)
     return dict(
-        prompts=rows,
-        completion=completion,
-        mask=mask,
-        truncated=truncated,
-        info=info,
-        old_logp=torch.cat(old_logp) if old_logp else None,
-        ref_logp=torch.cat(ref_logp) if ref_logp else None,
-        rewards=torch.cat(rewards).float(),
-        steps=steps,
-        rollout_kl=torch.cat(rollout_kl) if rollout_kl else None,
-    )
-
-
-def join(prompts, completion):
-    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
-    padded, which keeps plain causal attention)."""
-    idx, attn = left_pad(prompts, completion.device)
-    seq = torch.cat([idx, completion], 1)  # (N, P+H)
-    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
-    return seq, None if attn.all() else attn
-
-
-def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
-    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
-    logits (the sampling distribution). The logits stay inside the model's linear_logprobs."""
-    # log-probs at the last H positions, under linear_logprobs' sampling distribution
-    return model(
-        seq[:, :-1],
-        seq[:, -H:],
-        None if attn is None else attn[:, :-1],
-        keep_last=H,
-        output="logprobs",
-        entropy=entropy,
-        temperature=temperature,
-        top_k=top_k,
+        old_logp=logp if keep_old else None,
+        ref_logp=ref_logp,
+        rewards=rewards.float(),  # (n, H)
+        reward_mask=reward_mask,  # (n, H)
+        rollout_kl=((logp - ref_logp) * mask).sum(1) if logs_kl else None,  # (n,)
     )
 
 
@@ -561,32 +526,11 @@ def completion_logits(model, seq, attn, H):
     return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
 
 
-def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
-    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon. A
-    completion ends at its n_ends-th end token (arithmetic --steps K: the K-th newline, one step a line). generate()
-    stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
-    different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
-    whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
-    ends = None if whole else eos_id
-    tokens, mask = generate(model, prompts, horizon, temperature, top_k, ends, generator, decode=rt.decode)
-    if whole and eos_id is not None:
-        is_end = (tokens == eos_id).float()
-        mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
-    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
-    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
-
-
-def zero_std_groups(rewards, group_size, steps=None):
-    """(N/G,) True for the groups without signal, those whose every advantage is 0, by the advantages' own rule. (N,)
-    rewards per sequence (group, rloo): the group's G rewards are equal. (N, H) rewards with steps, the positions that
-    carry one (process_advantages): every reward at those positions of the group's completions is equal, since they
-    are normalised together; so identical solutions whose steps score differently have signal, and different ones
-    whose every step scores the same have none."""
-    if steps is None:  # every reward counts
-        steps = torch.ones_like(rewards)
-    r = rewards.reshape(-1, group_size * rewards[0].numel())  # (N/G, G) or (N/G, G*H): one row per group
-    m = steps.reshape(r.shape)  # 1.0 where a reward is
-    return ((r == r.max(1, keepdim=True).values) | (m == 0)).all(1)  # process_advantages' test of no spread
+def zero_std_groups(adv, group_size):
+    """(N/G,) True for the groups without signal: those whose advantages (N, H) are all equal, which for advantages
+    centred on their group (compute_advantages) means all 0, so that the group adds nothing to the policy term."""
+    a = adv.reshape(-1, group_size * adv.size(1))  # (N/G, G*H): one row per group
+    return (a == a[:, :1]).all(1)
 
 
 def take_rows(batches, rows):
@@ -603,26 +547,26 @@ def take_rows(batches, rows):
 
 def no_signal(batch, kind, group_size, rt):
     """(N/G,) True for this rank's groups of a collected batch whose advantages (compute_advantages, of this kind)
-    are all 0: the advantages are centred on their group, so they are all equal (zero_std_groups) exactly when all 0.
-    The scale is left out (none): it never makes an advantage 0."""
-    adv = compute_advantages(batch["rewards"], batch["mask"], kind, group_size, "none", rt, batch["steps"])
+    are all 0 (zero_std_groups). The scale is left out (none): it never makes an advantage 0."""
+    adv = compute_advantages(batch["rewards"], batch["reward_mask"], batch["mask"], kind, group_size, "none", rt)
     return zero_std_groups(adv, group_size)
 
 
-def compute_advantages(rewards, mask, kind, group_size, scale, rt, steps=None):
-    """ALGO LOGIC 4: this rank's advantages, (N, H) for process (steps: the positions that carry a reward; None:
-    every real token), else (N,) from each completion's reward (per-token rewards averaged over its real tokens).
-    Groups never span ranks, but --scale_rewards batch divides by the std of every rank's rewards: group_advantages
-    runs on all ranks' rewards and each rank keeps its own rows."""
+def compute_advantages(rewards, reward_mask, mask, kind, group_size, scale, rt):
+    """ALGO LOGIC 4: this rank's advantages (N, H) of the task's rewards (N, H), which sit where reward_mask is 1.0.
+    process: process_advantages normalises the rewards where they sit and sums them from t on. group and rloo: each
+    completion's return, the mean of its rewards (an outcome reward: the one on its last token), gets one advantage,
+    on every token. Groups never span ranks, but --scale_rewards batch divides by the std of every rank's
+    returns: group_advantages runs on all ranks' returns and each rank keeps its own rows."""
     if kind == "process":
-        return process_advantages(rewards, mask, group_size, steps=steps)  # (N, H)
-    seq_rewards = rewards  # (N,)
-    if rewards.dim() == 2:  # per token: the mean over each completion's real tokens
-        seq_rewards = (rewards * mask).sum(1) / mask.sum(1)
+        return process_advantages(rewards, mask, group_size, steps=reward_mask)  # (N, H)
+    returns = (rewards * reward_mask).sum(1) / reward_mask.sum(1)  # (N,)
     if kind == "rloo":
-        return rloo_advantages(seq_rewards, group_size)  # (N,)
-    adv = group_advantages(gather_rows(seq_rewards, rt), group_size, scale)  # (world_size * N,): every rank's rows
-    return adv.view(rt.world_size, -1)[rt.rank]  # (N,) this rank's rows
+        adv = rloo_advantages(returns, group_size)
+    else:
+        every = group_advantages(gather_rows(returns, rt), group_size, scale)  # (world_size * N,): every rank's rows
+        adv = every.view(rt.world_size, -1)[rt.rank]  # (N,) this rank's rows
+    return adv[:, None].expand_as(mask)  # (N, H): the same on every token (the loss masks the padding)
 
 
 def gather_rows(x, rt):
@@ -648,7 +592,6 @@ def update_policy(run, batch, adv, beta):
     n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
     n_seqs = N * rt.world_size  # the whole step's sequences (every rank holds N)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
-    adv = adv.reshape(N, -1)  # (N, 1) per sequence, or (N, H) per token
     keep = mask.clone()  # the tokens the policy term trains on: every real token, or the top quantile by entropy
     for iteration in range(cfg.num_iterations):
         sums = {}  # this rank's share of each metric, summed over the micro-batches
@@ -680,7 +623,12 @@ def update_policy(run, batch, adv, beta):
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
             for name, value in shares.items():
                 sums[name] = sums.get(name, 0.0) + value.float()
-        grad_norm = step_optimizer(cfg, run)
+        # unscale (float16), clip, step, zero the gradients
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)  # before clipping
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
     # each rank's shares are normalised by the whole step's counts: their sum over ranks is the step's value
     totals = all_reduce(torch.stack(list(sums.values())), rt)  # one collective for them all
     return dict(zip(sums, totals.tolist())), grad_norm
@@ -690,8 +638,7 @@ def grpo_loss(cfg, logp, entropies, old_logp, ref_logp, adv, keep, mask, beta, n
     """ALGO LOGIC 5: a micro-batch's share of the step's loss, policy_loss + beta * KL term - entropy_coef * entropy
     (each normaliser the whole step's n_seqs or n_tokens), and its share of each logged metric by name (rl/kl: the k1
     estimate, whatever --kl_estimator). --top_entropy_quantile (keep) and --off_policy_mask set the advantage of the
-    tokens they drop to 0, as TRL multiplies its per-token loss by their masks. Tensors are (n, H); adv (n, 1) or
-    (n, H)."""
+    tokens they drop to 0, as TRL multiplies its per-token loss by their masks. Tensors are (n, H)."""
     # (n, 1): 0.0 drops a sequence too far off-policy with A < 0; --off_policy_mask 0 (off): no threshold
     on_policy = off_policy_mask(adv, logp, old_logp, mask, cfg.off_policy_mask or math.inf)
     # a dropped token's advantage is 0: it leaves the policy term, but the normalisers still count it. The tensors'
@@ -739,36 +686,21 @@ def top_entropy_tokens(entropies, mask, quantile, rt):
     return every_rank.view(rt.world_size, *mask.shape)[rt.rank]
 
 
-def step_optimizer(cfg, run):
-    """Unscale (float16), clip, step, zero the gradients; returns the gradient norm before clipping."""
-    run.scaler.unscale_(run.optimizer)
-    grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
 def rollout_metrics(task, first, batch, group_size, rt, kind):
-    """rl/ metrics of the step's rollouts over every rank's rows (each rank holds as many): rewards, accuracy and
-    groups without signal of the first sampling round, lengths of the batch trained on."""
-    correct = task.correct(first["completion"], first["mask"], first["info"], first["rewards"])  # (N,) or None
-    learned = isinstance(task, ArithmeticTask) and task.rm is not None  # a proxy reward: measure the gold one too
-    gold = task.gold(first["completion"], first["mask"], first["info"]) if learned else None
+    """rl/ metrics of the step's rollouts over every rank's rows (each rank holds as many): rewards (where they sit),
+    the task's measures and groups without signal of the first sampling round, lengths of the batch trained on."""
+    measures = task.measures(first["completion"], first["mask"], first["info"])  # rl/accuracy, rl/gold_reward
 
     def mean(x):  # over every rank's rows; a measure the task does not have (None) stays None
         if x is None:
             return None
         return gather_rows(x.float(), rt).mean().item()
 
-    rewards = gather_rows(first["rewards"], rt)  # (world_size * N,) or (world_size * N, H)
-    if rewards.dim() == 2:  # per token: those of the positions that carry one (every real token, or each step's end)
-        rewards = rewards[gather_rows(first["steps"], rt) > 0]
+    rewards = gather_rows(first["rewards"], rt)[gather_rows(first["reward_mask"], rt) > 0]  # where they sit
     return {
         "rl/reward_mean": rewards.mean().item(),
         "rl/reward_std": rewards.std().item(),
-        "rl/accuracy": mean(correct),
-        "rl/gold_reward": mean(gold),
+        **{name: mean(x) for name, x in measures.items()},
         "rl/rollout_kl": mean(first["rollout_kl"]),
         "rl/zero_std_frac": mean(no_signal(first, kind, group_size, rt)),
         "rl/completion_len": mean(batch["mask"].sum(1)),
@@ -785,577 +717,7 @@ def peak_memory_mb(rt):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions. A task has
-#   eos_id            the end token of a completion (None: completions run the whole horizon)
-#   needs_logits      whether its reward reads the sampling policy's logits
-#   sample(n)         -> (n prompts, info: what the reward needs beside the completion, or None)
-#   rewards(prompts, completion, mask, info, logits)   -> (N,) per sequence or (N, H) per token
-#   correct(completion, mask, info, rewards)           -> (N,) for rl/accuracy, or None
-#   evaluate(model, ref, rt, tok, step)                -> (eval/ metrics, sample text for samples.txt)
-
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
-SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
-
-
-class NextTokenTask:
-    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
-    the true continuation at the same offset."""
-
-    eos_id = None  # rollouts always run the whole horizon
-    rm = None  # no learned reward: the true text scores
-
-    def __init__(self, cfg, tok, text, path):
-        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
-        self.cfg = cfg
-        ids = torch.tensor(tok.encode(text))
-        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
-        C = cfg.context_len
-        H = cfg.horizon
-        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
-            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
-        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
-            torch.manual_seed(0)
-            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
-
-    def sample(self, n):
-        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
-        return ctx.tolist(), truth  # prompts, and the true continuations (n, H)
-
-    def rewards(self, prompts, completion, mask, truth, logits):
-        """(N, H) dense rewards; truth (N, H) on the completion's device, logits (N, H, V) of the sampling policy."""
-        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
-        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
-
-    def correct(self, completion, mask, truth, rewards):
-        return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        C = self.cfg.context_len
-        H = self.cfg.horizon
-        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
-        with rt.autocast():
-            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
-            greedy, _ = generate(model, x[:, :C], H, temperature=0)
-        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
-        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
-        return metrics, text
-
-
-def sample_windows(ids, n, context_len, horizon):
-    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
-    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
-    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
-    return windows[:, :context_len], windows[:, context_len:]
-
-
-def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
-    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
-    prefix) (detached)."""
-    match = (completion == truth).float()  # (N, H)
-    rewards = match if mode == "plus1" else 2 * match - 1
-    if partial_logprob:
-        rewards = rewards + partial_logprob * logp_true.detach().float()
-    return rewards
-
-
-class BigramReference:
-    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
-    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
-
-    def __init__(self, ids, vocab_size):
-        self.vocab_size = vocab_size
-        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
-        self.pair_counts = counts.float()
-        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
-
-    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
-        key = prev * self.vocab_size + nxt
-        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
-        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
-
-
-ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
-
-
-class ArithmeticTask:
-    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
-    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
-    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
-    draws no held-out problem, and every evaluation uses held-out problems only (held_out)."""
-
-    needs_logits = False  # rewards() ignores the sampling policy's logits
-
-    def __init__(self, cfg, tok, rt):
-        self.cfg = cfg
-        self.tok = tok
-        newline = tok.encode("\n")
-        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
-        self.eos_id = newline[0]
-        if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
-            print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
-        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
-        self.rm = None
-        if cfg.reward_model:  # a learned reward; the gold one is only measured
-            # the longest prompt, the completion and a newline after it (process_rewards)
-            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon + 1
-            self.rm, self.rm_task = frozen_reward_model(cfg, tok, rt, longest)
-            check(
-                self.rm_task in ("orm", "prm"),
-                f"--reward_model {cfg.reward_model} is a {self.rm_task} model; use an orm or prm",
-            )
-
-    def sample(self, n):
-        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
-        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
-
-    def texts(self, completion, mask):
-        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
-
-    def gold(self, completion, mask, answers):
-        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
-        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
-        return torch.tensor(r, device=completion.device)  # (N,)
-
-    def rewards(self, prompts, completion, mask, answers, logits):
-        """(N,) the gold rewards, or with --reward_model the learned one (the proxy): an orm's score at the last real
-        token (--rm_sigmoid: its sigmoid, the probability of a right answer); a prm's product of its steps'
-        probabilities, P(every step right)."""
-        if self.rm is None:
-            return self.gold(completion, mask, answers)
-        if self.rm_task == "prm":
-            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
-            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
-            return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
-        scores = reward_model_scores(self.rm, prompts, completion, mask)
-        if self.cfg.rm_sigmoid:
-            return torch.sigmoid(scores)
-        return scores
-
-    def correct(self, completion, mask, answers, rewards):
-        return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
-        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
-        texts = self.texts(completion, mask)
-        # well formed: any reward with a format reward of 1, ended by a newline (the end token)
-        well_formed = [
-            arithmetic_reward(t, a, 1.0) > 0 and t.endswith("\n") for t, (_, a) in zip(texts, self.eval_problems)
-        ]
-        shown = [f"{p}{t!r} (answer {a.split('=')[-1].strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
-        metrics = {
-            "eval/accuracy": exact.mean().item(),
-            "eval/format_rate": sum(well_formed) / len(texts),
-            "eval/n_problems": len(texts),  # distinct held-out problems
-        }
-        if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
-            metrics.update(step_metrics(self.eval_problems, texts, exact))
-        if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
-        if ref is not None and (self.rm is not None or self.cfg.steps > 1):
-            # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
-            # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
-            # places), to pick a peak on one half and report it on the other. With --steps K > 1 a gold-reward run
-            # measures them too, so that its curve shares the KL axis of the runs on a process or outcome model
-            prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
-            per_problem = exact.view(-1, 4).mean(1)  # (E,)
-            seq, attn = join(prompts, completion)
-            logp = completion_logprobs(model, seq, attn, self.cfg.horizon)[0]  # (4E, H)
-            ref_logp = completion_logprobs(ref, seq, attn, self.cfg.horizon)[0]  # (4E, H)
-            metrics["eval/sample_accuracy"] = exact.mean().item()
-            metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
-            metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
-            if self.rm is not None:
-                metrics["eval/sample_rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
-            metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
-        return metrics, "\n".join(shown)
-
-    def answer(self, model, rt, n, temperature):
-        """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
-        vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
-        for an exact answer."""
-        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
-        answers = [a for _, a in self.eval_problems for _ in range(n)]
-        gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
-        with rt.autocast():
-            completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
-            )
-        return prompts, completion, mask, self.correct(completion, mask, answers, None)
-
-
-def arithmetic_problem(rng, digits, ops, steps=1):
-    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
-    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
-    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
-    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
-    x = draw_number(rng, digits)
-    prompt = f"{x}"
-    solution = ""
-    for _ in range(steps):
-        y = draw_number(rng, digits)
-        op = rng.choice(ops)
-        result = operate(x, op, y)
-        prompt += f"{op}{y}"
-        solution += f"{x}{op}{y}={result}\n"
-        x = result
-    if steps == 1:
-        solution = f"{x}\n"
-    return f"{prompt}=", solution
-
-
-def draw_number(rng, digits):
-    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
-    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-
-
-def operate(x, op, y):
-    """x op y, for op one of + - *."""
-    if op == "+":
-        return x + y
-    if op == "-":
-        return x - y
-    return x * y
-
-
-def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
-    return zlib.crc32(prompt.encode()) % 10 == 0
-
-
-def draw_problem(rng, digits, ops, held, steps=1):
-    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
-    while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
-        if held_out(prompt) == held:
-            return prompt, answer
-
-
-def held_out_problems(digits, ops, draws, steps=1):
-    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
-    in every run, whatever --seed), repeats dropped, sorted."""
-    rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
-
-
-def arithmetic_reward(text, answer, format_reward=0.0):
-    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
-    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
-    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
-    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
-    not the steps (grpo.py's step_correct judges them)."""
-    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
-    step = ""  # one operation: a line is its result alone
-    if steps > 1:
-        step = r"-?\d+[-+*]\d+="
-    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    if m is None:
-        return 0.0
-    if m.group(1) == answer.split("=")[-1].strip():
-        return 1.0
-    return format_reward
-
-
-def step_correct(prompt, solution):
-    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
-    operation applied to the previous step's result (the first: the prompt's first operation), written as
-    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
-    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
-    arithmetic that does not continue the chain; a line past the last operation is wrong."""
-    x = int(re.match(r"\d+", prompt).group())
-    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
-    right = []  # each written step's
-    for line in solution.splitlines():
-        if len(right) == len(operations):  # no operation left
-            right.append(False)
-            continue
-        op, y = operations[len(right)]
-        result = operate(x, op, int(y))
-        step = f"{x}{op}{y}={result}"
-        if len(operations) == 1:
-            step = f"{result}"
-        right.append(line == step and all(right))
-        x = result
-    return right
-
-
-def step_metrics(problems, texts, exact):
-    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the answers to the problems
-    (prompt, answer) whose final result is exact ((E,) 1.0) of the share of their lines step_correct judges right,
-    and eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such
-    answer). A right result reached through a wrong step is what an outcome reward cannot tell apart."""
-    judged = [step_correct(prompt, text) for (prompt, _), text in zip(problems, texts)]
-    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
-    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
-    return {
-        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
-        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
-    }
-
-
-HH_TURN = "\n\nAssistant:"
-
-
-class RewardModelTask:
-    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
-
-    needs_logits = False
-
-    def __init__(self, cfg, tok, rt):
-        self.cfg = cfg
-        self.tok = tok
-        self.eos_id = tok.eot_id
-        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm, _ = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
-        if cfg.data_path:
-            records = read_jsonl(cfg.data_path, ["chosen"])
-            chosen = [r["chosen"] for r in random.Random(0).sample(records, len(records))]  # shuffled
-            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
-            parts = [chosen[n_val:], chosen[:n_val]]
-        else:
-            try:
-                import datasets
-                import huggingface_hub
-
-                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
-                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
-                hub = datasets.load_dataset("Anthropic/hh-rlhf")
-                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
-            except Exception as e:
-                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        self.train_prompts = self.encode_prompts(parts[0])
-        val_prompts = self.encode_prompts(parts[1])
-        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
-        self.eval_set = val_prompts[: cfg.eval_size]
-
-    def encode_prompts(self, texts):
-        """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
-        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
-        return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
-
-    def sample(self, n):
-        return [random.choice(self.train_prompts) for _ in range(n)], None
-
-    def rewards(self, prompts, completion, mask, info, logits):
-        return reward_model_scores(self.rm, prompts, completion, mask)
-
-    def correct(self, completion, mask, truth, rewards):
-        return None
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        prompts = self.eval_set
-        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
-        # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
-        H = self.cfg.horizon
-        T = self.cfg.temperature
-        top_k = self.cfg.top_k or None
-        with rt.autocast():
-            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
-            scores = reward_model_scores(self.rm, prompts, completion, mask)
-            seq, attn = join(prompts, completion)
-            logp = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)[0]  # (ppo: values too)
-            ref_logp = logp  # no reference: a KL of zero
-            if ref is not None:
-                ref_logp, _ = completion_logprobs(ref, seq, attn, H, temperature=T)
-        kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
-        shown = []
-        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
-            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
-        metrics = {
-            "eval/rm_score": scores.mean().item(),
-            "eval/completion_kl": kl.mean().item(),
-            "eval/completion_len": mask.sum(1).mean().item(),
-        }
-        return metrics, "\n\n".join(shown)
-
-
-def split_hh(text):
-    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
-    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    cut = text.rfind(HH_TURN)
-    if cut < 0:
-        return None
-    end = cut + len(HH_TURN)
-    prompt = text[:end]
-    response = text[end:]
-    if not response.strip():
-        return None
-    return prompt, response
-
-
-class RewardModel(nn.Module):
-    """A GPT body and a scalar head on its final hidden states."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.body = GPT(config)
-        self.head = nn.Linear(config.n_embd, 1)
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
-        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
-        return self.head(h).squeeze(-1).float()
-
-
-def load_reward_model(path):
-    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
-    ckpt = load_checkpoint(path)
-    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
-    model = RewardModel(GPTConfig(**ckpt["model_config"]))
-    model.body.load_state_dict(ckpt["model"])
-    model.head.load_state_dict(ckpt["reward_head"])
-    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
-
-
-@torch.no_grad()
-def reward_model_scores(rm, prompts, completion, mask):
-    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
-    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
-
-
-def process_rewards(rm, prompts, completion, steps, eos_id):
-    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
-    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
-    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
-    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
-    trained on the outcome label at every answer token, its probability that the answer will end right (an
-    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
-    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
-    cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
-    # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
-    # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
-    written = F.pad(completion, (0, 1), value=eos_id)
-    seq, attn = join(prompts, written)  # (N, P+H+1)
-    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
-    at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
-    return torch.sigmoid(at_end) * steps
-
-
-def step_ends(completion, mask, eos_id):
-    """(N, H) 1.0 at the token that ends each step of a completion, else 0: each newline (eos_id) among its real
-    tokens, and the last real token of a completion cut off before its final newline (a partial last step). mask is
-    1.0 on the real tokens, a prefix of each row (as sample_completions gives it)."""
-    newlines = (completion == eos_id) * mask  # (N, H) the newline after each line
-    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 at each completion's last real token, where its mask ends
-    return torch.maximum(newlines, last)
-
-
-def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
-    share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
-    trained for the same task."""
-    members = []
-    tasks = set()
-    for path in cfg.reward_model.split(","):
-        rm, rm_tok, task = load_reward_model(path)
-        check(rm_tok == tok.spec, f"--reward_model {path} uses another tokenizer than the policy")
-        size = rm.body.config.block_size
-        check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
-        members.append(rm)
-        tasks.add(task)
-    check(len(tasks) == 1, f"--reward_model: the members were trained for different tasks ({sorted(tasks)})")
-    if len(members) > 1:
-        rm = RewardEnsemble(members, cfg.rm_ensemble, cfg.uwo_lambda)
-    return rm.to(rt.device), task
-
-
-def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
-    """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
-    members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
-    uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
-    works: (K, ...) -> (...)."""
-    if kind == "min":
-        return scores.min(0).values
-    mean = scores.mean(0)
-    if kind == "uwo":
-        return mean - uwo_lambda * scores.var(0, correction=0)
-    return mean
-
-
-class RewardEnsemble(nn.Module):
-    """Reward models scored as one: ensemble_scores of their scores at every position."""
-
-    def __init__(self, members, kind, uwo_lambda):
-        super().__init__()
-        self.members = nn.ModuleList(members)
-        self.kind = kind
-        self.uwo_lambda = uwo_lambda
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
-        scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
-        return ensemble_scores(scores, self.kind, self.uwo_lambda)
-
-
-def reward_checksum(rm):
-    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
-    if isinstance(rm, RewardEnsemble):
-        return [weights_checksum(m) for m in rm.members]
-    return None if rm is None else weights_checksum(rm)
-
-
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
-    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
-
-
-def download(url, path):
-    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            torch.hub.download_url_to_file(url, path)
-        except Exception as e:
-            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Setup, evaluation, checkpoints and main()
-
-
-def resolve_clip(cfg):
-    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo and luspo (a sequence ratio) the GSPO
-    paper's 3e-4 and 4e-4 (Zheng et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never
-    clip. --clip_eps_high 0 means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is
-    given. config.json records the values used, and the losses receive exactly these."""
-    gspo = cfg.loss_type in ("gspo", "luspo")
-    if cfg.clip_eps is not None:
-        clip_eps = cfg.clip_eps
-    elif gspo:
-        clip_eps = 3e-4
-    else:
-        clip_eps = 0.2
-    if cfg.clip_eps_high:
-        high = cfg.clip_eps_high
-    elif gspo and cfg.clip_eps is None and cfg.clip_eps_high is None:
-        high = 4e-4
-    else:
-        high = clip_eps  # unset or 0: the symmetric clip
-    return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
 def validate(cfg):
@@ -1478,6 +840,27 @@ def validate(cfg):
     )
 
 
+def resolve_clip(cfg):
+    """The clip ranges in effect: unset (None), 0.2 and clip_eps, or for gspo and luspo (a sequence ratio) the GSPO
+    paper's 3e-4 and 4e-4 (Zheng et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never
+    clip. --clip_eps_high 0 means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is
+    given. config.json records the values used, and the losses receive exactly these."""
+    gspo = cfg.loss_type in ("gspo", "luspo")
+    if cfg.clip_eps is not None:
+        clip_eps = cfg.clip_eps
+    elif gspo:
+        clip_eps = 3e-4
+    else:
+        clip_eps = 0.2
+    if cfg.clip_eps_high:
+        high = cfg.clip_eps_high
+    elif gspo and cfg.clip_eps is None and cfg.clip_eps_high is None:
+        high = 4e-4
+    else:
+        high = clip_eps  # unset or 0: the symmetric clip
+    return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
+
+
 def advantage_kind(cfg):
     """--adv as it runs: auto is process for next_token's per-token rewards, group otherwise."""
     if cfg.adv == "auto":
@@ -1498,6 +881,7 @@ def setup(cfg):
         if cfg.data == "shakespeare":  # --data_path: a local copy; else data/'s (downloaded there if missing)
             path = cfg.data_path or download(SHAKESPEARE_URL, SHAKESPEARE_PATH)
         text = read_text(path)
+    adv_kind = advantage_kind(cfg)
     source = ckpt_path if cfg.resume else cfg.init_from
     ckpt = None  # the checkpoint loaded, if any: a resumed run's state is read from it
     if source == "scratch":  # a new model
@@ -1514,7 +898,7 @@ def setup(cfg):
         task = NextTokenTask(cfg, tok, text, path)
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
-        task = ArithmeticTask(cfg, tok, rt)
+        task = ArithmeticTask(cfg, tok, rt, process=adv_kind == "process")
         prompt_len = (cfg.steps + 1) * (cfg.digits + 1)  # "a*b=" (--steps K: K operations) of the longest numbers
     else:
         task = RewardModelTask(cfg, tok, rt)
@@ -1532,7 +916,6 @@ def setup(cfg):
         f"prompts + --horizon ({longest}) exceed block_size {model.config.block_size}",
     )
     model.to(rt.device)
-    adv_kind = advantage_kind(cfg)
     reference = cfg.reference
     if reference == "auto":  # a model trained from scratch on text has no sensible initial policy
         text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
@@ -1595,8 +978,7 @@ def setup(cfg):
 def evaluate_policy(run, step, logger):
     """The task's evaluation of the policy, logged, and its samples appended to samples.txt. The policy stays in
     train mode: it has no dropout, so both modes compute the same."""
-    ref = run.ref if isinstance(run.ref, GPT) else None  # the reference model, if any (not the bigram table)
-    metrics, text = run.task.evaluate(run.raw, ref, run.rt, run.tok, step)
+    metrics, text = run.task.evaluate(run.raw, run.ref, run.rt, run.tok, step)  # the bigram: next_token's, unread
     if run.first_eval is None:  # the evaluation before training, for final_results.json
         run.first_eval = metrics
     logger.log(step, {**metrics, "rl/tokens": run.tokens})
@@ -1683,6 +1065,648 @@ def main():
     if rt.master:
         write_results(run, last_eval, time.time() - t_start)
     cleanup(rt)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks, behind one contract: the training step reads nothing else of a task. A task has
+#   eos_id        the token that ends a completion (None: rollouts run the whole horizon)
+#   n_ends        a completion ends at its n_ends-th end token (arithmetic --steps K: one step a line)
+#   needs_logits  its rewards read the sampling policy's logits (N, H, V) (next_token's partial credit)
+#   proxy         its reward is a learned stand-in for a gold one that it measures too (rl/gold_reward): the
+#                 rollouts' KL to the reference is logged beside it (rl/rollout_kl)
+#   sample(n)                                         -> n prompts (token-id lists) and a list of what each
+#                                                        one's reward needs
+#   rewards(prompts, completion, mask, info, logits)  -> rewards (N, H) and reward_mask (N, H), 1.0 where a reward
+#                                                        sits: an outcome reward on the last real token
+#                                                        (at_last_token), a dense one on every token, a process
+#                                                        reward at each step's end
+#   measures(completion, mask, info)                  -> {metric: (N,)}, what it measures of the rollouts beside
+#                                                        the reward (rl/accuracy, rl/gold_reward)
+#   evaluate(model, ref, rt, tok, step)               -> (eval/ metrics, text for samples.txt)
+# docs/grpo.md ("Your own task") writes a new one in one class. grpo.py is this block's source; ppo.py carries a
+# verbatim copy (tests/test_shared_blocks.py).
+# ----- BEGIN SHARED BLOCK: tasks (grpo.py is its source, ppo.py its copy; tests/test_shared_blocks.py) -----
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
+
+
+def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
+    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon. A
+    completion ends at its n_ends-th end token (arithmetic --steps K: the K-th newline, one step a line). generate()
+    stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
+    different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
+    whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
+    ends = None if whole else eos_id
+    tokens, mask = generate(model, prompts, horizon, temperature, top_k, ends, generator, decode=rt.decode)
+    if whole and eos_id is not None:
+        is_end = (tokens == eos_id).float()
+        mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
+    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
+    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
+
+
+def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
+    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
+    logits (the sampling distribution). The logits stay inside the model's linear_logprobs. A model that returns more
+    (ppo.py's PolicyWithValueHead: its values (N, H), read at the same positions) returns it too."""
+    return model(
+        seq[:, :-1],
+        targets=seq[:, -H:],
+        attention_mask=None if attn is None else attn[:, :-1],
+        keep_last=H,
+        output="logprobs",
+        entropy=entropy,
+        temperature=temperature,
+        top_k=top_k,
+    )
+
+
+def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=None):
+    """(N,) k1 summed over each completion's real tokens, the model under its sampling distribution against the
+    reference at the same temperature over every token: an unbiased estimate of the sequence KL. No reference: 0."""
+    seq, attn = join(prompts, completion)
+    H = completion.size(1)
+    logp = completion_logprobs(model, seq, attn, H, temperature=temperature, top_k=top_k)[0]  # (N, H)
+    ref_logp = logp  # no reference: a KL of zero
+    if ref is not None:
+        ref_logp = completion_logprobs(ref, seq, attn, H, temperature=temperature)[0]
+    return ((logp - ref_logp) * mask).sum(1)
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+class NextTokenTask:
+    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
+    the true continuation at the same offset."""
+
+    eos_id = None  # rollouts always run the whole horizon
+    n_ends = 1
+    proxy = False  # the true text scores
+    rm = None
+
+    def __init__(self, cfg, tok, text, path):
+        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
+        self.cfg = cfg
+        ids = torch.tensor(tok.encode(text))
+        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
+        C = cfg.context_len
+        H = cfg.horizon
+        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
+            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
+        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+            torch.manual_seed(0)
+            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
+
+    def sample(self, n):
+        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
+        return ctx.tolist(), list(truth)  # prompts, and each one's true continuation (H,)
+
+    def rewards(self, prompts, completion, mask, truth, logits):
+        """A dense reward on every token (N, H); truth: N true continuations, logits (N, H, V) of the sampling
+        policy."""
+        truth = torch.stack(truth).to(completion.device)  # (N, H)
+        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
+        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob), mask
+
+    def measures(self, completion, mask, truth):
+        truth = torch.stack(truth).to(completion.device)  # (N, H)
+        return {"rl/accuracy": (completion == truth).float().mean(1)}  # the share of tokens right
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        C = self.cfg.context_len
+        H = self.cfg.horizon
+        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
+        with rt.autocast():
+            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
+            greedy, _ = generate(model, x[:, :C], H, temperature=0)
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
+        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
+        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
+        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
+        return metrics, text
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
+    match = (completion == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach().float()
+    return rewards
+
+
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def __call__(self, idx, targets, attention_mask=None, **sampling):
+        """log p(targets | the token before each) and no entropy (None), as the model's log-prob call answers
+        (completion_logprobs): the bigram serves as a reference model. The tokens before the targets (B, H) are the
+        last H of idx (B, T), or idx broadcast against them (chars[:, None] and chars[None, :]: the whole table); the
+        mask and the sampling arguments do not apply to a bigram."""
+        prev = idx[:, -targets.size(1) :]
+        key = prev * self.vocab_size + targets
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size)), None
+
+
+ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+
+
+class ArithmeticTask:
+    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
+    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
+    draws no held-out problem, and every evaluation uses held-out problems only (held_out)."""
+
+    needs_logits = False  # rewards() ignores the sampling policy's logits
+
+    def __init__(self, cfg, tok, rt, process=False):
+        self.cfg = cfg
+        self.tok = tok
+        newline = tok.encode("\n")
+        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
+        self.eos_id = newline[0]
+        self.n_ends = cfg.steps  # one step a line
+        self.process = process  # the reward model's reward at each step's end (grpo.py --adv process)
+        if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
+            print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
+        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
+        self.rm = None
+        if cfg.reward_model:  # a learned reward; the gold one is only measured
+            # the longest prompt, the completion and a newline after it (process_rewards)
+            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon + 1
+            self.rm, self.rm_task = frozen_reward_model(cfg, tok, rt, longest)
+            check(
+                self.rm_task in ("orm", "prm"),
+                f"--reward_model {cfg.reward_model} is a {self.rm_task} model; use an orm or prm",
+            )
+        self.proxy = self.rm is not None
+
+    def sample(self, n):
+        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
+        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def texts(self, completion, mask):
+        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
+
+    def gold(self, completion, mask, answers):
+        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
+        return torch.tensor(r, device=completion.device)  # (N,)
+
+    def rewards(self, prompts, completion, mask, answers, logits):
+        """Process rewards, the reward model's at each step's end (process_rewards), or score()'s outcome reward on
+        the last real token: (N, H) each, rewards and their reward mask."""
+        if self.process:
+            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
+            return process_rewards(self.rm, prompts, completion, steps, self.eos_id), steps
+        return at_last_token(self.score(prompts, completion, mask, answers), mask)
+
+    def score(self, prompts, completion, mask, answers):
+        """(N,) the gold rewards, or with --reward_model the learned one (the proxy): an orm's score at the last real
+        token (--rm_sigmoid: its sigmoid, the probability of a right answer); a prm's product of its steps'
+        probabilities, P(every step right)."""
+        if self.rm is None:
+            return self.gold(completion, mask, answers)
+        if self.rm_task == "prm":
+            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
+            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
+            return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
+        scores = reward_model_scores(self.rm, prompts, completion, mask)
+        if self.cfg.rm_sigmoid:
+            return torch.sigmoid(scores)
+        return scores
+
+    def measures(self, completion, mask, answers):
+        gold = self.gold(completion, mask, answers)  # (N,)
+        measures = {"rl/accuracy": (gold == 1.0).float()}
+        if self.proxy:  # the gold reward beside the proxy's
+            measures["rl/gold_reward"] = gold
+        return measures
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
+        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
+        texts = self.texts(completion, mask)
+        # well formed: any reward with a format reward of 1, ended by a newline (the end token)
+        well_formed = [
+            arithmetic_reward(t, a, 1.0) > 0 and t.endswith("\n") for t, (_, a) in zip(texts, self.eval_problems)
+        ]
+        shown = [f"{p}{t!r} (answer {a.split('=')[-1].strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
+        metrics = {
+            "eval/accuracy": exact.mean().item(),
+            "eval/format_rate": sum(well_formed) / len(texts),
+            "eval/n_problems": len(texts),  # distinct held-out problems
+        }
+        if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
+            metrics.update(step_metrics(self.eval_problems, texts, exact))
+        if self.rm is not None:  # the proxy's view of the same greedy answers
+            metrics["eval/rm_score"] = self.score(prompts, completion, mask, None).mean().item()
+        if ref is not None and (self.rm is not None or self.cfg.steps > 1):
+            # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
+            # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
+            # places), to pick a peak on one half and report it on the other. With --steps K > 1 a gold-reward run
+            # measures them too, so that its curve shares the KL axis of the runs on a process or outcome model
+            prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
+            per_problem = exact.view(-1, 4).mean(1)  # (E,)
+            metrics["eval/sample_accuracy"] = exact.mean().item()
+            metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
+            metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
+            if self.rm is not None:
+                metrics["eval/sample_rm_score"] = self.score(prompts, completion, mask, None).mean().item()
+            metrics["eval/sample_kl"] = completion_kl(model, ref, prompts, completion, mask).mean().item()
+        return metrics, "\n".join(shown)
+
+    def answer(self, model, rt, n, temperature):
+        """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
+        vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
+        for an exact answer."""
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
+        answers = [a for _, a in self.eval_problems for _ in range(n)]
+        gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
+        with rt.autocast():
+            completion, mask = sample_completions(
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
+            )
+        return prompts, completion, mask, (self.gold(completion, mask, answers) == 1.0).float()
+
+
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = draw_number(rng, digits)
+    prompt = f"{x}"
+    solution = ""
+    for _ in range(steps):
+        y = draw_number(rng, digits)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
+        x = result
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
+
+
+def held_out(prompt):
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held, steps=1):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
+        if held_out(prompt) == held:
+            return prompt, answer
+
+
+def held_out_problems(digits, ops, draws, steps=1):
+    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
+    in every run, whatever --seed), repeats dropped, sorted."""
+    rng = random.Random(1234)
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.split("=")[-1].strip():
+        return 1.0
+    return format_reward
+
+
+def step_correct(prompt, solution):
+    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
+    operation applied to the previous step's result (the first: the prompt's first operation), written as
+    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
+    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
+    arithmetic that does not continue the chain; a line past the last operation is wrong."""
+    x = int(re.match(r"\d+", prompt).group())
+    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
+    right = []  # each written step's
+    for line in solution.splitlines():
+        if len(right) == len(operations):  # no operation left
+            right.append(False)
+            continue
+        op, y = operations[len(right)]
+        result = operate(x, op, int(y))
+        step = f"{x}{op}{y}={result}"
+        if len(operations) == 1:
+            step = f"{result}"
+        right.append(line == step and all(right))
+        x = result
+    return right
+
+
+def step_metrics(problems, texts, exact):
+    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the answers to the problems
+    (prompt, answer) whose final result is exact ((E,) 1.0) of the share of their lines step_correct judges right,
+    and eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such
+    answer). A right result reached through a wrong step is what an outcome reward cannot tell apart."""
+    judged = [step_correct(prompt, text) for (prompt, _), text in zip(problems, texts)]
+    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
+    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
+    return {
+        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
+        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
+    }
+
+
+HH_TURN = "\n\nAssistant:"
+
+
+class RewardModelTask:
+    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
+
+    needs_logits = False
+    n_ends = 1
+    proxy = False  # no gold reward to measure
+
+    def __init__(self, cfg, tok, rt):
+        self.cfg = cfg
+        self.tok = tok
+        self.eos_id = tok.eot_id
+        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
+        self.rm, _ = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
+        if cfg.data_path:
+            records = read_jsonl(cfg.data_path, ["chosen"])
+            chosen = [r["chosen"] for r in random.Random(0).sample(records, len(records))]  # shuffled
+            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
+            parts = [chosen[n_val:], chosen[:n_val]]
+        else:
+            try:
+                import datasets
+                import huggingface_hub
+
+                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
+                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        self.train_prompts = self.encode_prompts(parts[0])
+        val_prompts = self.encode_prompts(parts[1])
+        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
+        self.eval_set = val_prompts[: cfg.eval_size]
+
+    def encode_prompts(self, texts):
+        """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
+        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
+        return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
+
+    def sample(self, n):
+        return [random.choice(self.train_prompts) for _ in range(n)], [None] * n  # the reward reads the text alone
+
+    def rewards(self, prompts, completion, mask, info, logits):
+        return at_last_token(reward_model_scores(self.rm, prompts, completion, mask), mask)
+
+    def measures(self, completion, mask, info):
+        return {}  # no gold reward: nothing to measure
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        prompts = self.eval_set
+        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
+        # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
+        H = self.cfg.horizon
+        T = self.cfg.temperature
+        top_k = self.cfg.top_k or None
+        with rt.autocast():
+            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
+            scores = reward_model_scores(self.rm, prompts, completion, mask)
+            kl = completion_kl(model, ref, prompts, completion, mask, T, top_k)  # (E,)
+        shown = []
+        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
+            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
+        metrics = {
+            "eval/rm_score": scores.mean().item(),
+            "eval/completion_kl": kl.mean().item(),
+            "eval/completion_len": mask.sum(1).mean().item(),
+        }
+        return metrics, "\n\n".join(shown)
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    end = cut + len(HH_TURN)
+    prompt = text[:end]
+    response = text[end:]
+    if not response.strip():
+        return None
+    return prompt, response
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+@torch.no_grad()
+def reward_model_scores(rm, prompts, completion, mask):
+    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
+    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+
+
+def process_rewards(rm, prompts, completion, steps, eos_id):
+    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
+    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
+    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
+    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
+    trained on the outcome label at every answer token, its probability that the answer will end right (an
+    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
+    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
+    cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
+    # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
+    # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
+    written = F.pad(completion, (0, 1), value=eos_id)
+    seq, attn = join(prompts, written)  # (N, P+H+1)
+    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
+    at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
+    return torch.sigmoid(at_end) * steps
+
+
+def at_last_token(rewards, mask):
+    """Outcome rewards (N,) as the contract's per-token rewards: each on its completion's last real token (the end
+    token when there is one), with that reward mask; (N, H) each. mask is 1.0 on the real tokens, a prefix of each
+    row."""
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 where each row's mask ends
+    return rewards[:, None] * last, last
+
+
+def step_ends(completion, mask, eos_id):
+    """(N, H) 1.0 at the token that ends each step of a completion, else 0: each newline (eos_id) among its real
+    tokens, and the last real token of a completion cut off before its final newline (a partial last step). mask is
+    1.0 on the real tokens, a prefix of each row (as sample_completions gives it)."""
+    newlines = (completion == eos_id) * mask  # (N, H) the newline after each line
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 at each completion's last real token, where its mask ends
+    return torch.maximum(newlines, last)
+
+
+def frozen_reward_model(cfg, tok, rt, longest):
+    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
+    share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
+    trained for the same task."""
+    members = []
+    tasks = set()
+    for path in cfg.reward_model.split(","):
+        rm, rm_tok, task = load_reward_model(path)
+        check(rm_tok == tok.spec, f"--reward_model {path} uses another tokenizer than the policy")
+        size = rm.body.config.block_size
+        check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+        members.append(rm)
+        tasks.add(task)
+    check(len(tasks) == 1, f"--reward_model: the members were trained for different tasks ({sorted(tasks)})")
+    if len(members) > 1:
+        rm = RewardEnsemble(members, cfg.rm_ensemble, cfg.uwo_lambda)
+    return rm.to(rt.device), task
+
+
+def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
+    """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
+    members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
+    uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
+    works: (K, ...) -> (...)."""
+    if kind == "min":
+        return scores.min(0).values
+    mean = scores.mean(0)
+    if kind == "uwo":
+        return mean - uwo_lambda * scores.var(0, correction=0)
+    return mean
+
+
+class RewardEnsemble(nn.Module):
+    """Reward models scored as one: ensemble_scores of their scores at every position."""
+
+    def __init__(self, members, kind, uwo_lambda):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.kind = kind
+        self.uwo_lambda = uwo_lambda
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
+        scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
+        return ensemble_scores(scores, self.kind, self.uwo_lambda)
+
+
+def reward_checksum(rm):
+    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
+    if isinstance(rm, RewardEnsemble):
+        return [weights_checksum(m) for m in rm.members]
+    return None if rm is None else weights_checksum(rm)
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
+
+
+# ----- END SHARED BLOCK: tasks -----
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -192,13 +192,9 @@ def masked_mean(x, mask, num_tokens=None):
 
 
 def ppo_rewards(scores, kl, mask, kl_coef):
-    """Per-token rewards (N, T): -kl_coef * kl at every real token, plus the task's reward where it is earned: a
-    (N, T) dense reward at its own tokens, a (N,) sequence reward at each row's last real token."""
-    rewards = -kl_coef * kl * mask  # (N, T)
-    if scores.dim() == 2:
-        return rewards + scores * mask
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # (N,) the last real token (the end token when there is one)
-    return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+    """Per-token rewards (N, T): the task's (N, T) rewards where they are earned (an outcome reward on the last real
+    token), minus kl_coef * kl at every real token."""
+    return -kl_coef * kl * mask + scores * mask
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -312,19 +308,16 @@ def ppo_step(run, step):
     t_rollout = time.time() - t0
     mask = batch["mask"]
     old_values = batch["old_values"]
-    scores = batch["scores"]
 
-    # 3. per-token rewards: the task's reward where it is earned (a sequence's score less --missing_eos_penalty when
-    # it has no end token), minus kl_coef * k1 at every token
+    # 3. per-token rewards: the task's where they sit, less --missing_eos_penalty on the last token of a completion
+    # without its end token, minus kl_coef * k1 at every token
     truncated = batch["truncated"].float()  # (N,)
     kl = (batch["old_logp"] - batch["ref_logp"]) * mask  # (N, H) k1
-    penalty = 0.0
-    if scores.dim() == 1:  # a sequence reward; a dense one (next_token) has no end token to miss
-        penalty = cfg.missing_eos_penalty * truncated  # (N,)
+    penalty, _ = at_last_token(cfg.missing_eos_penalty * truncated, mask)  # (N, H)
     kl_coef = 0.0  # no reference: no penalty
     if run.ref is not None:
         kl_coef = run.kl_ctl.value
-    rewards = ppo_rewards(scores - penalty, kl, mask, kl_coef)  # (N, H)
+    rewards = ppo_rewards(batch["rewards"] - penalty, kl, mask, kl_coef)  # (N, H)
 
     # 4. advantages by GAE from the rollout's values; the returns are the value targets, taken before whitening
     adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, H), (N, H)
@@ -348,14 +341,9 @@ def ppo_step(run, step):
         metrics["rl/explained_variance"] = 1 - residual_var / returns_var
     if run.ref is not None:
         metrics["rl/rollout_kl"] = mean_seq_kl  # k1 summed over each completion, mean over completions
-    reward_mask = mask if scores.dim() == 2 else None  # per token (next_token) or per sequence
-    reward_mean, reward_var = global_moments(scores, rt, reward_mask)
-    correct = run.task.correct(batch["completion"], mask, batch["info"], scores)  # (N,) or None
-    if correct is not None:
-        metrics["rl/accuracy"] = global_moments(correct, rt)[0]
-    if cfg.task == "arithmetic" and cfg.reward_model:  # it learns from a proxy reward: measure the gold one too
-        gold = run.task.gold(batch["completion"], mask, batch["info"])  # (N,)
-        metrics["rl/gold_reward"] = global_moments(gold, rt)[0]
+    reward_mean, reward_var = global_moments(batch["rewards"][batch["reward_mask"] > 0], rt)  # where they sit
+    for name, x in run.task.measures(batch["completion"], mask, batch["info"]).items():  # accuracy, gold reward
+        metrics[name] = global_moments(x, rt)[0]
     n_tokens, n_truncated = all_reduce(torch.stack([mask.sum(), truncated.sum()]), rt)
     run.tokens += int(n_tokens.item())
     if run.task.eos_id is not None:  # next_token has no end token: every completion runs the whole horizon
@@ -388,12 +376,14 @@ def ppo_step(run, step):
 #   completion  (N, H) long            the sampled tokens; after an end token, padding (the end token again, or 0)
 #   mask        (N, H) float           1.0 on real completion tokens, up to and including the end token
 #   truncated   (N,) bool              no end token within the horizon (always False for next_token: it has none)
-#   info        what the reward needs: next_token's true continuations (N, H) long, arithmetic's answers (N strings),
-#               None for reward_model
+#   info        N entries, what each row's reward needs (task.sample's): next_token's true continuation,
+#               arithmetic's answer, None for reward_model
 #   old_logp    (N, H) float           log pi_old(o_t | s_t) under the sampling distribution (--temperature, --top_k)
 #   old_values  (N, H) float           V_old(s_t), read at the position that predicts o_t
 #   ref_logp    (N, H) float           log pi_ref(o_t | s_t); old_logp itself without a reference (k1 = 0)
-#   scores      (N,) or (N, H) float   the task's rewards: one per completion, or one per token (next_token)
+#   rewards     (N, H) float           the task's rewards where reward_mask is 1.0, 0 elsewhere
+#   reward_mask (N, H) float           1.0 where a reward sits: the last real token (an outcome reward), or every
+#                                      real token (next_token)
 # ppo_step adds adv (N, H), the GAE advantages (whitened with --whiten_advantages), and returns (N, H), the value
 # targets G_t = A_t + V_old(s_t).
 
@@ -410,16 +400,14 @@ def rollout(run):
     H = cfg.horizon
     n_micro = cfg.batch_size // cfg.num_minibatches // cfg.grad_accum  # rows per forward pass
     prompts, info = task.sample(cfg.batch_size)
-    if isinstance(info, torch.Tensor):  # next_token's (N, H) true tokens
-        info = info.to(rt.device)
     with rt.autocast():  # the actor has no dropout: it samples in train mode as in eval mode
         # the completions and their masks, (N, H) each
         completion, mask = sample_completions(
-            actor, prompts, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt, n_ends=cfg.steps
+            actor, prompts, H, cfg.temperature, cfg.top_k or None, task.eos_id, rt, n_ends=task.n_ends
         )
         truncated = torch.zeros_like(mask[:, 0], dtype=torch.bool)
         if task.eos_id is not None:
-            truncated = ((completion == task.eos_id) & (mask > 0)).sum(1) < cfg.steps  # (N,) not ended within H
+            truncated = ((completion == task.eos_id) & (mask > 0)).sum(1) < task.n_ends  # (N,) not ended within H
         seq, attn = join(prompts, completion)
         parts = defaultdict(list)  # batch key -> one tensor per micro-batch, (n, H) or (n,)
         for i in range(0, len(prompts), n_micro):
@@ -429,43 +417,18 @@ def rollout(run):
             logp, _, values = logprobs_and_values(actor, run.critic, s, a, cfg)  # (n, H) each
             logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
             ref_logp = logp  # no reference: k1 = 0
-            if isinstance(run.ref, BigramReference):
-                ref_logp = run.ref(s[:, -H - 1 : -1], s[:, -H:])  # (n, H): bigram of (previous, sampled)
-            elif run.ref is not None:  # the same temperature, the whole vocabulary: log pi_ref stays finite
+            if run.ref is not None:  # the same temperature, the whole vocabulary (the bigram answers the same call)
                 ref_logp = completion_logprobs(run.ref, s, a, H, temperature=cfg.temperature)[0]
-            info_part = None if info is None else info[rows]  # (n, H) true tokens, arithmetic's answers, or None
-            scores = task.rewards(prompts[rows], completion[rows], mask[rows], info_part, logits)  # (n,) or (n, H)
+            # (n, H) each; info: the true continuations, arithmetic's answers, or None each (reward_model)
+            rewards, reward_mask = task.rewards(prompts[rows], completion[rows], mask[rows], info[rows], logits)
             parts["old_logp"].append(logp)
             parts["old_values"].append(values)
             parts["ref_logp"].append(ref_logp)
-            parts["scores"].append(scores)
+            parts["rewards"].append(rewards)  # (n, H)
+            parts["reward_mask"].append(reward_mask)  # (n, H) 1.0 where a reward sits
     batch = {key: torch.cat(tensors).float() for key, tensors in parts.items()}
     batch.update(prompts=prompts, seq=seq, attn=attn, completion=completion, mask=mask, truncated=truncated, info=info)
     return batch
-
-
-def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
-    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon. A
-    completion ends at its n_ends-th end token (arithmetic --steps K: the K-th newline, one step a line). generate()
-    stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
-    different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
-    whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
-    ends = None if whole else eos_id
-    tokens, mask = generate(model, prompts, horizon, temperature, top_k, ends, generator, decode=rt.decode)
-    if whole and eos_id is not None:
-        is_end = (tokens == eos_id).float()
-        mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
-    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
-    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
-
-
-def join(prompts, completion):
-    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
-    padded, which keeps plain causal attention)."""
-    idx, attn = left_pad(prompts, completion.device)
-    seq = torch.cat([idx, completion], 1)  # (N, P+H)
-    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
-    return seq, None if attn.all() else attn
 
 
 def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
@@ -479,24 +442,6 @@ def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
         return out  # log-probs, entropy, values
     a = None if attn is None else attn[:, :-1]
     return *out, critic(seq[:, :-1], attention_mask=a)[:, -H:]
-
-
-def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
-    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
-    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the
-    top_k. The logits stay inside the model's linear_logprobs. A PolicyWithValueHead (--value_model shared) returns
-    its values (N, H) too, read at the same positions."""
-    mask = None if attn is None else attn[:, :-1]
-    return model(
-        seq[:, :-1],
-        targets=seq[:, -H:],
-        attention_mask=mask,
-        keep_last=H,
-        output="logprobs",
-        entropy=entropy,
-        temperature=temperature,
-        top_k=top_k,
-    )
 
 
 def completion_logits(model, seq, attn, H):
@@ -630,548 +575,6 @@ class PolicyWithValueHead(nn.Module):
             return self.policy.lm_head(h), values
         logp, ent = linear_logprobs(h.flatten(0, 1), self.policy.lm_head.weight, targets.flatten(), **sampling)
         return logp.view(targets.shape), None if ent is None else ent.view(targets.shape), values
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Tasks: each samples prompts (token-id lists, with what its reward needs) and scores completions; the references
-# of the KL penalty; the reward model.
-
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
-SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
-ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
-
-
-class NextTokenTask:
-    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
-    the true continuation at the same offset."""
-
-    eos_id = None  # rollouts always run the whole horizon
-    rm = None  # no learned reward: the true text scores
-
-    def __init__(self, cfg, tok, text, path):
-        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
-        self.cfg = cfg
-        ids = torch.tensor(tok.encode(text))
-        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
-        C = cfg.context_len
-        H = cfg.horizon
-        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
-            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
-        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
-            torch.manual_seed(0)
-            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
-
-    def sample(self, n):
-        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
-        return ctx.tolist(), truth  # prompts, and the true continuations (n, H)
-
-    def rewards(self, prompts, completion, mask, truth, logits):
-        """(N, H) dense rewards; truth (N, H) on the completion's device, logits (N, H, V) of the sampling policy."""
-        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
-        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob)
-
-    def correct(self, completion, mask, truth, rewards):
-        return (completion == truth).float().mean(1)  # (N,) fraction of tokens equal to the truth
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        C = self.cfg.context_len
-        H = self.cfg.horizon
-        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
-        with rt.autocast():
-            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
-            greedy, _ = generate(model, x[:, :C], H, temperature=0)
-        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
-        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
-        return metrics, text
-
-
-def sample_windows(ids, n, context_len, horizon):
-    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
-    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
-    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
-    return windows[:, :context_len], windows[:, context_len:]
-
-
-def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
-    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
-    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
-    prefix) (detached)."""
-    match = (completion == truth).float()  # (N, H)
-    rewards = match if mode == "plus1" else 2 * match - 1
-    if partial_logprob:
-        rewards = rewards + partial_logprob * logp_true.detach().float()
-    return rewards
-
-
-class BigramReference:
-    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
-    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
-
-    def __init__(self, ids, vocab_size):
-        self.vocab_size = vocab_size
-        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
-        self.pair_counts = counts.float()
-        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
-
-    def __call__(self, prev, nxt):  # (...) previous and next token ids -> (...) log p(nxt | prev)
-        key = prev * self.vocab_size + nxt
-        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
-        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size))
-
-
-class ArithmeticTask:
-    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
-    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
-    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
-    draws no held-out problem, and every evaluation uses held-out problems only (held_out)."""
-
-    needs_logits = False  # rewards() ignores the sampling policy's logits
-
-    def __init__(self, cfg, tok, rt):
-        self.cfg = cfg
-        self.tok = tok
-        newline = tok.encode("\n")
-        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
-        self.eos_id = newline[0]
-        if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
-            print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
-        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
-        self.rm = None
-        if cfg.reward_model:  # a learned reward; the gold one is only measured
-            # the longest prompt, the completion and a newline after it (process_rewards)
-            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon + 1
-            self.rm, self.rm_task = frozen_reward_model(cfg, tok, rt, longest)
-            check(
-                self.rm_task in ("orm", "prm"),
-                f"--reward_model {cfg.reward_model} is a {self.rm_task} model; use an orm or prm",
-            )
-
-    def sample(self, n):
-        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
-        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
-
-    def texts(self, completion, mask):
-        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
-
-    def gold(self, completion, mask, answers):
-        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
-        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
-        return torch.tensor(r, device=completion.device)  # (N,)
-
-    def rewards(self, prompts, completion, mask, answers, logits):
-        """(N,) the gold rewards, or with --reward_model the learned one (the proxy): an orm's score at the last real
-        token (--rm_sigmoid: its sigmoid, the probability of a right answer); a prm's product of its steps'
-        probabilities, P(every step right)."""
-        if self.rm is None:
-            return self.gold(completion, mask, answers)
-        if self.rm_task == "prm":
-            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
-            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
-            return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
-        scores = reward_model_scores(self.rm, prompts, completion, mask)
-        if self.cfg.rm_sigmoid:
-            return torch.sigmoid(scores)
-        return scores
-
-    def correct(self, completion, mask, answers, rewards):
-        return (self.gold(completion, mask, answers) == 1.0).float()  # (N,) exact answers
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
-        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
-        texts = self.texts(completion, mask)
-        # well formed: any reward with a format reward of 1, ended by a newline (the end token)
-        well_formed = [
-            arithmetic_reward(t, a, 1.0) > 0 and t.endswith("\n") for t, (_, a) in zip(texts, self.eval_problems)
-        ]
-        shown = [f"{p}{t!r} (answer {a.split('=')[-1].strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
-        metrics = {
-            "eval/accuracy": exact.mean().item(),
-            "eval/format_rate": sum(well_formed) / len(texts),
-            "eval/n_problems": len(texts),  # distinct held-out problems
-        }
-        if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
-            metrics.update(step_metrics(self.eval_problems, texts, exact))
-        if self.rm is not None:  # the proxy's view of the same greedy answers
-            metrics["eval/rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
-        if ref is not None and (self.rm is not None or self.cfg.steps > 1):
-            # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
-            # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
-            # places), to pick a peak on one half and report it on the other. With --steps K > 1 a gold-reward run
-            # measures them too, so that its curve shares the KL axis of the runs on a process or outcome model
-            prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
-            per_problem = exact.view(-1, 4).mean(1)  # (E,)
-            seq, attn = join(prompts, completion)
-            logp = completion_logprobs(model, seq, attn, self.cfg.horizon)[0]  # (4E, H)
-            ref_logp = completion_logprobs(ref, seq, attn, self.cfg.horizon)[0]  # (4E, H)
-            metrics["eval/sample_accuracy"] = exact.mean().item()
-            metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
-            metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
-            if self.rm is not None:
-                metrics["eval/sample_rm_score"] = self.rewards(prompts, completion, mask, None, None).mean().item()
-            metrics["eval/sample_kl"] = ((logp - ref_logp) * mask).sum(1).mean().item()
-        return metrics, "\n".join(shown)
-
-    def answer(self, model, rt, n, temperature):
-        """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
-        vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
-        for an exact answer."""
-        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
-        answers = [a for _, a in self.eval_problems for _ in range(n)]
-        gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
-        with rt.autocast():
-            completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
-            )
-        return prompts, completion, mask, self.correct(completion, mask, answers, None)
-
-
-def arithmetic_problem(rng, digits, ops, steps=1):
-    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
-    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
-    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
-    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
-    x = draw_number(rng, digits)
-    prompt = f"{x}"
-    solution = ""
-    for _ in range(steps):
-        y = draw_number(rng, digits)
-        op = rng.choice(ops)
-        result = operate(x, op, y)
-        prompt += f"{op}{y}"
-        solution += f"{x}{op}{y}={result}\n"
-        x = result
-    if steps == 1:
-        solution = f"{x}\n"
-    return f"{prompt}=", solution
-
-
-def draw_number(rng, digits):
-    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
-    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
-
-
-def operate(x, op, y):
-    """x op y, for op one of + - *."""
-    if op == "+":
-        return x + y
-    if op == "-":
-        return x - y
-    return x * y
-
-
-def held_out(prompt):
-    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
-    return zlib.crc32(prompt.encode()) % 10 == 0
-
-
-def draw_problem(rng, digits, ops, held, steps=1):
-    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
-    while True:
-        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
-        if held_out(prompt) == held:
-            return prompt, answer
-
-
-def held_out_problems(digits, ops, draws, steps=1):
-    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
-    in every run, whatever --seed), repeats dropped, sorted."""
-    rng = random.Random(1234)
-    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
-
-
-def arithmetic_reward(text, answer, format_reward=0.0):
-    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
-    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
-    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
-    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
-    not the steps (grpo.py's step_correct judges them)."""
-    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
-    step = ""  # one operation: a line is its result alone
-    if steps > 1:
-        step = r"-?\d+[-+*]\d+="
-    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
-    if m is None:
-        return 0.0
-    if m.group(1) == answer.split("=")[-1].strip():
-        return 1.0
-    return format_reward
-
-
-def step_correct(prompt, solution):
-    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
-    operation applied to the previous step's result (the first: the prompt's first operation), written as
-    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
-    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
-    arithmetic that does not continue the chain; a line past the last operation is wrong."""
-    x = int(re.match(r"\d+", prompt).group())
-    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
-    right = []  # each written step's
-    for line in solution.splitlines():
-        if len(right) == len(operations):  # no operation left
-            right.append(False)
-            continue
-        op, y = operations[len(right)]
-        result = operate(x, op, int(y))
-        step = f"{x}{op}{y}={result}"
-        if len(operations) == 1:
-            step = f"{result}"
-        right.append(line == step and all(right))
-        x = result
-    return right
-
-
-def step_metrics(problems, texts, exact):
-    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the answers to the problems
-    (prompt, answer) whose final result is exact ((E,) 1.0) of the share of their lines step_correct judges right,
-    and eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such
-    answer). A right result reached through a wrong step is what an outcome reward cannot tell apart."""
-    judged = [step_correct(prompt, text) for (prompt, _), text in zip(problems, texts)]
-    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
-    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
-    return {
-        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
-        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
-    }
-
-
-class RewardModelTask:
-    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
-
-    needs_logits = False
-
-    def __init__(self, cfg, tok, rt):
-        self.cfg = cfg
-        self.tok = tok
-        self.eos_id = tok.eot_id
-        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
-        self.rm, _ = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
-        if cfg.data_path:
-            records = read_jsonl(cfg.data_path, ["chosen"])
-            chosen = [r["chosen"] for r in random.Random(0).sample(records, len(records))]  # shuffled
-            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
-            parts = [chosen[n_val:], chosen[:n_val]]
-        else:
-            try:
-                import datasets
-                import huggingface_hub
-
-                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
-                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
-                hub = datasets.load_dataset("Anthropic/hh-rlhf")
-                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
-            except Exception as e:
-                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        self.train_prompts = self.encode_prompts(parts[0])
-        val_prompts = self.encode_prompts(parts[1])
-        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
-        self.eval_set = val_prompts[: cfg.eval_size]
-
-    def encode_prompts(self, texts):
-        """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
-        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
-        return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
-
-    def sample(self, n):
-        return [random.choice(self.train_prompts) for _ in range(n)], None
-
-    def rewards(self, prompts, completion, mask, info, logits):
-        return reward_model_scores(self.rm, prompts, completion, mask)
-
-    def correct(self, completion, mask, truth, rewards):
-        return None
-
-    @torch.no_grad()
-    def evaluate(self, model, ref, rt, tok, step):
-        prompts = self.eval_set
-        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
-        # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
-        H = self.cfg.horizon
-        T = self.cfg.temperature
-        top_k = self.cfg.top_k or None
-        with rt.autocast():
-            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
-            scores = reward_model_scores(self.rm, prompts, completion, mask)
-            seq, attn = join(prompts, completion)
-            logp = completion_logprobs(model, seq, attn, H, temperature=T, top_k=top_k)[0]  # (ppo: values too)
-            ref_logp = logp  # no reference: a KL of zero
-            if ref is not None:
-                ref_logp, _ = completion_logprobs(ref, seq, attn, H, temperature=T)
-        kl = ((logp - ref_logp) * mask).sum(1)  # (E,) k1 per sequence: an unbiased estimate of the sequence KL
-        shown = []
-        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
-            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
-        metrics = {
-            "eval/rm_score": scores.mean().item(),
-            "eval/completion_kl": kl.mean().item(),
-            "eval/completion_len": mask.sum(1).mean().item(),
-        }
-        return metrics, "\n\n".join(shown)
-
-
-HH_TURN = "\n\nAssistant:"
-
-
-def split_hh(text):
-    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
-    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    cut = text.rfind(HH_TURN)
-    if cut < 0:
-        return None
-    end = cut + len(HH_TURN)
-    prompt = text[:end]
-    response = text[end:]
-    if not response.strip():
-        return None
-    return prompt, response
-
-
-class RewardModel(nn.Module):
-    """A GPT body and a scalar head on its final hidden states."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.body = GPT(config)
-        self.head = nn.Linear(config.n_embd, 1)
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
-        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
-        return self.head(h).squeeze(-1).float()
-
-
-def load_reward_model(path):
-    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
-    ckpt = load_checkpoint(path)
-    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
-    model = RewardModel(GPTConfig(**ckpt["model_config"]))
-    model.body.load_state_dict(ckpt["model"])
-    model.head.load_state_dict(ckpt["reward_head"])
-    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
-
-
-def frozen_reward_model(cfg, tok, rt, longest):
-    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
-    share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
-    trained for the same task."""
-    members = []
-    tasks = set()
-    for path in cfg.reward_model.split(","):
-        rm, rm_tok, task = load_reward_model(path)
-        check(rm_tok == tok.spec, f"--reward_model {path} uses another tokenizer than the policy")
-        size = rm.body.config.block_size
-        check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
-        members.append(rm)
-        tasks.add(task)
-    check(len(tasks) == 1, f"--reward_model: the members were trained for different tasks ({sorted(tasks)})")
-    if len(members) > 1:
-        rm = RewardEnsemble(members, cfg.rm_ensemble, cfg.uwo_lambda)
-    return rm.to(rt.device), task
-
-
-def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
-    """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
-    members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
-    uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
-    works: (K, ...) -> (...)."""
-    if kind == "min":
-        return scores.min(0).values
-    mean = scores.mean(0)
-    if kind == "uwo":
-        return mean - uwo_lambda * scores.var(0, correction=0)
-    return mean
-
-
-class RewardEnsemble(nn.Module):
-    """Reward models scored as one: ensemble_scores of their scores at every position."""
-
-    def __init__(self, members, kind, uwo_lambda):
-        super().__init__()
-        self.members = nn.ModuleList(members)
-        self.kind = kind
-        self.uwo_lambda = uwo_lambda
-
-    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
-        scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
-        return ensemble_scores(scores, self.kind, self.uwo_lambda)
-
-
-def reward_checksum(rm):
-    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
-    if isinstance(rm, RewardEnsemble):
-        return [weights_checksum(m) for m in rm.members]
-    return None if rm is None else weights_checksum(rm)
-
-
-@torch.no_grad()
-def reward_model_scores(rm, prompts, completion, mask):
-    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
-    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
-    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
-
-
-def process_rewards(rm, prompts, completion, steps, eos_id):
-    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
-    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
-    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
-    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
-    trained on the outcome label at every answer token, its probability that the answer will end right (an
-    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
-    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
-    cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
-    # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
-    # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
-    written = F.pad(completion, (0, 1), value=eos_id)
-    seq, attn = join(prompts, written)  # (N, P+H+1)
-    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
-    at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
-    return torch.sigmoid(at_end) * steps
-
-
-def step_ends(completion, mask, eos_id):
-    """(N, H) 1.0 at the token that ends each step of a completion, else 0: each newline (eos_id) among its real
-    tokens, and the last real token of a completion cut off before its final newline (a partial last step). mask is
-    1.0 on the real tokens, a prefix of each row (as sample_completions gives it)."""
-    newlines = (completion == eos_id) * mask  # (N, H) the newline after each line
-    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 at each completion's last real token, where its mask ends
-    return torch.maximum(newlines, last)
-
-
-def read_jsonl(path, required):
-    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
-    skipped with a summary line; a file with no usable record is an error."""
-    check(os.path.isfile(path), f"data file {path} does not exist")
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        die(f"cannot read {path} ({type(e).__name__}: {e})")
-    check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
-    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
-    bad = len(lines) - len(records)
-    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
-    if bad:
-        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
-    return records
-
-
-def download(url, path):
-    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            torch.hub.download_url_to_file(url, path)
-        except Exception as e:
-            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1496,6 +899,647 @@ def peak_memory_mb(rt):
         return torch.cuda.max_memory_allocated(rt.device) / 2**20
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks, behind one contract: the PPO step reads nothing else of a task. A task has
+#   eos_id        the token that ends a completion (None: rollouts run the whole horizon)
+#   n_ends        a completion ends at its n_ends-th end token (arithmetic --steps K: one step a line)
+#   needs_logits  its rewards read the sampling policy's logits (N, H, V) (next_token's partial credit)
+#   proxy         its reward is a learned stand-in for a gold one that it measures too (rl/gold_reward): the
+#                 rollouts' KL to the reference is logged beside it (rl/rollout_kl)
+#   sample(n)                                         -> n prompts (token-id lists) and what each one's reward
+#                                                        needs (a list of n, or None)
+#   rewards(prompts, completion, mask, info, logits)  -> rewards (N, H) and reward_mask (N, H), 1.0 where a reward
+#                                                        sits: an outcome reward on the last real token
+#                                                        (at_last_token), a dense one on every token, a process
+#                                                        reward at each step's end
+#   measures(completion, mask, info)                  -> {"rl/accuracy": (N,) or None, "rl/gold_reward": (N,) or None}
+#   evaluate(model, ref, rt, tok, step)               -> (eval/ metrics, text for samples.txt)
+# docs/grpo.md ("Your own task") writes a new one in one class. The block is copied verbatim from grpo.py, where
+# it is read (tests/test_shared_blocks.py).
+# ----- BEGIN SHARED BLOCK: tasks (verbatim copy of grpo.py; tests/test_shared_blocks.py) -----
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare ships with the repository (data/ beside the scripts); a script forked alone downloads it there
+SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
+
+
+def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, generator=None, n_ends=1):
+    """Completions (N, horizon) and their mask (1.0 up to and including the end token), padded to the horizon. A
+    completion ends at its n_ends-th end token (arithmetic --steps K: the K-th newline, one step a line). generate()
+    stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
+    different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
+    whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
+    ends = None if whole else eos_id
+    tokens, mask = generate(model, prompts, horizon, temperature, top_k, ends, generator, decode=rt.decode)
+    if whole and eos_id is not None:
+        is_end = (tokens == eos_id).float()
+        mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
+    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
+    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
+
+
+def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
+    """log p of the last H tokens of seq (N, P+H) given what precedes them, and with entropy=True the entropy at
+    each of those positions (else None): (N, H), (N, H), under softmax(logits / temperature) restricted to the top_k
+    logits (the sampling distribution). The logits stay inside the model's linear_logprobs. A model that returns more
+    (ppo.py's PolicyWithValueHead: its values (N, H), read at the same positions) returns it too."""
+    return model(
+        seq[:, :-1],
+        targets=seq[:, -H:],
+        attention_mask=None if attn is None else attn[:, :-1],
+        keep_last=H,
+        output="logprobs",
+        entropy=entropy,
+        temperature=temperature,
+        top_k=top_k,
+    )
+
+
+def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=None):
+    """(N,) k1 summed over each completion's real tokens, the model under its sampling distribution against the
+    reference at the same temperature over every token: an unbiased estimate of the sequence KL. No reference: 0."""
+    seq, attn = join(prompts, completion)
+    H = completion.size(1)
+    logp = completion_logprobs(model, seq, attn, H, temperature=temperature, top_k=top_k)[0]  # (N, H)
+    ref_logp = logp  # no reference: a KL of zero
+    if ref is not None:
+        ref_logp = completion_logprobs(ref, seq, attn, H, temperature=temperature)[0]
+    return ((logp - ref_logp) * mask).sum(1)
+
+
+def join(prompts, completion):
+    """Left-padded prompts followed by the completions: ids (N, P+H) and the attention mask (None when no row is
+    padded, which keeps plain causal attention)."""
+    idx, attn = left_pad(prompts, completion.device)
+    seq = torch.cat([idx, completion], 1)  # (N, P+H)
+    attn = torch.cat([attn, torch.ones_like(completion, dtype=torch.bool)], 1)  # (N, P+H)
+    return seq, None if attn.all() else attn
+
+
+class NextTokenTask:
+    """Real text: a prompt is --context_len tokens of the train split, its reward compares each generated token with
+    the true continuation at the same offset."""
+
+    eos_id = None  # rollouts always run the whole horizon
+    n_ends = 1
+    proxy = False  # the true text scores
+    rm = None
+
+    def __init__(self, cfg, tok, text, path):
+        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
+        self.cfg = cfg
+        ids = torch.tensor(tok.encode(text))
+        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
+        C = cfg.context_len
+        H = cfg.horizon
+        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
+            check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
+        with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
+            torch.manual_seed(0)
+            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
+
+    def sample(self, n):
+        ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
+        return ctx.tolist(), list(truth)  # prompts, and each one's true continuation (H,)
+
+    def rewards(self, prompts, completion, mask, truth, logits):
+        """A dense reward on every token (N, H); truth: N true continuations, logits (N, H, V) of the sampling
+        policy."""
+        truth = torch.stack(truth).to(completion.device)  # (N, H)
+        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
+        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob), mask
+
+    def measures(self, completion, mask, truth):
+        truth = torch.stack(truth).to(completion.device)  # (N, H)
+        return {"rl/accuracy": (completion == truth).float().mean(1)}  # the share of tokens right
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        C = self.cfg.context_len
+        H = self.cfg.horizon
+        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
+        with rt.autocast():
+            logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
+            greedy, _ = generate(model, x[:, :C], H, temperature=0)
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
+        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
+        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
+        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
+        return metrics, text
+
+
+def sample_windows(ids, n, context_len, horizon):
+    """n random windows of the stream: contexts (n, context_len) and their true continuations (n, horizon)."""
+    ix = torch.randint(len(ids) - context_len - horizon + 1, (n,))
+    windows = torch.stack([ids[i : i + context_len + horizon] for i in ix])  # (n, C+H)
+    return windows[:, :context_len], windows[:, context_len:]
+
+
+def token_rewards(completion, truth, mode="plus1", logp_true=None, partial_logprob=0.0):
+    """Dense rewards (N, H): each generated token against the true continuation at the same offset. plus1 gives 1
+    where they are equal, else 0; pm1 gives +1 / -1; partial credit adds partial_logprob * log p(true token | rollout
+    prefix) (detached)."""
+    match = (completion == truth).float()  # (N, H)
+    rewards = match if mode == "plus1" else 2 * match - 1
+    if partial_logprob:
+        rewards = rewards + partial_logprob * logp_true.detach().float()
+    return rewards
+
+
+class BigramReference:
+    """Add-one-smoothed bigram model of a token stream, log p(b | a) = log((count(a, b) + 1) / (count(a) + V)).
+    Kept sparse, as sorted pair keys a * V + b: a dense table over GPT-2's 50,257 tokens would need 10 GB."""
+
+    def __init__(self, ids, vocab_size):
+        self.vocab_size = vocab_size
+        self.keys, counts = torch.unique(ids[:-1] * vocab_size + ids[1:], return_counts=True)  # sorted
+        self.pair_counts = counts.float()
+        self.prev_counts = torch.bincount(ids[:-1], minlength=vocab_size).float()
+
+    def __call__(self, idx, targets, attention_mask=None, **sampling):
+        """log p(targets | the token before each) and no entropy (None), as the model's log-prob call answers
+        (completion_logprobs): the bigram serves as a reference model. The tokens before the targets (B, H) are the
+        last H of idx (B, T), or idx broadcast against them (chars[:, None] and chars[None, :]: the whole table); the
+        mask and the sampling arguments do not apply to a bigram."""
+        prev = idx[:, -targets.size(1) :]
+        key = prev * self.vocab_size + targets
+        i = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
+        count = self.pair_counts[i] * (self.keys[i] == key)  # 0 for a pair never seen
+        return torch.log((count + 1) / (self.prev_counts[prev] + self.vocab_size)), None
+
+
+ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of `gpt.py --data arithmetic --tokenizer char`
+
+
+class ArithmeticTask:
+    """Generated problems; the gold reward checks the decoded answer (arithmetic_reward). With --reward_model, a
+    learned reward model (reward_model.py --task orm or prm) scores prompt + completion instead, and the gold reward
+    is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
+    draws no held-out problem, and every evaluation uses held-out problems only (held_out)."""
+
+    needs_logits = False  # rewards() ignores the sampling policy's logits
+
+    def __init__(self, cfg, tok, rt, process=False):
+        self.cfg = cfg
+        self.tok = tok
+        newline = tok.encode("\n")
+        check(len(newline) == 1, "the arithmetic task needs a tokenizer with a single newline token")
+        self.eos_id = newline[0]
+        self.n_ends = cfg.steps  # one step a line
+        self.process = process  # the reward model's reward at each step's end (grpo.py --adv process)
+        if cfg.init_from == "scratch" and rt.master:  # every answer wrong, every reward alike: nothing to learn from
+            print("a model from scratch cannot do arithmetic (rl/zero_std_frac 1 at step 0): warm start it with gpt.py")
+        self.eval_problems = held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, cfg.steps)
+        self.rm = None
+        if cfg.reward_model:  # a learned reward; the gold one is only measured
+            # the longest prompt, the completion and a newline after it (process_rewards)
+            longest = (cfg.steps + 1) * (cfg.digits + 1) + cfg.horizon + 1
+            self.rm, self.rm_task = frozen_reward_model(cfg, tok, rt, longest)
+            check(
+                self.rm_task in ("orm", "prm"),
+                f"--reward_model {cfg.reward_model} is a {self.rm_task} model; use an orm or prm",
+            )
+        self.proxy = self.rm is not None
+
+    def sample(self, n):
+        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
+        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def texts(self, completion, mask):
+        return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
+
+    def gold(self, completion, mask, answers):
+        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
+        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
+        return torch.tensor(r, device=completion.device)  # (N,)
+
+    def rewards(self, prompts, completion, mask, answers, logits):
+        """Process rewards, the reward model's at each step's end (process_rewards), or score()'s outcome reward on
+        the last real token: (N, H) each, rewards and their reward mask."""
+        if self.process:
+            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
+            return process_rewards(self.rm, prompts, completion, steps, self.eos_id), steps
+        return at_last_token(self.score(prompts, completion, mask, answers), mask)
+
+    def score(self, prompts, completion, mask, answers):
+        """(N,) the gold rewards, or with --reward_model the learned one (the proxy): an orm's score at the last real
+        token (--rm_sigmoid: its sigmoid, the probability of a right answer); a prm's product of its steps'
+        probabilities, P(every step right)."""
+        if self.rm is None:
+            return self.gold(completion, mask, answers)
+        if self.rm_task == "prm":
+            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
+            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
+            return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
+        scores = reward_model_scores(self.rm, prompts, completion, mask)
+        if self.cfg.rm_sigmoid:
+            return torch.sigmoid(scores)
+        return scores
+
+    def measures(self, completion, mask, answers):
+        gold = self.gold(completion, mask, answers)  # (N,)
+        measures = {"rl/accuracy": (gold == 1.0).float()}
+        if self.proxy:  # the gold reward beside the proxy's
+            measures["rl/gold_reward"] = gold
+        return measures
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
+        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
+        texts = self.texts(completion, mask)
+        # well formed: any reward with a format reward of 1, ended by a newline (the end token)
+        well_formed = [
+            arithmetic_reward(t, a, 1.0) > 0 and t.endswith("\n") for t, (_, a) in zip(texts, self.eval_problems)
+        ]
+        shown = [f"{p}{t!r} (answer {a.split('=')[-1].strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
+        metrics = {
+            "eval/accuracy": exact.mean().item(),
+            "eval/format_rate": sum(well_formed) / len(texts),
+            "eval/n_problems": len(texts),  # distinct held-out problems
+        }
+        if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
+            metrics.update(step_metrics(self.eval_problems, texts, exact))
+        if self.rm is not None:  # the proxy's view of the same greedy answers
+            metrics["eval/rm_score"] = self.score(prompts, completion, mask, None).mean().item()
+        if ref is not None and (self.rm is not None or self.cfg.steps > 1):
+            # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
+            # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
+            # places), to pick a peak on one half and report it on the other. With --steps K > 1 a gold-reward run
+            # measures them too, so that its curve shares the KL axis of the runs on a process or outcome model
+            prompts, completion, mask, exact = self.answer(model, rt, 4, 1.0)
+            per_problem = exact.view(-1, 4).mean(1)  # (E,)
+            metrics["eval/sample_accuracy"] = exact.mean().item()
+            metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
+            metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
+            if self.rm is not None:
+                metrics["eval/sample_rm_score"] = self.score(prompts, completion, mask, None).mean().item()
+            metrics["eval/sample_kl"] = completion_kl(model, ref, prompts, completion, mask).mean().item()
+        return metrics, "\n".join(shown)
+
+    def answer(self, model, rt, n, temperature):
+        """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
+        vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
+        for an exact answer."""
+        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
+        answers = [a for _, a in self.eval_problems for _ in range(n)]
+        gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
+        with rt.autocast():
+            completion, mask = sample_completions(
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
+            )
+        return prompts, completion, mask, (self.gold(completion, mask, answers) == 1.0).float()
+
+
+def arithmetic_problem(rng, digits, ops, steps=1):
+    """One problem as (prompt, answer): an expression of `steps` operations on numbers of 1..digits digits, evaluated
+    left to right (so "2+3*4=" is (2+3)*4 = 20), and its solution, one step a line "x op y=r" whose x is the previous
+    step's result: ("17+25-9=", "17+25=42\\n42-9=33\\n"). With one operation the answer is its result alone:
+    ("12+345=", "357\\n"). Drawn in this order: the first number, then each operation's number and operator."""
+    x = draw_number(rng, digits)
+    prompt = f"{x}"
+    solution = ""
+    for _ in range(steps):
+        y = draw_number(rng, digits)
+        op = rng.choice(ops)
+        result = operate(x, op, y)
+        prompt += f"{op}{y}"
+        solution += f"{x}{op}{y}={result}\n"
+        x = result
+    if steps == 1:
+        solution = f"{x}\n"
+    return f"{prompt}=", solution
+
+
+def draw_number(rng, digits):
+    """A number of 1..digits digits: how many digits is drawn first, then the number, so every length is as likely."""
+    return rng.randint(0, 10 ** rng.randint(1, digits) - 1)
+
+
+def operate(x, op, y):
+    """x op y, for op one of + - *."""
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    return x * y
+
+
+def held_out(prompt):
+    """An arithmetic problem is held out of every stage iff the crc32 of its whole prompt is 0 mod 10."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def draw_problem(rng, digits, ops, held, steps=1):
+    """An arithmetic problem drawn until it is held out (held=True) or not (held=False) by held_out's rule."""
+    while True:
+        prompt, answer = arithmetic_problem(rng, digits, ops, steps)
+        if held_out(prompt) == held:
+            return prompt, answer
+
+
+def held_out_problems(digits, ops, draws, steps=1):
+    """The held-out problems an arithmetic evaluation asks: `draws` draws of a generator seeded 1234 (the same problems
+    in every run, whatever --seed), repeats dropped, sorted."""
+    rng = random.Random(1234)
+    return sorted({draw_problem(rng, digits, ops, True, steps) for _ in range(draws)})
+
+
+def arithmetic_reward(text, answer, format_reward=0.0):
+    """Reward of a decoded completion: 1.0 when it is well formed and its final result is the answer's (e.g. "357");
+    format_reward when it is well formed with another result; 0.0 otherwise (no end within the horizon, anything else
+    before the end). Well formed: as many lines as the answer has, each a number (one operation) or a step "x op y=r"
+    (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
+    not the steps (grpo.py's step_correct judges them)."""
+    steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
+    step = ""  # one operation: a line is its result alone
+    if steps > 1:
+        step = r"-?\d+[-+*]\d+="
+    m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer.split("=")[-1].strip():
+        return 1.0
+    return format_reward
+
+
+def step_correct(prompt, solution):
+    """One bool per line of a written solution to an arithmetic prompt: a step is right when it is the prompt's next
+    operation applied to the previous step's result (the first: the prompt's first operation), written as
+    arithmetic_problem writes it ("x op y=r", or the result alone for a one-operation prompt) with its result right,
+    and every step before it is right. So a right final answer reached through a wrong step is wrong, and so is right
+    arithmetic that does not continue the chain; a line past the last operation is wrong."""
+    x = int(re.match(r"\d+", prompt).group())
+    operations = re.findall(r"([-+*])(\d+)", prompt)  # each operation's operator and number, in order
+    right = []  # each written step's
+    for line in solution.splitlines():
+        if len(right) == len(operations):  # no operation left
+            right.append(False)
+            continue
+        op, y = operations[len(right)]
+        result = operate(x, op, int(y))
+        step = f"{x}{op}{y}={result}"
+        if len(operations) == 1:
+            step = f"{result}"
+        right.append(line == step and all(right))
+        x = result
+    return right
+
+
+def step_metrics(problems, texts, exact):
+    """--steps K > 1 (the arithmetic task): eval/step_accuracy_right, the mean over the answers to the problems
+    (prompt, answer) whose final result is exact ((E,) 1.0) of the share of their lines step_correct judges right,
+    and eval/step_accuracy_wrong, the same over the other answers that have a line (nan where there is no such
+    answer). A right result reached through a wrong step is what an outcome reward cannot tell apart."""
+    judged = [step_correct(prompt, text) for (prompt, _), text in zip(problems, texts)]
+    share = torch.tensor([sum(j) / len(j) if j else math.nan for j in judged])  # (E,) right lines; nan: no line
+    right = exact.cpu() > 0  # (E,) the final result is exact (an exact answer has K lines)
+    return {
+        "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
+        "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
+    }
+
+
+HH_TURN = "\n\nAssistant:"
+
+
+class RewardModelTask:
+    """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
+
+    needs_logits = False
+    n_ends = 1
+    proxy = False  # no gold reward to measure
+
+    def __init__(self, cfg, tok, rt):
+        self.cfg = cfg
+        self.tok = tok
+        self.eos_id = tok.eot_id
+        check(cfg.reward_model, "--task reward_model needs --reward_model PATH (a ckpt.pt of reward_model.py)")
+        self.rm, _ = frozen_reward_model(cfg, tok, rt, cfg.max_prompt_len + cfg.horizon)
+        if cfg.data_path:
+            records = read_jsonl(cfg.data_path, ["chosen"])
+            chosen = [r["chosen"] for r in random.Random(0).sample(records, len(records))]  # shuffled
+            n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
+            parts = [chosen[n_val:], chosen[:n_val]]
+        else:
+            try:
+                import datasets
+                import huggingface_hub
+
+                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
+                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
+                hub = datasets.load_dataset("Anthropic/hh-rlhf")
+                parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
+            except Exception as e:
+                die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
+        self.train_prompts = self.encode_prompts(parts[0])
+        val_prompts = self.encode_prompts(parts[1])
+        check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
+        self.eval_set = val_prompts[: cfg.eval_size]
+
+    def encode_prompts(self, texts):
+        """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
+        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
+        return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
+
+    def sample(self, n):
+        return [random.choice(self.train_prompts) for _ in range(n)], [None] * n  # the reward reads the text alone
+
+    def rewards(self, prompts, completion, mask, info, logits):
+        return at_last_token(reward_model_scores(self.rm, prompts, completion, mask), mask)
+
+    def measures(self, completion, mask, info):
+        return {}  # no gold reward: nothing to measure
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        prompts = self.eval_set
+        gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
+        # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
+        H = self.cfg.horizon
+        T = self.cfg.temperature
+        top_k = self.cfg.top_k or None
+        with rt.autocast():
+            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
+            scores = reward_model_scores(self.rm, prompts, completion, mask)
+            kl = completion_kl(model, ref, prompts, completion, mask, T, top_k)  # (E,)
+        shown = []
+        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
+            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
+        metrics = {
+            "eval/rm_score": scores.mean().item(),
+            "eval/completion_kl": kl.mean().item(),
+            "eval/completion_len": mask.sum(1).mean().item(),
+        }
+        return metrics, "\n\n".join(shown)
+
+
+def split_hh(text):
+    """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
+    that final Assistant turn. None when there is no Assistant turn or its response is blank."""
+    cut = text.rfind(HH_TURN)
+    if cut < 0:
+        return None
+    end = cut + len(HH_TURN)
+    prompt = text[:end]
+    response = text[end:]
+    if not response.strip():
+        return None
+    return prompt, response
+
+
+class RewardModel(nn.Module):
+    """A GPT body and a scalar head on its final hidden states."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.body = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T) float32 score at every position
+        h, _ = self.body(idx, attention_mask=attention_mask, output="hidden")
+        return self.head(h).squeeze(-1).float()
+
+
+def load_reward_model(path):
+    """A trained reward model from its ckpt.pt, frozen and in eval mode: (RewardModel, tokenizer spec, task)."""
+    ckpt = load_checkpoint(path)
+    check("reward_head" in ckpt, f"{path} has no reward head: it is a policy checkpoint, not a reward model")
+    model = RewardModel(GPTConfig(**ckpt["model_config"]))
+    model.body.load_state_dict(ckpt["model"])
+    model.head.load_state_dict(ckpt["reward_head"])
+    return model.eval().requires_grad_(False), ckpt["tokenizer"], ckpt.get("reward_task", "preference")
+
+
+@torch.no_grad()
+def reward_model_scores(rm, prompts, completion, mask):
+    """Reward model scores (N,) of prompt + completion (its real tokens), left-padded: the last token's score."""
+    rows = [p + t[m > 0].tolist() for p, t, m in zip(prompts, completion.cpu(), mask.cpu())]
+    return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
+
+
+def process_rewards(rm, prompts, completion, steps, eos_id):
+    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
+    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
+    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
+    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
+    trained on the outcome label at every answer token, its probability that the answer will end right (an
+    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
+    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
+    cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
+    # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
+    # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
+    written = F.pad(completion, (0, 1), value=eos_id)
+    seq, attn = join(prompts, written)  # (N, P+H+1)
+    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
+    at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
+    return torch.sigmoid(at_end) * steps
+
+
+def at_last_token(rewards, mask):
+    """Outcome rewards (N,) as the contract's per-token rewards: each on its completion's last real token (the end
+    token when there is one), with that reward mask; (N, H) each. mask is 1.0 on the real tokens, a prefix of each
+    row."""
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 where each row's mask ends
+    return rewards[:, None] * last, last
+
+
+def step_ends(completion, mask, eos_id):
+    """(N, H) 1.0 at the token that ends each step of a completion, else 0: each newline (eos_id) among its real
+    tokens, and the last real token of a completion cut off before its final newline (a partial last step). mask is
+    1.0 on the real tokens, a prefix of each row (as sample_completions gives it)."""
+    newlines = (completion == eos_id) * mask  # (N, H) the newline after each line
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 at each completion's last real token, where its mask ends
+    return torch.maximum(newlines, last)
+
+
+def frozen_reward_model(cfg, tok, rt, longest):
+    """--reward_model on the device, frozen, and the task it was trained for (reward_model.py --task); each path must
+    share the policy's tokenizer and hold a row of longest tokens. Two or more paths: a RewardEnsemble of models
+    trained for the same task."""
+    members = []
+    tasks = set()
+    for path in cfg.reward_model.split(","):
+        rm, rm_tok, task = load_reward_model(path)
+        check(rm_tok == tok.spec, f"--reward_model {path} uses another tokenizer than the policy")
+        size = rm.body.config.block_size
+        check(longest <= size, f"prompt + --horizon ({longest} tokens) exceeds the reward model's block_size {size}")
+        members.append(rm)
+        tasks.add(task)
+    check(len(tasks) == 1, f"--reward_model: the members were trained for different tasks ({sorted(tasks)})")
+    if len(members) > 1:
+        rm = RewardEnsemble(members, cfg.rm_ensemble, cfg.uwo_lambda)
+    return rm.to(rt.device), task
+
+
+def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
+    """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
+    members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
+    uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
+    works: (K, ...) -> (...)."""
+    if kind == "min":
+        return scores.min(0).values
+    mean = scores.mean(0)
+    if kind == "uwo":
+        return mean - uwo_lambda * scores.var(0, correction=0)
+    return mean
+
+
+class RewardEnsemble(nn.Module):
+    """Reward models scored as one: ensemble_scores of their scores at every position."""
+
+    def __init__(self, members, kind, uwo_lambda):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.kind = kind
+        self.uwo_lambda = uwo_lambda
+
+    def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
+        scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
+        return ensemble_scores(scores, self.kind, self.uwo_lambda)
+
+
+def reward_checksum(rm):
+    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
+    if isinstance(rm, RewardEnsemble):
+        return [weights_checksum(m) for m in rm.members]
+    return None if rm is None else weights_checksum(rm)
+
+
+def read_jsonl(path, required):
+    """Records of a .jsonl or .jsonl.gz file that hold every required string field. Bad lines are counted and
+    skipped with a summary line; a file with no usable record is an error."""
+    check(os.path.isfile(path), f"data file {path} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        die(f"cannot read {path} ({type(e).__name__}: {e})")
+    check(lines, f"data file {path} is empty")
+    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
+    bad = len(lines) - len(records)
+    check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
+    if bad:
+        print(f"{path}: skipped {bad} malformed line(s), kept {len(records)}", file=sys.stderr)
+    return records
+
+
+def download(url, path):
+    """Fetch url to path once (torch.hub writes a temporary file and renames it), for the default data."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path)
+        except Exception as e:
+            die(f"cannot download {url} ({type(e).__name__}); offline, pass a local copy with --data_path")
+    return path
+
+
+# ----- END SHARED BLOCK: tasks -----
 
 
 # ----------------------------------------------------------------------------------------------------------

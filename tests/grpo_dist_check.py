@@ -69,28 +69,34 @@ def check_rollouts(rt):
     mask = (torch.arange(H) < lengths).float()  # (N, H)
     truncated = lengths[:, 0] == H
     rollout_kl = torch.rand(N)  # k1 summed over each completion
-    task = SimpleNamespace(eos_id=0, correct=lambda completion, mask, truth, r: (r == 1.0).float())
+    outcome, outcome_mask = grpo.at_last_token(rewards, mask)  # (N, H) each: a reward on each last real token
+
+    def measures(completion, mask, info):  # info: the outcome rewards, 1.0 for a right answer
+        return {"rl/accuracy": (info == 1.0).float(), "rl/gold_reward": None}
+
+    task = SimpleNamespace(eos_id=0, measures=measures)
     one = grpo.Runtime(torch.device("cpu"), torch.float32)  # a single process
     rows = slice(rt.rank * N // 2, (rt.rank + 1) * N // 2)
     errors = []
-    cases = [("group", s, rewards) for s in ("group", "batch", "none")]
-    cases += [("group", "batch", token_rewards), ("rloo", "group", rewards), ("process", "group", token_rewards)]
-    for kind, scale, r in cases:
-        whole = grpo.compute_advantages(r, mask, kind, G, scale, one)
-        part = grpo.compute_advantages(r[rows], mask[rows], kind, G, scale, rt)
+    cases = [("group", s, outcome, outcome_mask) for s in ("group", "batch", "none")]
+    cases += [("group", "batch", token_rewards, mask), ("rloo", "group", outcome, outcome_mask)]
+    cases += [("process", "group", token_rewards, mask)]
+    for kind, scale, r, m in cases:
+        whole = grpo.compute_advantages(r, m, mask, kind, G, scale, one)
+        part = grpo.compute_advantages(r[rows], m[rows], mask[rows], kind, G, scale, rt)
         if not torch.allclose(part, whole[rows], atol=1e-6):
-            errors.append(f"{kind} advantages, scale {scale}, {r.dim()}-d rewards: rank {rt.rank} differs")
-    for r in (rewards, token_rewards):
-        # steps: the positions that carry a per-token reward, here every real token (as collect gives it)
-        first = {"completion": None, "info": None, "rewards": r, "mask": mask, "steps": mask, "rollout_kl": rollout_kl}
-        kind = "process" if r.dim() == 2 else "group"
+            shape = "outcome" if m is outcome_mask else "dense"
+            errors.append(f"{kind} advantages, scale {scale}, {shape} rewards: rank {rt.rank} differs")
+    for r, m, kind in ((outcome, outcome_mask, "group"), (token_rewards, mask, "process")):
+        first = {"completion": None, "info": rewards, "rewards": r, "reward_mask": m, "mask": mask}
+        first["rollout_kl"] = rollout_kl
         whole = grpo.rollout_metrics(task, first, {"mask": mask, "truncated": truncated}, G, one, kind)
         first = {
             "completion": None,
-            "info": None,
+            "info": rewards[rows],
             "rewards": r[rows],
+            "reward_mask": m[rows],
             "mask": mask[rows],
-            "steps": mask[rows],
             "rollout_kl": rollout_kl[rows],
         }
         part = grpo.rollout_metrics(task, first, {"mask": mask[rows], "truncated": truncated[rows]}, G, rt, kind)
@@ -98,7 +104,7 @@ def check_rollouts(rt):
             if v is None and part[k] is None:  # a metric this task does not have (rl/gold_reward)
                 continue
             if not math.isclose(part[k], v, rel_tol=1e-6, abs_tol=1e-9):
-                errors.append(f"{k} ({r.dim()}-d rewards): {part[k]:.6g} on rank {rt.rank}, {v:.6g} in one process")
+                errors.append(f"{k} ({kind}): {part[k]:.6g} on rank {rt.rank}, {v:.6g} in one process")
     return errors
 
 

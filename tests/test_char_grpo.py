@@ -41,7 +41,7 @@ def test_rewards_hand_values_for_both_modes_and_partial_credit():
 def test_bigram_reference_is_the_normalised_add_one_counts():
     """ids 0 1 0 1 2 over a 3-token vocabulary: p(next | prev) = (count + 1) / (count(prev) + 3), rows sum to 1."""
     prev, nxt = torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij")
-    table = cg.BigramReference(torch.tensor([0, 1, 0, 1, 2]), 3)(prev, nxt).exp()
+    table = cg.BigramReference(torch.tensor([0, 1, 0, 1, 2]), 3)(prev, nxt)[0].exp()
     counts = torch.tensor([[0.0, 2, 0], [1, 0, 1], [0, 0, 0]]) + 1
     assert torch.allclose(table, counts / counts.sum(1, keepdim=True))
     assert torch.allclose(table.sum(1), torch.ones(3))

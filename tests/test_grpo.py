@@ -285,12 +285,12 @@ def test_sparse_bigram_equals_the_dense_add_one_table():
         counts[a, b] += 1
     dense = (counts / counts.sum(1, keepdim=True)).log()
     prev, nxt = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
-    assert torch.allclose(grpo.BigramReference(ids, 7)(prev, nxt), dense)
+    assert torch.allclose(grpo.BigramReference(ids, 7)(prev, nxt)[0], dense)
 
 
-def test_zero_std_groups_find_groups_without_signal():
-    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
-    assert grpo.zero_std_groups(rewards, 2).tolist() == [True, False, True]
+def test_zero_std_groups_find_groups_whose_advantages_are_all_equal():
+    adv = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [0.5, 0.5], [0.5, 0.5]])  # (N, H), G = 2
+    assert grpo.zero_std_groups(adv, 2).tolist() == [True, False, True]
 
 
 def test_zero_std_groups_of_step_rewards_follow_process_advantages():
@@ -300,8 +300,8 @@ def test_zero_std_groups_of_step_rewards_follow_process_advantages():
     rewards = torch.tensor([[0, 0.9, 0, 0.3], [0, 0.9, 0, 0.3], [1.0, 0, 0, 1.0], [0, 1.0, 1.0, 0]])
     steps = (rewards > 0).float()
     mask = torch.ones(4, 4)
-    assert grpo.zero_std_groups(rewards, 2, steps).tolist() == [False, True]
     adv = grpo.process_advantages(rewards, mask, 2, steps=steps)
+    assert grpo.zero_std_groups(adv, 2).tolist() == [False, True]
     assert adv[:2, 2:].lt(0).all() and torch.all(adv[2:] == 0)
 
 
@@ -311,13 +311,15 @@ def test_zero_std_groups_of_step_rewards_follow_process_advantages():
 )
 @settings(max_examples=100, deadline=None)
 def test_a_group_has_no_signal_exactly_when_its_process_advantages_are_all_zero(values, is_step):
-    """zero_std_groups(rewards, G, steps) is True for a group exactly when process_advantages gives every one of its
-    tokens 0: the rule of rl/zero_std_frac and --dynamic_sampling is the advantages' own."""
+    """no_signal on step rewards is True for a group exactly when process_advantages gives every one of its tokens 0:
+    the rule of rl/zero_std_frac and --dynamic_sampling is the advantages' own."""
     steps = torch.tensor(is_step, dtype=torch.float).view(4, 6)
     rewards = torch.tensor(values).view(4, 6) * steps
     adv = grpo.process_advantages(rewards, torch.ones(4, 6), 2, steps=steps)
     zero = adv.view(2, 12).eq(0).all(1)
-    assert grpo.zero_std_groups(rewards, 2, steps).tolist() == zero.tolist()
+    rt = grpo.Runtime(torch.device("cpu"), torch.float32)
+    batch = {"rewards": rewards, "reward_mask": steps, "mask": torch.ones(4, 6)}
+    assert grpo.no_signal(batch, "process", 2, rt).tolist() == zero.tolist()
 
 
 def test_completion_logprobs_skip_left_padding():
@@ -627,7 +629,10 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
     mask = torch.tensor([[float(i < len(t)) for i in range(4)] for t in texts])
     prompts = [tok.encode(p) for p in problems]
     answers = [f"{eval(p[:-1])}\n" for p in problems]  # the gold answers, computed here
-    proxy = task.rewards(prompts, completion, mask, answers, None)
+    rewards, reward_mask = task.rewards(prompts, completion, mask, answers, None)
+    last = torch.tensor([[float(i == len(t) - 1) for i in range(4)] for t in texts])  # the last real token
+    assert torch.equal(reward_mask, last) and torch.all(rewards[last == 0] == 0)
+    proxy = rewards.sum(1)  # the score, on the last real token
     with torch.no_grad():
         alone = [task.rm(torch.tensor([tok.encode(p + t)]))[0, -1] for p, t in zip(problems, texts)]
     torch.testing.assert_close(proxy, torch.stack(alone), atol=1e-5, rtol=1e-5)
@@ -636,7 +641,8 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
         for p, t in zip(problems, texts)
     ]
     assert gold == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
-    first = dict(completion=completion, mask=mask, info=answers, rewards=proxy, steps=mask, rollout_kl=None)
+    first = dict(completion=completion, mask=mask, info=answers, rewards=rewards, reward_mask=reward_mask)
+    first["rollout_kl"] = None
     batch = dict(mask=mask, truncated=torch.tensor([t[-1] != "\n" for t in texts]))
     metrics = grpo.rollout_metrics(task, first, batch, 2, rt, "group")
     assert metrics["rl/gold_reward"] == pytest.approx(sum(gold) / len(gold))
@@ -692,11 +698,13 @@ def test_no_signal_is_every_advantage_zero_for_each_kind():
     every step scores 1.0 have none)."""
     rt = grpo.Runtime(torch.device("cpu"), torch.float32)
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 1.0])
-    mask = torch.ones(6, 4)
+    mask = torch.tensor([[1.0, 1, 0, 0]] * 6)
+    on_last, reward_mask = grpo.at_last_token(rewards, mask)  # each reward on its completion's last real token
+    assert on_last[:, 1].tolist() == rewards.tolist() and reward_mask.sum().item() == 6
     for kind in ("group", "rloo"):
-        batch = {"rewards": rewards, "mask": mask, "steps": mask}
+        batch = {"rewards": on_last, "reward_mask": reward_mask, "mask": mask}
         assert grpo.no_signal(batch, kind, 3, rt).tolist() == [True, False]
     steps = torch.tensor([[0, 1.0, 0, 1], [0, 1, 0, 1], [1, 0, 0, 1], [0, 1, 1, 0]])
     step_rewards = torch.tensor([[0, 0.9, 0, 0.3], [0, 0.9, 0, 0.3], [1.0, 0, 0, 1], [0, 1, 1, 0]])
-    batch = {"rewards": step_rewards, "mask": torch.ones(4, 4), "steps": steps}
+    batch = {"rewards": step_rewards, "mask": torch.ones(4, 4), "reward_mask": steps}
     assert grpo.no_signal(batch, "process", 2, rt).tolist() == [False, True]

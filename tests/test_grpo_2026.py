@@ -336,11 +336,11 @@ def test_off_policy_mask_drops_drifted_negative_sequences_after_the_first_iterat
     args = [*arithmetic_args(tmp_path, monkeypatch), "--off_policy_mask", "1e-3", "--num_iterations", "3"]
     run_main(grpo, monkeypatch, *args, "--max_steps", "1", "--out_dir", out)
     assert len(masks) == len(losses) == 3 and all(a[4] == 1e-3 for a, _, _ in masks)
-    adv = advantages[0][2][:, None]  # (16, 1)
+    adv = advantages[0][2]  # (16, H): one advantage per sequence, on each of its tokens
     for (a, _, dropped), (b, _, _) in zip(masks, losses):
         assert torch.equal(a[0], adv)
         assert torch.equal(b[2], adv * a[3] * dropped)  # (16, H): masked tokens and dropped sequences are 0
-        assert (dropped[adv >= 0] == 1).all()
+        assert (dropped[adv[:, :1] >= 0] == 1).all()
     assert (masks[0][2] == 1).all()  # no update yet: no drift
     last = masks[-1][2]
     assert (last == 0).any()

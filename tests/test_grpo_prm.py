@@ -156,7 +156,8 @@ def arithmetic_task(tmp_path, **overrides):
     """grpo.ArithmeticTask on the char tokenizer, CPU float32, --steps 2 of one-digit numbers."""
     settings = {"task": "arithmetic", "init_from": "init.pt", "steps": 2, "digits": 1, "horizon": 14, **overrides}
     rt = grpo.Runtime(torch.device("cpu"), torch.float32)
-    return grpo.ArithmeticTask(grpo.Config(**settings), TOK, rt), rt
+    cfg = grpo.Config(**settings)
+    return grpo.ArithmeticTask(cfg, TOK, rt, process=grpo.advantage_kind(cfg) == "process"), rt
 
 
 def tiny_policy(seed=0):
@@ -167,7 +168,7 @@ def tiny_policy(seed=0):
 @pytest.mark.parametrize("kind", ["prm", "orm"])
 def test_collect_gives_the_reward_at_each_step_end_and_advantages_on_every_real_token(tmp_path, kind):
     """--reward_model RM --adv process: collect's rewards are the reward model's process_rewards (0 off the step
-    ends), its steps are step_ends of the completions, and the advantages are finite on every real token and 0 on
+    ends), its reward mask is step_ends of the completions, and the advantages are finite on every real token and 0 on
     padding. An orm is taken too: trained on the outcome label at every answer token, its score at a step's end is
     its estimate that the answer will end right."""
     rm = prm_checkpoint(tmp_path / f"{kind}.pt", task=kind)
@@ -177,11 +178,11 @@ def test_collect_gives_the_reward_at_each_step_end_and_advantages_on_every_real_
     batch = grpo.collect(task, tiny_policy(), tiny_policy(), cfg, rt, 2)
     completion, mask = batch["completion"], batch["mask"]
     steps = grpo.step_ends(completion, mask, NEWLINE)
-    assert torch.equal(batch["steps"], steps)
+    assert torch.equal(batch["reward_mask"], steps)
     expected = grpo.process_rewards(task.rm, batch["prompts"], completion, steps, NEWLINE)
     torch.testing.assert_close(batch["rewards"], expected)
     assert torch.all(batch["rewards"][steps == 0] == 0) and torch.all(batch["rewards"][steps > 0] > 0)
-    adv = grpo.compute_advantages(batch["rewards"], mask, "process", 4, "group", rt, batch["steps"])
+    adv = grpo.compute_advantages(batch["rewards"], batch["reward_mask"], mask, "process", 4, "group", rt)
     assert adv.shape == mask.shape and torch.isfinite(adv).all() and torch.all(adv[mask == 0] == 0)
     assert adv.abs().sum() > 0
 
@@ -217,7 +218,7 @@ def test_step_accuracies_of_the_greedy_answers_split_by_exact_final_answers(tmp_
             texts.append("")
     completion, mask = completion_of(texts, 20)
     answers = [a for _, a in problems]
-    exact = task.correct(completion, mask, answers, None)
+    exact = task.measures(completion, mask, answers)["rl/accuracy"]
     assert exact.tolist()[:6] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     prompts = [TOK.encode(p) for p, _ in problems]
     asked = []

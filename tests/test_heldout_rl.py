@@ -141,10 +141,9 @@ def test_grpo_logs_the_kl_of_the_rollouts_the_rewards_score(tmp_path):
         "completion": torch.randint(len(CHARS), (4, 4)),
         "mask": mask,
         "info": ["1\n", "2\n", "3\n", "4\n"],
-        "rewards": torch.randn(4),
-        "steps": mask,  # the positions that carry a reward: every real token (one reward per completion here)
         "rollout_kl": torch.tensor([0.5, 1.0, 1.5, 4.0]),
     }
+    first["rewards"], first["reward_mask"] = grpo.at_last_token(torch.randn(4), mask)  # one reward per completion
     batch = {"mask": mask[:2].repeat(2, 1), "truncated": torch.tensor([True, False, True, False])}  # other rows
     metrics = grpo.rollout_metrics(task, first, batch, 2, rt, "group")
     assert metrics["rl/rollout_kl"] == pytest.approx(1.75)
@@ -277,14 +276,16 @@ def test_a_learned_outcome_reward_is_an_orms_score_or_a_prms_product_of_step_pro
     orm = reward_checkpoint(tmp_path / "orm.pt", "orm")
     raw = arithmetic_task(module, tmp_path, reward_model=str(orm), steps=2, horizon=14)
     sig = arithmetic_task(module, tmp_path, reward_model=str(orm), steps=2, horizon=14, rm_sigmoid=True)
-    scores = raw.rewards(prompts, completion, mask, None, None)
+    scores = raw.score(prompts, completion, mask, None)
+    on_last, reward_mask = raw.rewards(prompts, completion, mask, None, None)  # the score on the last real token
+    assert torch.equal(on_last.sum(1), scores) and reward_mask.sum(1).tolist() == [1.0, 1.0]
     with torch.no_grad():
         last = [raw.rm(torch.tensor([p + tok.encode(t)]))[0, -1] for p, t in zip(prompts, texts)]
     torch.testing.assert_close(scores, torch.stack(last), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sig.rewards(prompts, completion, mask, None, None), torch.sigmoid(scores))
+    torch.testing.assert_close(sig.score(prompts, completion, mask, None), torch.sigmoid(scores))
     prm_path = reward_checkpoint(tmp_path / "prm.pt", "prm")
     prm = arithmetic_task(module, tmp_path, reward_model=str(prm_path), steps=2, horizon=14)
-    found = prm.rewards(prompts, completion, mask, None, None)
+    found = prm.score(prompts, completion, mask, None)
     with torch.no_grad():
         for i, (p, t) in enumerate(zip(prompts, texts)):
             written = t if t.endswith("\n") else t + "\n"

@@ -231,7 +231,9 @@ def test_adaptive_kl_controller_follows_ziegler_on_a_hand_computed_sequence():
 def test_rewards_place_sequence_scores_at_the_last_real_token_and_subtract_the_kl_everywhere():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     kl = torch.tensor([[0.5, -1.0, 2.0, 9.0], [1.0, 9.0, 9.0, 9.0]])
-    got = ppo.ppo_rewards(torch.tensor([3.0, -2.0]), kl, mask, 0.1)
+    scores, reward_mask = ppo.at_last_token(torch.tensor([3.0, -2.0]), mask)  # an outcome reward on its last token
+    assert reward_mask.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+    got = ppo.ppo_rewards(scores, kl, mask, 0.1)
     assert torch.allclose(got, torch.tensor([[-0.05, 0.1, 3 - 0.2, 0], [-2 - 0.1, 0, 0, 0]]))
     dense = torch.tensor([[1.0, 0.0, 1.0, 5.0], [0.0, 5.0, 5.0, 5.0]])  # next_token: per-token task rewards
     got = ppo.ppo_rewards(dense, kl, mask, 0.1)

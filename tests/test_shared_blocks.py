@@ -1,5 +1,6 @@
-"""Every top-level script carries verbatim copies of gpt.py's shared blocks (SPEC section 2), and imports no file
-of this project. `python tests/test_shared_blocks.py --fix` copies gpt.py's blocks into every script."""
+"""Every top-level script carries verbatim copies of gpt.py's shared blocks (SPEC section 2), ppo.py one of
+grpo.py's tasks block, and no script imports a file of this project. `python tests/test_shared_blocks.py --fix`
+copies the blocks from their sources into every script."""
 
 import ast
 import re
@@ -18,12 +19,14 @@ def blocks(path):
 
 
 REFERENCE = blocks(ROOT / "gpt.py")
+REFERENCE["tasks"] = blocks(ROOT / "grpo.py")["tasks"]  # the RL tasks: grpo.py is the source, ppo.py the copy
 
 
-def test_gpt_py_defines_the_model_and_train_blocks():
-    assert set(REFERENCE) == {"model", "train"}
+def test_gpt_py_defines_the_model_and_train_blocks_and_grpo_py_the_tasks():
+    assert set(blocks(ROOT / "gpt.py")) == {"model", "train"}
     assert "class GPT(nn.Module)" in REFERENCE["model"]
     assert "def parse_config(" in REFERENCE["train"]
+    assert "class ArithmeticTask" in REFERENCE["tasks"] and "tasks" in blocks(ROOT / "ppo.py")
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -31,7 +34,8 @@ def test_shared_blocks_are_verbatim_copies_of_gpt_py(script):
     found = blocks(script)
     for name, text in found.items():
         assert name in REFERENCE, f"{script.name}: unknown shared block {name!r}"
-        assert text == REFERENCE[name], f"{script.name}: block {name!r} differs from gpt.py (run with --fix)"
+        source = "grpo.py" if name == "tasks" else "gpt.py"
+        assert text == REFERENCE[name], f"{script.name}: block {name!r} differs from {source} (run with --fix)"
     begins = len(re.findall(r"# -+ BEGIN SHARED BLOCK", script.read_text()))
     assert begins == len(found), f"{script.name}: a BEGIN marker has no matching END marker"
 
