@@ -521,11 +521,6 @@ def score_rows(task, raw, ref, cfg, batch, seq, attn, rows):
     )
 
 
-def completion_logits(model, seq, attn, H):
-    """The logits (N, H, V) at the last H positions of seq (for a reward that needs them)."""
-    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
-
-
 def zero_std_groups(adv, group_size):
     """(N/G,) True for the groups without signal: those whose advantages (N, H) are all equal, which for advantages
     centred on their group (compute_advantages) means all 0, so that the group adds nothing to the policy term."""
@@ -1121,6 +1116,11 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
         temperature=temperature,
         top_k=top_k,
     )
+
+
+def completion_logits(model, seq, attn, H):
+    """The logits (N, H, V) at the last H positions of seq: what a task that needs_logits reads."""
+    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
 
 
 def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=None):

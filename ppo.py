@@ -444,11 +444,6 @@ def logprobs_and_values(actor, critic, seq, attn, cfg, entropy=False):
     return *out, critic(seq[:, :-1], attention_mask=a)[:, -H:]
 
 
-def completion_logits(model, seq, attn, H):
-    """The logits (N, H, V) at the last H positions of seq (for a reward that needs them)."""
-    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
-
-
 def ppo_update(run, batch):
     """ALGO LOGIC 5: --ppo_epochs passes over the rollout batch, each in --num_minibatches minibatches of rows (one
     optimizer step each, over --grad_accum micro-batches), until an epoch's mean approx KL exceeds --target_kl_stop.
@@ -954,6 +949,11 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
         temperature=temperature,
         top_k=top_k,
     )
+
+
+def completion_logits(model, seq, attn, H):
+    """The logits (N, H, V) at the last H positions of seq: what a task that needs_logits reads."""
+    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
 
 
 def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=None):
