@@ -457,7 +457,7 @@ def rl_step(run, step):
     batch = sample_groups(prompts, run.model, run.actor, cfg, rt, run.tok, run.stop_ids)
     t_rollout = time.time() - t0
     mask = batch["mask"]
-    rewards = batch["rewards"]
+    rewards = batch["rewards"].sum(1)  # (N,): each completion's one reward (on its last real token)
     N = len(rewards)
     # (world * N,): every rank's rewards, rank by rank (each rank's own at its offset, 0 elsewhere; the sum gathers)
     all_rewards = all_reduce(F.pad(rewards, (rt.rank * N, (rt.world_size - 1 - rt.rank) * N)), rt)
@@ -467,10 +467,7 @@ def rl_step(run, step):
 
     # 4. advantages: GAE on a value head, a running mean reward per task (--adv ema), or group-relative
     if cfg.value_head:
-        # (N, T): the reward at each completion's last real token (every completion has one: its mask starts at 1)
-        last = mask.sum(1).long()[:, None] - 1  # (N, 1)
-        token_rewards = torch.zeros_like(mask).scatter(1, last, rewards[:, None])
-        adv, returns = gae(token_rewards, batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T), (N, T)
+        adv, returns = gae(batch["rewards"], batch["old_values"], mask, cfg.gamma, cfg.lam)  # (N, T), (N, T)
         batch["adv"] = whiten(adv, mask)
         batch["returns"] = returns
     elif cfg.adv == "ema":
@@ -541,7 +538,9 @@ def rl_step(run, step):
 #   seq         (N, P+H) long        left-padded prompt ids, then the completion (tokens after its end included)
 #   attn        (N, P+H) bool        False on the left padding. None: no prompt is padded (plain causal attention)
 #   mask        (N, H) float         1.0 on real completion tokens, up to and including the end token
-#   rewards     (N,) float           score_record of each completion
+#   rewards     (N, H) float         score_record of each completion, on its last real token (0 elsewhere); the
+#                                    per-token rewards of grpo.py's task contract
+#   reward_mask (N, H) float         1.0 on each completion's last real token, where its reward sits
 #   truncated   (N,) bool            True: no end token within --horizon
 #   tasks       (N,) long            0 for P:, 1 for A: (the index into per-task tensors and baselines)
 #   old_logp    (N, H) float         log-probs under the sampling distribution, fixed over --num_iterations
@@ -560,7 +559,7 @@ def sample_groups(prompts, model, actor, cfg, rt, tok, stop_ids):
     rewards = [score_record(r, t, cfg.reward_mode) for r, t in zip(rows, texts)]
     ends = torch.isin(completion, torch.tensor(stop_ids, device=rt.device))  # (N, H)
     batch = {"rows": rows, "texts": texts, "seq": seq, "attn": attn, "mask": mask}
-    batch["rewards"] = torch.tensor(rewards, device=rt.device)
+    batch["rewards"], batch["reward_mask"] = at_last_token(torch.tensor(rewards, device=rt.device), mask)
     batch["truncated"] = ~ends.any(1)
     batch["tasks"] = torch.tensor([r["task"] == "A" for r in rows], device=rt.device).long()
     old_logp = []
@@ -591,6 +590,14 @@ def complete_prompts(model, prompts, temperature, top_k, cfg, rt, tok, stop_ids)
     mask = (ends.cumsum(1) - ends == 0).float()  # (N, n): no end token before this one
     texts = [end_of_completion(tok.decode(t[m > 0].tolist())) for t, m in zip(completion.cpu(), mask.cpu())]
     return completion, mask, texts
+
+
+def at_last_token(rewards, mask):
+    """Outcome rewards (N,) as the contract's per-token rewards: each on its completion's last real token (the end
+    token when there is one), with that reward mask; (N, H) each. mask is 1.0 on the real tokens, a prefix of each
+    row."""
+    last = mask - F.pad(mask[:, 1:], (0, 1))  # (N, H) 1.0 where each row's mask ends
+    return rewards[:, None] * last, last
 
 
 def join(prompts, completion):

@@ -593,7 +593,7 @@ def test_scale_rewards_batch_divides_by_the_std_of_every_ranks_rewards(tmp_path,
     args = ["--init_from", init, "--data_path", data, *GRPO, "--eval_size", "0", "--max_steps", "1"]
     args += ["--beta_kl", "0", "--scale_rewards", "batch"]
     train, spied = spy_run(tmp_path, args, nproc=2, env={"SPY_RANDOM_REWARDS": "1"})
-    rewards = [first(calls, "batch")["rewards"] for calls in spied]
+    rewards = [first(calls, "batch")["rewards"].sum(1) for calls in spied]  # (N, H) on the last tokens -> (N,)
     everyone = torch.cat(rewards)
     expected = rw.group_advantages(everyone, 2, "batch").view(2, -1)
     for rank, calls in enumerate(spied):
