@@ -280,7 +280,7 @@ def grpo_step(cfg, run, rt):
         # over every rank's rollouts: groups never span ranks, but --scale_rewards batch takes the std of the
         # global batch; this rank keeps its own rows
         all_adv = group_advantages(gather_rows(rewards.mean(1), rt), G, cfg.scale_rewards)  # (world * N,)
-        adv = all_adv.view(rt.world_size, N)[rt.rank]  # (N,)
+        adv = all_adv.view(rt.world_size, N)[rt.rank][:, None].expand(N, H)  # (N, H): the same on every character
     warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
     beta = cfg.beta_kl * warm if cfg.reference != "none" else 0.0
     # global counts: the summed micro-batch losses of every rank equal the loss of the whole batch
