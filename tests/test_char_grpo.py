@@ -247,8 +247,9 @@ def test_two_process_gloo_run(tmp_path, text_file):
     for step in range(2):
         rewards = torch.cat([s["rewards"][step] for s in seen])  # (2N, H): both ranks' rollouts, rank order
         assert not torch.equal(*rewards.chunk(2))  # the ranks sampled different rollouts
-        adv = torch.cat([s["adv"][step] for s in seen])
-        assert torch.allclose(adv, cg.group_advantages(rewards.mean(1), 4, "batch"), atol=1e-6)
+        adv = torch.cat([s["adv"][step] for s in seen])  # (2N, H): one advantage a rollout, on each character
+        expected = cg.group_advantages(rewards.mean(1), 4, "batch")[:, None].expand_as(adv)
+        assert torch.allclose(adv, expected, atol=1e-6)
         match = torch.cat([s["match"][step] for s in seen])
         assert logged[step]["rl/reward_mean"] == pytest.approx(rewards.mean().item(), abs=1e-6)
         assert logged[step]["rl/reward_std"] == pytest.approx(rewards.std().item(), abs=1e-6)
