@@ -39,8 +39,10 @@ Data (`--data`): shakespeare_char (default, char-level), shakespeare (GPT-2 BPE)
 dialogues; the hub through `datasets`, or `--data_path` to a local .jsonl/.jsonl.gz), arithmetic
 (procedurally generated `12+345=357` lines, or with `--steps K` expressions of K operations evaluated left to right
 and solved one step a line, `17+25-9=17+25=42\\n42-9=33\\n`; the validation split holds only the held-out problems of
-held_out's rule, which the training split and every later stage never see), or the path of any text file
-(`--tokenizer char|gpt2`).
+held_out's rule, which the training split and every later stage never see), reasoning (documents of 1..--steps
+operations, direct `Q:7+2-5;A:4`, worked `7+2-5;7+2=9-5;9-5=4`, and --bridge_frac of the Q documents with their
+steps before the answer: a base for RL to find the steps in; held out by the same rule), or the path of any text
+file (`--tokenizer char|gpt2`).
 
 The page docs/gpt.md holds the rest: formulas, implementation details, flags, results.
 
@@ -90,12 +92,14 @@ from tqdm import tqdm
 class Config:
     # data
     out_dir: str = ""  # run folder; default out/gpt-<YYYYmmdd-HHMMSS>
-    data: str = "shakespeare_char"  # shakespeare_char | shakespeare | hh_sft | arithmetic | path of a text file
+    data: str = "shakespeare_char"  # shakespeare_char | shakespeare | hh_sft | arithmetic | reasoning | a text file
     data_path: str = ""  # local copy of the named dataset (text file, or .jsonl/.jsonl.gz for hh_sft)
     tokenizer: str = "auto"  # auto | char | gpt2 (auto: char for shakespeare_char and text files, else gpt2)
     digits: int = 2  # arithmetic: largest number of digits of an operand
     ops: str = "+-*"  # arithmetic: operators to draw from
-    steps: int = 1  # arithmetic: operations per problem, evaluated left to right and solved one step a line
+    steps: int = 1  # arithmetic: operations per problem, left to right, one step a line; reasoning: the most (1..K)
+    worked_frac: float = 0.5  # reasoning: share of the documents that are worked steps, with no Q
+    bridge_frac: float = 0.02  # reasoning: share of the Q documents that write their steps before the answer
     # model: a checkpoint, GPT-2 weights, or a new GPT of these sizes
     init_from: str = "scratch"  # scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | hub id | ckpt.pt | HF folder
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
@@ -345,11 +349,12 @@ SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dat
 
 
 ARITHMETIC_CHARS = "\n*+-0123456789="  # the char vocabulary of --data arithmetic --tokenizer char
+REASONING_CHARS = "\n*+-0123456789:;=AQ"  # --data reasoning's
 
 
 def load_splits(cfg, tok):
     """(train, val) as pairs of (ids LongTensor, target mask BoolTensor or None)."""
-    if cfg.data == "arithmetic":
+    if cfg.data in ("arithmetic", "reasoning"):
         check(
             min(cfg.digits, cfg.steps) >= 1 and cfg.ops and set(cfg.ops) <= set("+-*"),
             "--digits, --steps >= 1 and --ops from +-*",
@@ -360,7 +365,10 @@ def load_splits(cfg, tok):
             rng = random.Random(seed)
             examples = []
             for _ in range(n):
-                prompt, answer = draw_problem(rng, cfg.digits, cfg.ops, held, cfg.steps)
+                if cfg.data == "reasoning":
+                    prompt, answer = reasoning_document(rng, cfg, held)
+                else:
+                    prompt, answer = draw_problem(rng, cfg.digits, cfg.ops, held, cfg.steps)
                 p = tok.encode(prompt)
                 a = tok.encode(answer)
                 examples.append((p + a, [False] * len(p) + [True] * len(a)))  # only the answer is a target
@@ -423,6 +431,28 @@ def arithmetic_problem(rng, digits, ops, steps=1):
     if steps == 1:
         solution = f"{x}\n"
     return f"{prompt}=", solution
+
+
+def reasoning_document(rng, cfg, held):
+    """One document of --data reasoning as (context, target), the loss on the target only: a problem of 1..--steps
+    operations, drawn until held_out(its arithmetic prompt) is held, written direct ("Q:7+2-5;", "A:4\n") or worked
+    ("7+2-5;", "7+2=9-5;9-5=4\n"), --worked_frac of them worked; --bridge_frac of the Q documents write their
+    steps first ("Q:7+2-5;", "7+2=9-5;9-5=4;A:4\n"). A step computes the first operation and copies the rest of
+    the expression after its result, so the next step starts from a copy. Only a bridge document writes steps
+    after a Q."""
+    prompt, solution = draw_problem(rng, cfg.digits, cfg.ops, held, rng.randint(1, cfg.steps))
+    expr = prompt[:-1]
+    lines = solution.split()  # "x op y=r", one an operation (one operation: the result alone)
+    if "=" not in lines[0]:
+        lines = [f"{expr}={lines[0]}"]
+    rest = re.findall(r"[-+*]\d+", expr)  # each operation: "+2", "-5"
+    steps = ";".join(line + "".join(rest[i + 1 :]) for i, line in enumerate(lines))
+    answer = lines[-1].split("=")[1]
+    if rng.random() < cfg.worked_frac:
+        return f"{expr};", f"{steps}\n"
+    if rng.random() < cfg.bridge_frac:
+        return f"Q:{expr};", f"{steps};A:{answer}\n"
+    return f"Q:{expr};", f"A:{answer}\n"
 
 
 def draw_number(rng, digits):
@@ -549,8 +579,8 @@ def make_tokenizer(cfg, model_spec):
         return get_tokenizer(model_spec)
     if wanted == "gpt2":
         return BPETokenizer()
-    if cfg.data == "arithmetic":
-        return CharTokenizer(ARITHMETIC_CHARS)
+    if cfg.data in ("arithmetic", "reasoning"):
+        return CharTokenizer(ARITHMETIC_CHARS if cfg.data == "arithmetic" else REASONING_CHARS)
     check(cfg.data != "hh_sft", "--data hh_sft needs --tokenizer gpt2 (its <|endoftext|> ends each dialogue)")
     return CharTokenizer(sorted(set(read_text(text_path(cfg)))))
 
@@ -619,7 +649,9 @@ def validate(cfg):
     check(cfg.objective in ("causal", "denoise"), f"--objective {cfg.objective!r}: use causal or denoise")
     check(cfg.n_embd % cfg.n_head == 0, f"--n_embd {cfg.n_embd} must be a multiple of --n_head {cfg.n_head}")
     check(cfg.attention == "mla" or not cfg.kv_latent_dim, "--kv_latent_dim needs --attention mla")
-    check(cfg.steps == 1 or cfg.data == "arithmetic", "--steps is for --data arithmetic")
+    check(cfg.steps == 1 or cfg.data in ("arithmetic", "reasoning"), "--steps is for --data arithmetic, reasoning")
+    for name in ("worked_frac", "bridge_frac"):
+        check(0 <= getattr(cfg, name) <= 1, f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
     is_variant = (cfg.attention, cfg.objective, cfg.kv_latent_dim) != ("mha", "causal", 0)
     check(not cfg.export_hf or cfg.init_from != "scratch", "--export_hf needs --init_from, the model to export")
     # a checkpoint or GPT-2's weights keep their own kind of model

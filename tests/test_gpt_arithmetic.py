@@ -78,3 +78,86 @@ def test_eval_problems_are_grpo_step0_evaluation_problems():
         rt = grpo.Runtime(torch.device("cpu"), torch.float32)
         task = grpo.ArithmeticTask(rl_cfg, grpo.CharTokenizer(CHARS), rt)
         assert gpt.held_out_problems(cfg.digits, cfg.ops, 1000) == task.eval_problems
+
+
+# ------------------------------------------------------------------------------------------- --data reasoning
+
+
+def left_to_right(expr):
+    """The value of an expression of one-digit operands, evaluated left to right, and each operation's result."""
+    x = int(expr[0])
+    results = []
+    for op, y in zip(expr[1::2], expr[2::2]):
+        x = {"+": x + int(y), "-": x - int(y), "*": x * int(y)}[op]
+        results.append(x)
+    return x, results
+
+
+def test_reasoning_documents_hold_their_problems_out_and_write_each_kind_as_said():
+    """--data reasoning with one-digit operands: a document's problem is held out exactly when asked (the crc32 rule of
+    its arithmetic prompt); direct documents answer after the Q, worked ones write every step (its result, then the
+    rest of the expression copied) and no Q, bridge documents (all Q documents at --bridge_frac 1, none at 0) write
+    the steps and then the answer; about half the documents are worked."""
+    for bridge, held_flag in ((0.0, False), (1.0, True), (0.0, True)):
+        cfg = gpt.Config(data="reasoning", digits=1, ops="+-*", steps=4, bridge_frac=bridge)
+        rng = random.Random(0)
+        kinds = {"direct": 0, "worked": 0, "bridge": 0}
+        for _ in range(400):
+            context, target = gpt.reasoning_document(rng, cfg, held_flag)
+            expr = context.removeprefix("Q:")[:-1]
+            assert held(f"{expr}=") == held_flag and context.endswith(";") and target.endswith("\n")
+            value, results = left_to_right(expr)
+            assert 1 <= len(results) <= 4
+            ops = [expr[i : i + 2] for i in range(1, len(expr), 2)]  # "+2", "-5", ...
+            steps = [f"{x}{op}={r}" for x, op, r in zip([expr[0], *map(str, results)], ops, results)]
+            written = [s + "".join(ops[i + 1 :]) for i, s in enumerate(steps)]  # each with the rest copied after it
+            if not context.startswith("Q:"):
+                kinds["worked"] += 1
+                assert target == ";".join(written) + "\n"
+            elif target.startswith("A:"):
+                kinds["direct"] += 1
+                assert target == f"A:{value}\n"
+            else:
+                kinds["bridge"] += 1
+                assert target == ";".join(written) + f";A:{value}\n"
+        assert 150 < kinds["worked"] < 250
+        assert (kinds["bridge"] > 0) == (bridge > 0) and (kinds["direct"] > 0) == (bridge < 1)
+
+
+def test_reasoning_trains_on_the_targets_of_its_own_characters(tmp_path, monkeypatch):
+    """A tiny --data reasoning run: the char vocabulary is the reasoning characters, and the loss reads only targets
+    (what follows each document's "Q:<expr>;" or "<expr>;")."""
+    tok = gpt.CharTokenizer(gpt.REASONING_CHARS)
+    cfg = gpt.Config(data="reasoning", digits=1, ops="+-", steps=3)
+    (train_ids, train_mask), (val_ids, val_mask) = gpt.load_splits(cfg, tok)
+    text = tok.decode(train_ids[:400].tolist())
+    targets = tok.decode(train_ids[:400][train_mask[:400]].tolist())
+    documents = text.split("\n")[:-1]
+    assert targets.count("\n") == len(documents) and "Q" not in targets and set(text) <= set(gpt.REASONING_CHARS)
+    for doc in documents:
+        assert not held(doc.removeprefix("Q:").split(";")[0] + "=")  # training holds no held-out problem
+    val_documents = tok.decode(val_ids[:400].tolist()).split("\n")[:-1]
+    assert val_documents and all(held(doc.removeprefix("Q:").split(";")[0] + "=") for doc in val_documents)
+    out = tmp_path / "run"
+    run_main(
+        gpt,
+        monkeypatch,
+        "--data",
+        "reasoning",
+        "--digits",
+        "1",
+        "--ops",
+        "+-",
+        "--steps",
+        "3",
+        *TINY,
+        "--max_steps",
+        "2",
+        "--eval_every",
+        "2",
+        "--eval_iters",
+        "1",
+        "--out_dir",
+        out,
+    )
+    assert (out / "ckpt.pt").exists() and json.loads((out / "config.json").read_text())["data"] == "reasoning"
