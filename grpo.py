@@ -52,7 +52,9 @@ Tasks (--task): next_token (a generated token scores 1 if it equals the true con
 --data), arithmetic (1.0 for the exact answer and a newline; --steps K: K operations evaluated left to right, solved
 one step a line, 1.0 for K well-formed lines whose last result is the answer; held out of training iff
 zlib.crc32(prompt.encode()) % 10 == 0; --reward_model trains on a learned reward and logs the exact-answer reward
-beside it), reward_model (a reward_model.py checkpoint scores completions of HH-RLHF prompts).
+beside it), reasoning (R1-Zero in miniature, docs/r1_zero.md: "Q:<expr>;" answered directly or in worked steps,
+1.0 when the last answer is the value, no format reward), reward_model (a reward_model.py checkpoint scores
+completions of HH-RLHF prompts).
 
 Where we depart from the papers, on purpose:
   - beta can warm up linearly over --kl_warmup_tokens generated tokens, and the reference is a choice
@@ -110,7 +112,7 @@ class Config:
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
 
     # task and its data
-    task: str = "next_token"  # next_token | arithmetic | reward_model
+    task: str = "next_token"  # next_token | arithmetic | reasoning | reward_model
     data: str = "shakespeare"  # next_token: shakespeare (tiny Shakespeare, shipped in data/) or a text file
     data_path: str = ""  # local copy: the tiny Shakespeare text, or HH-RLHF .jsonl/.jsonl.gz for reward_model
     reward_model: str = ""  # reward_model.py's ckpt.pt (A,B,..: an ensemble): learned reward: reward_model, arithmetic
@@ -123,6 +125,7 @@ class Config:
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
     steps: int = 1  # arithmetic: operations per problem (K), evaluated left to right, solved one step a line
+    min_steps: int = 1  # reasoning: fewest operations per problem (the most: --steps)
     format_reward: float = 0.0  # arithmetic: reward of a well-formed answer (ended by a newline) with a wrong result
     max_prompt_len: int = 96  # reward_model: prompt tokens kept (the end of the dialogue)
 
@@ -776,7 +779,7 @@ def validate(cfg):
     )
     check(0 <= cfg.ref_mixup <= 1, f"--ref_mixup must be in [0, 1] (got {cfg.ref_mixup})")
     choices = {
-        "task": ["next_token", "arithmetic", "reward_model"],
+        "task": ["next_token", "arithmetic", "reasoning", "reward_model"],
         "rm_ensemble": ["mean", "min", "uwo"],
         "tokenizer": ["gpt2", "char"],
         "reward_mode": ["plus1", "pm1"],
@@ -810,14 +813,21 @@ def validate(cfg):
         not (cfg.ref_sync_steps and cfg.reward_model),
         "--ref_sync_steps with --reward_model: the over-optimisation measures are the KL to the initial policy",
     )
-    check(cfg.steps == 1 or cfg.task == "arithmetic", "--steps is for --task arithmetic")
+    check(cfg.steps == 1 or cfg.task in ("arithmetic", "reasoning"), "--steps is for --task arithmetic, reasoning")
+    check(1 <= cfg.min_steps <= cfg.steps, f"--min_steps {cfg.min_steps}: from 1 to --steps {cfg.steps}")
+    check(
+        cfg.task != "reasoning" or cfg.init_from != "scratch",
+        "--task reasoning: warm start it (gpt.py --data reasoning)",
+    )
     # per-token rewards: next_token's, or a reward model's at each step's end (process_rewards)
     check(
         cfg.adv != "process" or cfg.task == "next_token" or (cfg.task == "arithmetic" and cfg.reward_model),
         "--adv process needs per-token rewards: --task next_token, or arithmetic with a --reward_model",
     )
     check(cfg.reference != "bigram" or cfg.task == "next_token", "--reference bigram needs a text stream (next_token)")
-    check(not (cfg.reward_model and cfg.task == "next_token"), "--reward_model: next_token is scored by the true text")
+    check(
+        not cfg.reward_model or cfg.task in ("arithmetic", "reward_model"), "--reward_model: arithmetic, reward_model"
+    )
     check(not (cfg.mask_truncated and cfg.task == "next_token"), "--mask_truncated: next_token rollouts have no end")
     check(
         cfg.rm_ensemble == "mean" or "," in cfg.reward_model,
@@ -895,6 +905,9 @@ def setup(cfg):
     elif cfg.task == "arithmetic":
         task = ArithmeticTask(cfg, tok, rt, process=adv_kind == "process")
         prompt_len = (cfg.steps + 1) * (cfg.digits + 1)  # "a*b=" (--steps K: K operations) of the longest numbers
+    elif cfg.task == "reasoning":
+        task = ReasoningTask(cfg, tok, rt)
+        prompt_len = (cfg.steps + 1) * (cfg.digits + 1) + 2  # "Q:a*b;"
     else:
         task = RewardModelTask(cfg, tok, rt)
         prompt_len = cfg.max_prompt_len
@@ -1355,7 +1368,7 @@ class ArithmeticTask:
         gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
         with rt.autocast():
             completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.n_ends
             )
         return prompts, completion, mask, (self.gold(completion, mask, answers) == 1.0).float()
 
@@ -1707,6 +1720,97 @@ def download(url, path):
 
 
 # ----- END SHARED BLOCK: tasks -----
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks of this script alone
+
+
+class ReasoningTask(ArithmeticTask):
+    """R1-Zero in miniature (docs/r1_zero.md). The prompt is "Q:<expr>;" for an
+    expression of --min_steps..--steps operations evaluated left to right, the completion ends at its newline, and
+    the reward is 1.0 when its answer (read_answer: its last "A:n", else its last step's result) is the expression's
+    value, else 0.0. No format reward: a direct answer and worked steps that reach the value score alike. The base
+    model is gpt.py's --data reasoning, which holds out the same problems (held_out of the arithmetic prompt)."""
+
+    def __init__(self, cfg, tok, rt):
+        super().__init__(cfg, tok, rt)
+        self.n_ends = 1  # the steps and the answer on one line
+        self.eval_problems = []
+        for k in range(cfg.min_steps, cfg.steps + 1):  # --eval_size draws of each number of operations
+            self.eval_problems += map(reasoning_problem, held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, k))
+
+    def sample(self, n):
+        problems = []
+        for _ in range(n):
+            k = random.randint(self.cfg.min_steps, self.cfg.steps)
+            problems.append(reasoning_problem(draw_problem(random, self.cfg.digits, self.cfg.ops, False, k)))
+        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def gold(self, completion, mask, answers):
+        """(N,) 1.0 where the completion's answer is the value, else 0.0."""
+        right = [read_answer(t) == a for t, a in zip(self.texts(completion, mask), answers)]
+        return torch.tensor(right, device=completion.device).float()
+
+    @torch.no_grad()
+    def evaluate(self, model, ref, rt, tok, step):
+        """eval/ metrics of the greedy answers to the held-out problems, eval/sample_ ones of four sampled answers a
+        problem at temperature 1: accuracy; mean length in tokens; step_share, the share that write steps (not a
+        direct "A:" answer); steps_right, the share that ended after writing every step as worked_steps does (a
+        right answer through a wrong step does not count); the accuracy within each mode; the mean length of right
+        and of wrong answers (nan: none)."""
+        metrics = {"eval/n_problems": len(self.eval_problems)}  # distinct held-out problems
+        for prefix, n, temperature in (("eval/", 1, 0.0), ("eval/sample_", 4, 1.0)):
+            _, completion, mask, exact = self.answer(model, rt, n, temperature)
+            texts = self.texts(completion, mask)
+            worked = [worked_steps(p) for p, _ in self.eval_problems for _ in range(n)]
+            steps = torch.tensor([not t.startswith("A:") and "=" in t for t in texts])  # (E n,)
+            right_steps = [t.endswith("\n") and t.split(";A:")[0].rstrip("\n") == w for t, w in zip(texts, worked)]
+            lengths = mask.sum(1).cpu()  # (E n,) the newline included
+            exact = exact.cpu()
+            right = exact > 0
+            parts = {  # metric: (values, the answers it averages over)
+                "accuracy": (exact, right | ~right),
+                "length": (lengths, right | ~right),
+                "step_share": (steps.float(), right | ~right),
+                "steps_right": (torch.tensor(right_steps).float(), right | ~right),
+                "accuracy_steps": (exact, steps),
+                "accuracy_direct": (exact, ~steps),
+                "length_right": (lengths, right),
+                "length_wrong": (lengths, ~right),
+            }
+            for name, (values, rows) in parts.items():
+                metrics[prefix + name] = values[rows].mean().item()
+        shown = [f"{p}{t!r} (answer {a})" for (p, a), t in zip(self.eval_problems[:8], texts[::4])]  # sampled
+        return metrics, "\n".join(shown)
+
+
+def reasoning_problem(problem):
+    """An arithmetic problem as the reasoning task asks it: ("7+2-5=", "7+2=9\\n9-5=4\\n") -> ("Q:7+2-5;", 4)."""
+    prompt, solution = problem
+    return f"Q:{prompt[:-1]};", int(solution.split("=")[-1])
+
+
+def read_answer(text):
+    """The answer of a reasoning completion: its last "A:n", else its last step's result (the number after its last
+    "="); None when it never ended (no newline within the horizon) or has neither."""
+    answers = re.findall(r"A:(-?\d+)", text) or re.findall(r"=(-?\d+)", text)
+    if not answers or not text.endswith("\n"):
+        return None
+    return int(answers[-1])
+
+
+def worked_steps(prompt):
+    """The steps of a reasoning prompt as gpt.py's worked documents write them: each operation's result with the
+    rest of the expression copied after it, ";" between steps: "Q:7+2-5;" -> "7+2=9-5;9-5=4"."""
+    x = int(re.match(r"Q:(\d+)", prompt).group(1))
+    operations = re.findall(r"[-+*]\d+", prompt)  # "+2", "-5"
+    steps = []
+    for i, operation in enumerate(operations):
+        result = operate(x, operation[0], int(operation[1:]))
+        steps.append(f"{x}{operation}={result}" + "".join(operations[i + 1 :]))
+        x = result
+    return ";".join(steps)
 
 
 # ----------------------------------------------------------------------------------------------------------

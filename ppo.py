@@ -1188,7 +1188,7 @@ class ArithmeticTask:
         gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
         with rt.autocast():
             completion, mask = sample_completions(
-                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.cfg.steps
+                model, prompts, self.cfg.horizon, temperature, None, self.eos_id, rt, gen, n_ends=self.n_ends
             )
         return prompts, completion, mask, (self.gold(completion, mask, answers) == 1.0).float()
 

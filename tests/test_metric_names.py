@@ -62,10 +62,11 @@ def reward_checkpoint(path, chars, task):
 @needs_bpe
 def test_every_logged_metric_name_is_documented_and_every_documented_name_is_logged(tmp_path, monkeypatch):
     """Runs of every script (gpt text and arithmetic; char_grpo; grpo next_token, arithmetic of 2 steps with a reward
-    model, --dynamic_sampling, --top_entropy_quantile and --off_policy_mask, and the reward_model task; ppo
+    model, reasoning, --dynamic_sampling, --top_entropy_quantile and --off_policy_mask, and the reward_model task; ppo
     next_token with --dual_clip and arithmetic with a reward model; dpo kto with --judge and bco_pair; reward_model
     preference, orm and prm; rookworld_grpo with --adv ema and with --value_head) log only names docs/metrics.md
     lists, and together log every name it lists."""
+    import gpt
     import grpo
 
     text = tmp_path / "text.txt"
@@ -100,6 +101,9 @@ def test_every_logged_metric_name_is_documented_and_every_documented_name_is_log
     flags = ["--dynamic_sampling", "--top_entropy_quantile", "0.5", "--off_policy_mask", "1e-3"]
     arithmetic = ["--task", "arithmetic", "--init_from", arith_init, "--reward_model", arith_rm]
     logged |= run("grpo", monkeypatch, next(out), *arithmetic, *flags, "--num_iterations", "2", "--steps", "2", *small)
+    reasoning_init = char_checkpoint(tmp_path / "reasoning.pt", gpt.REASONING_CHARS, block_size=32)
+    reasoning = ["--task", "reasoning", "--init_from", reasoning_init, "--steps", "2", "--ops", "+-"]
+    logged |= run("grpo", monkeypatch, next(out), *reasoning, *small)
     hh_task = ["--task", "reward_model", "--init_from", hh_init, "--reward_model", hh_rm, "--data_path", hh]
     logged |= run("grpo", monkeypatch, next(out), *hh_task, "--max_prompt_len", "40", *small)
     # ppo.py: next_token with the dual clip; arithmetic with a reward model
