@@ -626,7 +626,7 @@ def update_policy(run, batch, adv, beta):
         grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)  # before clipping
         run.scaler.step(run.optimizer)
         run.scaler.update()
-        run.optimizer.zero_grad(set_to_none=True)
+        run.optimizer.zero_grad()  # set_to_none, the default
     # each rank's shares are normalised by the whole step's counts: their sum over ranks is the step's value
     totals = all_reduce(torch.stack(list(sums.values())), rt)  # one collective for them all
     return dict(zip(sums, totals.tolist())), grad_norm
@@ -890,8 +890,8 @@ def setup(cfg):
     source = ckpt_path if cfg.resume else cfg.init_from
     ckpt = None  # the checkpoint loaded, if any: a resumed run's state is read from it
     if source == "scratch":  # a new model
-        chars = sorted(set(text or ARITHMETIC_CHARS))  # the text's characters, or arithmetic's
-        tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(chars)
+        # char: the text's characters, or arithmetic's
+        tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
         model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd))  # no dropout
     else:
         model, spec, ckpt = load_model(source)
@@ -1111,7 +1111,7 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
         is_end = (tokens == eos_id).float()
         mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
     pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
-    return F.pad(tokens, pad, value=eos_id if eos_id is not None else 0), F.pad(mask, pad)
+    return F.pad(tokens, pad, value=eos_id or 0), F.pad(mask, pad)  # no end token: 0
 
 
 def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
@@ -1197,17 +1197,15 @@ class NextTokenTask:
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
         C = self.cfg.context_len
-        H = self.cfg.horizon
         x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
         with rt.autocast():
             logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
-            greedy, _ = generate(model, x[:, :C], H, temperature=0)
+            greedy, _ = generate(model, x[:, :C], self.cfg.horizon, temperature=0)
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
         acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
         match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        metrics = {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}
-        return metrics, text
+        return {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}, text
 
 
 def sample_windows(ids, n, context_len, horizon):
@@ -1342,9 +1340,9 @@ class ArithmeticTask:
         }
         if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
             metrics.update(step_metrics(self.eval_problems, texts, exact))
-        if self.rm is not None:  # the proxy's view of the same greedy answers
+        if self.proxy:  # the reward model's view of the same greedy answers
             metrics["eval/rm_score"] = self.score(prompts, completion, mask, None).mean().item()
-        if ref is not None and (self.rm is not None or self.cfg.steps > 1):
+        if ref is not None and (self.proxy or self.cfg.steps > 1):
             # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
             # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
             # places), to pick a peak on one half and report it on the other. With --steps K > 1 a gold-reward run
@@ -1354,7 +1352,7 @@ class ArithmeticTask:
             metrics["eval/sample_accuracy"] = exact.mean().item()
             metrics["eval/sample_accuracy_a"] = per_problem[0::2].mean().item()
             metrics["eval/sample_accuracy_b"] = per_problem[1::2].mean().item()
-            if self.rm is not None:
+            if self.proxy:
                 metrics["eval/sample_rm_score"] = self.score(prompts, completion, mask, None).mean().item()
             metrics["eval/sample_kl"] = completion_kl(model, ref, prompts, completion, mask).mean().item()
         return metrics, "\n".join(shown)
@@ -1538,15 +1536,14 @@ class RewardModelTask:
         prompts = self.eval_set
         gen = torch.Generator(rt.device).manual_seed(0)  # the same sampling noise at every evaluation
         # the sampling distribution (temperature, top_k); the reference at the same temperature over every token
-        H = self.cfg.horizon
         T = self.cfg.temperature
-        top_k = self.cfg.top_k or None
+        top_k = self.cfg.top_k  # 0: the whole vocabulary
         with rt.autocast():
-            completion, mask = sample_completions(model, prompts, H, T, top_k, self.eos_id, rt, gen)
+            completion, mask = sample_completions(model, prompts, self.cfg.horizon, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             kl = completion_kl(model, ref, prompts, completion, mask, T, top_k)  # (E,)
         shown = []
-        for p, t, m, s in zip(prompts[:4], completion[:4].cpu(), mask[:4].cpu(), scores[:4].tolist()):
+        for p, t, m, s in zip(prompts[:4], completion.cpu(), mask.cpu(), scores.tolist()):  # the first four
             shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
         metrics = {
             "eval/rm_score": scores.mean().item(),
@@ -1654,7 +1651,7 @@ def frozen_reward_model(cfg, tok, rt, longest):
     return rm.to(rt.device), task
 
 
-def ensemble_scores(scores, kind="mean", uwo_lambda=0.5):
+def ensemble_scores(scores, kind, uwo_lambda):
     """The scores (K, N) of K reward models combined into one (N,) (Coste et al. 2023, arXiv:2310.02743): mean, the
     members' mean; min, worst-case optimisation (WCO); uwo, uncertainty-weighted optimisation: the mean minus
     uwo_lambda times the members' variance, the population variance (divided by K, not K - 1). Any trailing shape
@@ -1769,11 +1766,12 @@ class ReasoningTask(ArithmeticTask):
             lengths = mask.sum(1).cpu()  # (E n,) the newline included
             exact = exact.cpu()
             right = exact > 0
+            every = torch.ones_like(right)
             parts = {  # metric: (values, the answers it averages over)
-                "accuracy": (exact, right | ~right),
-                "length": (lengths, right | ~right),
-                "step_share": (steps.float(), right | ~right),
-                "steps_right": (torch.tensor(right_steps).float(), right | ~right),
+                "accuracy": (exact, every),
+                "length": (lengths, every),
+                "step_share": (steps.float(), every),
+                "steps_right": (torch.tensor(right_steps).float(), every),
                 "accuracy_steps": (exact, steps),
                 "accuracy_direct": (exact, ~steps),
                 "length_right": (lengths, right),
