@@ -14,6 +14,7 @@ PAGES = [f"docs/{name}.md" for name in SCRIPTS] + [
     "docs/performance.md",
     "docs/faults.md",
     "docs/metrics.md",
+    "docs/r1_zero.md",
 ]
 # words of the project's own process: issue numbers, its contract's sections, its size budgets, paths outside it
 PROCESS_WORDS = re.compile(r"\bissues? #?\d+|(?<![\w/&])#\d+\b|\bSPEC\b|token budget|\.\./shared")
