@@ -85,7 +85,7 @@ class Config:
     group_size: int = 8  # rollouts per context (a group)
     temperature: float = 1.0  # sampling temperature of rollouts
     # reward and advantages
-    reward_mode: str = "plus1"  # plus1: 1 per correct character, else 0 | pm1: +1 correct, -1 wrong
+    reward_mode: str = "plus1"  # plus1: 1 per correct character, else 0 | pm1: +1 correct, -1 wrong | none: no reward
     partial_logprob: float = 0.0  # w: add w * log p(true char | rollout prefix) to every character's reward
     adv: str = "process"  # process: per-character returns of normalised rewards | group: per-rollout (outcome)
     scale_rewards: str = "group"  # --adv group's std: group | batch | none (Dr. GRPO: no std scaling)
@@ -110,6 +110,7 @@ class Config:
     # the supervised baseline
     supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and number of characters
     compare: bool = False  # run GRPO, then the supervised baseline; final_results.json holds both
+    eval_reference: bool = False  # train nothing: evaluate the bigram reference itself, as a model is evaluated
     # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
     eval_size: int = 256  # val windows per evaluation
@@ -273,6 +274,8 @@ def grpo_step(cfg, run, rt):
     mask = batch["mask"]
     # 2. reward: one per character
     rewards = token_rewards(completion, truth, cfg.reward_mode, batch["logp_true"], cfg.partial_logprob)  # (N, H)
+    if cfg.reward_mode == "none":  # the control without reward: every advantage is 0, the KL term alone trains
+        rewards = torch.zeros_like(rewards)
     # 3. advantage
     if cfg.adv == "process":
         adv = process_advantages(rewards, mask, G)  # (N, H)
@@ -519,8 +522,33 @@ def evaluate_chars(cfg, run, rt, step):
         with open(os.path.join(run.out_dir, "samples.txt"), "a") as f:
             f.write(f"--- step {step} (context|sample)\n{text}\n")
     acc = (logits.argmax(-1) == x[:, 1:]).float().mean().item()
-    greedy_match = (greedy == x[:, C:]).float().mean().item()
-    return {"eval/next_token_acc": acc, "eval/bpc": nll.item() / math.log(2), "eval/greedy_match": greedy_match}
+    return {"eval/next_token_acc": acc, "eval/bpc": nll.item() / math.log(2), **greedy_metrics(run, greedy, x[:, C:])}
+
+
+def greedy_metrics(run, greedy, truth):
+    """eval/greedy_match, the share of greedy characters (E, H) equal to the truth (E, H) at their offset, and
+    eval/greedy_space_frac, the share of them that are spaces (the cheap optimum of a per-character reward)."""
+    space = run.tok.encode(" ")[0] if " " in run.tok.chars else -1
+    return {
+        "eval/greedy_match": (greedy == truth).float().mean().item(),
+        "eval/greedy_space_frac": (greedy == space).float().mean().item(),
+    }
+
+
+def evaluate_bigram(cfg, run, rt):
+    """evaluate_chars's metrics of the bigram reference itself, on the same windows: its most likely character
+    after each one (teacher-forced), its bits per character, and greedy rollouts that follow its most likely
+    character from the context's last."""
+    C = cfg.context_len
+    x = run.eval_x.to(rt.device)  # (E, C+H)
+    logp = run.ref_table[x[:, :-1]]  # (E, C+H-1, V): log p(next | previous)
+    nll = -logp.gather(-1, x[:, 1:, None]).mean()
+    chars = [x[:, C - 1]]
+    for _ in range(cfg.horizon):
+        chars.append(run.ref_table[chars[-1]].argmax(-1))
+    greedy = torch.stack(chars[1:], 1)  # (E, H)
+    acc = (logp.argmax(-1) == x[:, 1:]).float().mean().item()
+    return {"eval/next_token_acc": acc, "eval/bpc": nll.item() / math.log(2), **greedy_metrics(run, greedy, x[:, C:])}
 
 
 def plot_compare(out_dir, runs):
@@ -598,7 +626,7 @@ def validate(cfg):
     # k1 as a loss term: its expected gradient on-policy is zero (E[grad log pi] = 0)
     check(cfg.kl_estimator != "k1", "--kl_estimator k1: as a loss term its expected gradient is zero; use k2 or k3")
     choices = {
-        "reward_mode": ("plus1", "pm1"),
+        "reward_mode": ("plus1", "pm1", "none"),
         "adv": ("process", "group"),
         "kl_estimator": ("k2", "k3"),
         "scale_rewards": ("group", "batch", "none"),
@@ -608,6 +636,11 @@ def validate(cfg):
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
     check(not (cfg.compare and cfg.supervised), "--compare already runs the supervised baseline; drop --supervised")
+    check(
+        not (cfg.reward_mode == "none" and cfg.reference == "none"), "--reward_mode none needs a --reference to train"
+    )
+    check(not cfg.eval_reference or cfg.reference == "bigram", "--eval_reference evaluates --reference bigram")
+    check(not (cfg.eval_reference and cfg.compare), "--eval_reference trains nothing; drop --compare")
 
 
 def build_run(cfg, out_dir, rt):
@@ -712,11 +745,17 @@ def train(cfg, out_dir, rt):
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
     t_start = time.time()
     last_eval = {}
-    for step in range(run.start_step, cfg.max_steps + 1):
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+    max_steps = cfg.max_steps
+    if cfg.eval_reference:  # the reference's metrics at step 0, nothing trained
+        max_steps = 0
+    for step in range(run.start_step, max_steps + 1):
+        if cfg.eval_reference:
+            last_eval = evaluate_bigram(cfg, run, rt)
+        elif step % cfg.eval_every == 0 or step == max_steps:
             last_eval = evaluate_chars(cfg, run, rt, step)
+        if step % cfg.eval_every == 0 or step == max_steps:
             logger.log(step, {**last_eval, "rl/tokens": run.tokens})
-        if step == cfg.max_steps:
+        if step == max_steps:
             break
         t0 = time.time()
         lr = cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
@@ -740,9 +779,14 @@ def train(cfg, out_dir, rt):
             save_char_run(cfg, run, rt, step + 1)
         if stop_requested:
             stop.exit(step + 1, out_dir, rt)
-    save_char_run(cfg, run, rt, cfg.max_steps)
+    save_char_run(cfg, run, rt, max_steps)
     logger.close()
-    results = {"mode": "supervised" if cfg.supervised else "grpo", "steps": cfg.max_steps, "tokens": run.tokens}
+    mode = "grpo"
+    if cfg.supervised:
+        mode = "supervised"
+    if cfg.eval_reference:
+        mode = "bigram"
+    results = {"mode": mode, "steps": max_steps, "tokens": run.tokens}
     results["wall_time_s"] = time.time() - t_start
     for name, value in last_eval.items():  # next_token_acc, bpc, greedy_match
         results[name.removeprefix("eval/")] = value
