@@ -25,12 +25,12 @@ grpo.py's: the rollout's mean reward, normalised within the group). Where we dep
   - `--loss_type` swaps the GRPO aggregation for DAPO, Dr. GRPO, GSPO, CISPO or REINFORCE (see policy_loss); GSPO's
     clip range defaults to the paper's 3e-4 / 4e-4 (its length-normalised sequence ratio never leaves 1 +- 0.2).
 `--supervised` trains the same model on the same data and number of characters with cross-entropy on the true
-continuations (the baseline); `--compare` runs GRPO, then the baseline, and writes both into final_results.json.
+continuations (the baseline); `--eval_reference` evaluates the bigram reference itself, as the models are.
 The model and the losses are hand-written on purpose: reading them is the point.
 
 Commands:
     python char_grpo.py                                         # tiny Shakespeare, a few minutes on a laptop CPU
-    python char_grpo.py --compare                               # GRPO, then the supervised baseline, same budget
+    python char_grpo.py --supervised                            # the supervised baseline, the same characters
     python char_grpo.py --device cuda --n_layer 6 --n_embd 384 --batch_size 64 --max_steps 2000   # one GPU
     torchrun --standalone --nproc_per_node=8 char_grpo.py --batch_size 32 --max_steps 2000          # 8 GPUs
 
@@ -109,7 +109,6 @@ class Config:
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     # the supervised baseline
     supervised: bool = False  # baseline: cross-entropy on the true continuations, same data and number of characters
-    compare: bool = False  # run GRPO, then the supervised baseline; final_results.json holds both
     eval_reference: bool = False  # train nothing: evaluate the bigram reference itself, as a model is evaluated
     # evaluation, logging, checkpoints
     eval_every: int = 25  # steps between evaluations
@@ -551,21 +550,6 @@ def evaluate_bigram(cfg, run, rt):
     return {"eval/next_token_acc": acc, "eval/bpc": nll.item() / math.log(2), **greedy_metrics(run, greedy, x[:, C:])}
 
 
-def plot_compare(out_dir, runs):
-    """compare.png: val next-char accuracy and greedy match against characters generated (GRPO) or trained on
-    (supervised)."""
-    from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
-
-    fig = Figure(figsize=(10, 3.5), layout="tight")
-    for ax, key in zip(fig.subplots(1, 2), ("eval/next_token_acc", "eval/greedy_match")):
-        for name, folder in runs.items():
-            rows = [r for r in read_metrics(os.path.join(folder, "metrics.jsonl")) if key in r]
-            ax.plot([r["rl/tokens"] for r in rows], [r[key] for r in rows], marker=".", label=name)
-        ax.set(title=key, xlabel="characters (generated or trained on)")
-        ax.legend()
-    fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Setup, the training loop, main() and their helpers.
 
@@ -635,20 +619,18 @@ def validate(cfg):
     }
     for name, allowed in choices.items():
         check(getattr(cfg, name) in allowed, f"--{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    check(not (cfg.compare and cfg.supervised), "--compare already runs the supervised baseline; drop --supervised")
     check(
         not (cfg.reward_mode == "none" and cfg.reference == "none"), "--reward_mode none needs a --reference to train"
     )
     check(not cfg.eval_reference or cfg.reference == "bigram", "--eval_reference evaluates --reference bigram")
-    check(not (cfg.eval_reference and cfg.compare), "--eval_reference trains nothing; drop --compare")
+    check(not (cfg.eval_reference and cfg.supervised), "--eval_reference trains nothing; drop --supervised")
 
 
 def build_run(cfg, out_dir, rt):
     """Everything a run holds (a namespace): data, tokenizer, policy (new, --init_from, or the resumed run's), the
     frozen reference, optimizer and loss scale; a resumed run's optimizer, loss scale, RNG streams, step, tokens."""
     run = argparse.Namespace(out_dir=out_dir, ckpt_path=os.path.join(out_dir, "ckpt.pt"), start_step=0, tokens=0)
-    resume = cfg.resume and os.path.exists(run.ckpt_path)  # --compare's baseline may not have started yet
-    source = run.ckpt_path if resume else cfg.init_from
+    source = run.ckpt_path if cfg.resume else cfg.init_from
     model = spec = ckpt = None  # scratch: a new model below, on the text's own vocabulary
     if source != "scratch":
         model, spec, ckpt = load_model(source)
@@ -693,13 +675,13 @@ def build_run(cfg, out_dir, rt):
             torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
             run.ref_model = GPT(model.config).to(rt.device).eval().requires_grad_(False)
         if cfg.reference == "init":
-            run.ref_model.load_state_dict(ckpt["reference"] if resume else model.state_dict())
+            run.ref_model.load_state_dict(ckpt["reference"] if cfg.resume else model.state_dict())
 
     run.raw = model  # unwrapped: sampling, evaluation, checkpoints
     run.policy = wrap_model(model, rt, cfg.compile)  # DDP / FSDP / compiled: the training forward
     run.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)
     run.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    if resume:
+    if cfg.resume:
         load_optimizer_state(model, run.optimizer, ckpt["optimizer"], rt)
         # float16 runs' loss scale; a checkpoint without one (older, or another dtype) keeps the fresh scaler's
         run.scaler.load_state_dict(ckpt.get("scaler") or run.scaler.state_dict())
@@ -800,17 +782,7 @@ def main():
     validate(cfg)
     rt = setup_runtime(cfg)
     out_dir = prepare_out_dir(cfg, "char_grpo", rt)
-    if not cfg.compare:
-        train(cfg, out_dir, rt)
-    else:
-        runs = {"grpo": out_dir, "supervised": os.path.join(out_dir, "supervised")}
-        settings = {name: dataclasses.replace(cfg, supervised=name == "supervised", compare=False) for name in runs}
-        results = {name: train(settings[name], folder, rt) for name, folder in runs.items()}
-        if rt.master:
-            Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))
-            plot_compare(out_dir, runs)
-            for name, r in results.items():  # val next-char accuracy, bpc, greedy match, characters, seconds
-                print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k != "mode"))
+    train(cfg, out_dir, rt)
     cleanup(rt)
 
 
