@@ -724,6 +724,13 @@ def train(cfg, out_dir, rt):
     stop = GracefulExit()
     run = build_run(cfg, out_dir, rt)
     save_config(cfg, out_dir, rt)  # every input is checked: from here on the run folder is written
+    mode = "grpo"
+    if cfg.supervised:
+        mode = "supervised"
+    if cfg.eval_reference:
+        mode = "bigram"
+    if rt.master:
+        print_start(run.raw, rt, out_dir, f"{mode}, vocab {run.tok.vocab_size}, reference {cfg.reference}")
     logger = Logger(cfg, out_dir, rt, cfg.max_steps, run.start_step)
     t_start = time.time()
     last_eval = {}
@@ -763,17 +770,14 @@ def train(cfg, out_dir, rt):
             stop.exit(step + 1, out_dir, rt)
     save_char_run(cfg, run, rt, max_steps)
     logger.close()
-    mode = "grpo"
-    if cfg.supervised:
-        mode = "supervised"
-    if cfg.eval_reference:
-        mode = "bigram"
     results = {"mode": mode, "steps": max_steps, "tokens": run.tokens}
     results["wall_time_s"] = time.time() - t_start
     for name, value in last_eval.items():  # next_token_acc, bpc, greedy_match
         results[name.removeprefix("eval/")] = value
     if rt.master:
         Path(out_dir, "final_results.json").write_text(json.dumps(results, indent=2))
+        summary = f"next-char accuracy {results['next_token_acc']:.3f}, {results['bpc']:.2f} bits per character"
+        print_end(summary, out_dir, results["wall_time_s"])
     return results
 
 
@@ -1146,7 +1150,7 @@ def parse_config(cls, argv=None):
     """Build the command line from a Config dataclass: each field is a flag and its comment is the help. With
     --resume, the run's saved settings (out_dir/config.json), overridden by the flags given now."""
     helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
-    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
+    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]  # the first paragraph (argparse rewraps it)
     parser = _ArgParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     for f in dataclasses.fields(cls):
         kw = dict(default=f.default, help=helps.get(f.name, " "))
@@ -1353,6 +1357,17 @@ class GracefulExit:
             note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
         cleanup(rt)
         sys.exit(128 + self.agreed)
+
+
+def print_start(model, rt, out_dir, details):
+    """A run's first line, alike in every script: the model's size, the processes and device, what the run does, and
+    its run folder."""
+    print(f"{model.num_params() / 1e6:.2f}M parameters, {rt.world_size} x {rt.device}, {details}; run folder {out_dir}")
+
+
+def print_end(summary, out_dir, seconds):
+    """A run's last line, alike in every script: its headline metrics, its run folder and its wall time."""
+    print(f"{summary}; run folder {out_dir}; {seconds:.0f} s")
 
 
 def note(message):
@@ -1627,23 +1642,31 @@ def read_metrics(path):
         return [r for r in map(json_or_none, f) if "step" in r]
 
 
+def curve_panels(rows):
+    """The panels of training_curves.png, each a list of metric names: the losses (training and held-out on one
+    panel), the reward, the KL to the reference, and the first held-out metric besides the losses. A metric that
+    was never logged, or never changed, is left out, and so is a panel left empty."""
+    changed = [k for k in dict.fromkeys(k for r in rows for k in r) if len({r[k] for r in rows if k in r}) > 1]
+    losses = [k for k in ("train/loss", "eval/train_loss", "eval/val_loss", "eval/loss") if k in changed]
+    held_out = [k for k in changed if k.startswith("eval/") and k not in losses]
+    rl = [[k] for k in ("rl/reward_mean", "rl/kl") if k in changed]
+    return [keys for keys in (losses, *rl, held_out[:1]) if keys]
+
+
 def plot_curves(metrics_path, png_path):
-    """One panel per logged metric (perf/ excluded), against the step."""
+    """training_curves.png: curve_panels' panels in a row against the step, each labelled by its first metric."""
     from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
     rows = read_metrics(metrics_path)
-    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
-    if not keys:
+    panels = curve_panels(rows)
+    if not panels:
         return
-    cols = min(3, len(keys))
-    n_rows = math.ceil(len(keys) / 3)
-    fig = Figure(figsize=(4.5 * cols, 3 * n_rows), layout="tight")
-    for ax, key in zip(fig.subplots(n_rows, cols, squeeze=False).flat, keys):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".")
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    for ax in fig.axes[len(keys) :]:
-        ax.axis("off")
+    fig = Figure(figsize=(4.5 * len(panels), 3.2), layout="tight")
+    for ax, keys in zip(fig.subplots(1, len(panels), squeeze=False).flat, panels):
+        for key in keys:
+            ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".", label=key)
+        ax.set(xlabel="step", ylabel=keys[0])
+        ax.legend(fontsize=8)
     fig.savefig(png_path, dpi=100)
 
 

@@ -692,15 +692,20 @@ def model_and_tokenizer(cfg, ckpt):
 def write_samples(model, tok, cfg, rt, out_dir, problems):
     """samples.txt: --num_samples continuations of --sample_prompt (every rank takes part: under FSDP the forward
     is collective), by generate() or, for a denoiser, denoise_generate(); with held-out arithmetic problems, each
-    problem and the model's greedy answer instead, one a line ("17+25=42"). Returns the texts and the sampling speed
-    (generated tokens per second)."""
+    problem and the model's greedy answer instead, one a line ("17+25=42"), under a header line; a wrong answer is
+    followed by "  # wrong: " and the right one. Returns the texts and the sampling speed (generated tokens per
+    second)."""
     if problems:
         t0 = time.time()
-        answers, _ = arithmetic_answers(model, tok, problems, cfg, rt)
+        answers, exact = arithmetic_answers(model, tok, problems, cfg, rt)
         n_tokens = sum(len(tok.encode(a)) + 1 for a in answers)  # each answer and its end token
         texts = [p + a.replace("\n", "\\n") for (p, _), a in zip(problems, answers)]  # one a line: BPE has "\n\n"
+        for i, (_, answer) in enumerate(problems):
+            if not exact[i]:
+                texts[i] += "  # wrong: " + answer.strip().replace("\n", "\\n")
         if rt.master:
             with open(os.path.join(out_dir, "samples.txt"), "w") as f:
+                f.write(f"# greedy answers to the {len(problems)} held-out problems, sorted; {sum(exact)} right\n")
                 f.write("\n".join(texts) + "\n")
         return texts, n_tokens / (time.time() - t0)
     if cfg.num_samples == 0:  # none asked for: no samples.txt
@@ -848,10 +853,7 @@ def main():
     fixed = torch.Generator().manual_seed(0)  # the same evaluation batches at every evaluation
     eval_batches = {name: [batch(data, "cpu", fixed) for _ in range(cfg.eval_iters)] for name, data in splits.items()}
     if rt.master:
-        print(
-            f"{raw_model.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}, device {rt.device}, "
-            f"{rt.world_size} process(es), out_dir {out_dir}"
-        )
+        print_start(raw_model, rt, out_dir, f"vocab {tok.vocab_size}, data {cfg.data}")
 
     model_config = {**dataclasses.asdict(raw_model.config), **raw_model.variant}  # a variant's fields: see make_model
 
@@ -930,12 +932,11 @@ def main():
             results["n_problems"] = len(problems)
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        accuracy = ""
+        print("\n".join(texts[:5] if problems else texts[:1]))  # the first of samples.txt
+        summary = f"val loss {results['final_val_loss']:.4f}"
         if problems:
-            accuracy = f"accuracy {results['final_accuracy']:.3f} on {len(problems)} held-out problems; "
-        where = f"samples in {out_dir}/samples.txt" if texts else "no samples (--num_samples 0)"
-        print(f"val loss {results['final_val_loss']:.4f}; {accuracy}{where}\n")
-        print("\n".join(texts[:5] if problems else texts[:1]))
+            summary += f", accuracy {results['final_accuracy']:.3f} on {len(problems)} held-out problems"
+        print_end(summary, out_dir, results["wall_time_s"])
     cleanup(rt)
 
 
@@ -1309,7 +1310,7 @@ def parse_config(cls, argv=None):
     """Build the command line from a Config dataclass: each field is a flag and its comment is the help. With
     --resume, the run's saved settings (out_dir/config.json), overridden by the flags given now."""
     helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
-    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
+    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]  # the first paragraph (argparse rewraps it)
     parser = _ArgParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     for f in dataclasses.fields(cls):
         kw = dict(default=f.default, help=helps.get(f.name, " "))
@@ -1516,6 +1517,17 @@ class GracefulExit:
             note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
         cleanup(rt)
         sys.exit(128 + self.agreed)
+
+
+def print_start(model, rt, out_dir, details):
+    """A run's first line, alike in every script: the model's size, the processes and device, what the run does, and
+    its run folder."""
+    print(f"{model.num_params() / 1e6:.2f}M parameters, {rt.world_size} x {rt.device}, {details}; run folder {out_dir}")
+
+
+def print_end(summary, out_dir, seconds):
+    """A run's last line, alike in every script: its headline metrics, its run folder and its wall time."""
+    print(f"{summary}; run folder {out_dir}; {seconds:.0f} s")
 
 
 def note(message):
@@ -1790,23 +1802,31 @@ def read_metrics(path):
         return [r for r in map(json_or_none, f) if "step" in r]
 
 
+def curve_panels(rows):
+    """The panels of training_curves.png, each a list of metric names: the losses (training and held-out on one
+    panel), the reward, the KL to the reference, and the first held-out metric besides the losses. A metric that
+    was never logged, or never changed, is left out, and so is a panel left empty."""
+    changed = [k for k in dict.fromkeys(k for r in rows for k in r) if len({r[k] for r in rows if k in r}) > 1]
+    losses = [k for k in ("train/loss", "eval/train_loss", "eval/val_loss", "eval/loss") if k in changed]
+    held_out = [k for k in changed if k.startswith("eval/") and k not in losses]
+    rl = [[k] for k in ("rl/reward_mean", "rl/kl") if k in changed]
+    return [keys for keys in (losses, *rl, held_out[:1]) if keys]
+
+
 def plot_curves(metrics_path, png_path):
-    """One panel per logged metric (perf/ excluded), against the step."""
+    """training_curves.png: curve_panels' panels in a row against the step, each labelled by its first metric."""
     from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
     rows = read_metrics(metrics_path)
-    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
-    if not keys:
+    panels = curve_panels(rows)
+    if not panels:
         return
-    cols = min(3, len(keys))
-    n_rows = math.ceil(len(keys) / 3)
-    fig = Figure(figsize=(4.5 * cols, 3 * n_rows), layout="tight")
-    for ax, key in zip(fig.subplots(n_rows, cols, squeeze=False).flat, keys):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".")
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    for ax in fig.axes[len(keys) :]:
-        ax.axis("off")
+    fig = Figure(figsize=(4.5 * len(panels), 3.2), layout="tight")
+    for ax, keys in zip(fig.subplots(1, len(panels), squeeze=False).flat, panels):
+        for key in keys:
+            ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".", label=key)
+        ax.set(xlabel="step", ylabel=keys[0])
+        ax.legend(fontsize=8)
     fig.savefig(png_path, dpi=100)
 
 

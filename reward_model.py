@@ -991,9 +991,8 @@ def main():
     eval_problems = [step_problems(cfg.task, ex)[0] for ex in val_text]  # each held-out row's problem (or prompt)
     problems = len(set(eval_problems))  # distinct held-out problems (or prompts)
     if rt.master:
-        model_size = f"{raw.body.num_params() / 1e6:.2f}M parameters, vocab {tok.vocab_size}"
         data_size = f"{cfg.task}, {len(train_data)} train / {len(eval_data)} held-out ({problems} distinct problems)"
-        print(f"{model_size}, {data_size}, {rt.world_size} process(es) on {rt.device}, out_dir {out_dir}")
+        print_start(raw.body, rt, out_dir, f"vocab {tok.vocab_size}, {data_size}")
     if rt.master and cfg.task != "preference" and cfg.init_from == "scratch":
         note(
             "a model from scratch cannot do arithmetic, so this reward model stays near chance; start from one that"
@@ -1044,6 +1043,8 @@ def main():
         }
         with open(os.path.join(out_dir, "final_results.json"), "w") as f:
             json.dump(results, f, indent=2)
+        summary = f"{cfg.task}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in last_eval.items())
+        print_end(summary, out_dir, results["wall_time_s"])
     cleanup(rt)
 
 
@@ -1059,10 +1060,13 @@ def best_of_n(cfg, rt, out_dir):
     probability that each answer is right (orm: sigmoid of its score; prm: the --prm_aggregate). kl: best_of_n_kl
     of the distinct answers sampled, p(y) the policy's probability of y's tokens (the newlines included), the rest
     (uncovered: its mean) one answer ranked lowest. Every rank computes the same; rank 0 writes and prints."""
+    t_start = time.time()
     verifier, spec, task = load_reward_model(cfg.init_from)
     check(task in ("orm", "prm"), f"--best_of needs an arithmetic verifier (--task orm or prm), not a {task} model")
     policy, policy_spec, _ = load_model(cfg.policy)
     check(policy_spec == spec, f"--policy {cfg.policy}: its tokenizer is not the verifier's")
+    if rt.master:
+        print_start(policy, rt, out_dir, f"best-of-{cfg.best_of} under the {task} {cfg.init_from}")
     tok = get_tokenizer(spec)
     policy.to(rt.device)  # dropout 0: train and eval mode agree
     verifier.to(rt.device)
@@ -1143,9 +1147,10 @@ def best_of_n(cfg, rt, out_dir):
         save_config(cfg, out_dir, rt)
         with open(os.path.join(out_dir, "best_of_n.json"), "w") as f:
             json.dump(results, f, indent=2)
-        print(f"best-of-n of {cfg.policy} on {E} held-out problems, {N} answers each (uncovered {uncovered:.4f}):")
         for row in results:  # a row per n, as best_of_n.json holds them
             print(json.dumps(row))
+        summary = f"best-of-n on {E} held-out problems, {N} answers each (uncovered {uncovered:.4f})"
+        print_end(summary, out_dir, time.time() - t_start)
 
 
 def solution_scores(verifier, tok, task, pairs, aggregate="prod", device="cpu"):
@@ -1540,7 +1545,7 @@ def parse_config(cls, argv=None):
     """Build the command line from a Config dataclass: each field is a flag and its comment is the help. With
     --resume, the run's saved settings (out_dir/config.json), overridden by the flags given now."""
     helps = dict(re.findall(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
-    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
+    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]  # the first paragraph (argparse rewraps it)
     parser = _ArgParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     for f in dataclasses.fields(cls):
         kw = dict(default=f.default, help=helps.get(f.name, " "))
@@ -1747,6 +1752,17 @@ class GracefulExit:
             note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
         cleanup(rt)
         sys.exit(128 + self.agreed)
+
+
+def print_start(model, rt, out_dir, details):
+    """A run's first line, alike in every script: the model's size, the processes and device, what the run does, and
+    its run folder."""
+    print(f"{model.num_params() / 1e6:.2f}M parameters, {rt.world_size} x {rt.device}, {details}; run folder {out_dir}")
+
+
+def print_end(summary, out_dir, seconds):
+    """A run's last line, alike in every script: its headline metrics, its run folder and its wall time."""
+    print(f"{summary}; run folder {out_dir}; {seconds:.0f} s")
 
 
 def note(message):
@@ -2021,23 +2037,31 @@ def read_metrics(path):
         return [r for r in map(json_or_none, f) if "step" in r]
 
 
+def curve_panels(rows):
+    """The panels of training_curves.png, each a list of metric names: the losses (training and held-out on one
+    panel), the reward, the KL to the reference, and the first held-out metric besides the losses. A metric that
+    was never logged, or never changed, is left out, and so is a panel left empty."""
+    changed = [k for k in dict.fromkeys(k for r in rows for k in r) if len({r[k] for r in rows if k in r}) > 1]
+    losses = [k for k in ("train/loss", "eval/train_loss", "eval/val_loss", "eval/loss") if k in changed]
+    held_out = [k for k in changed if k.startswith("eval/") and k not in losses]
+    rl = [[k] for k in ("rl/reward_mean", "rl/kl") if k in changed]
+    return [keys for keys in (losses, *rl, held_out[:1]) if keys]
+
+
 def plot_curves(metrics_path, png_path):
-    """One panel per logged metric (perf/ excluded), against the step."""
+    """training_curves.png: curve_panels' panels in a row against the step, each labelled by its first metric."""
     from matplotlib.figure import Figure  # no pyplot: no display backend, no global figure state
 
     rows = read_metrics(metrics_path)
-    keys = sorted({k for r in rows for k in r if k != "step" and not k.startswith("perf/")})
-    if not keys:
+    panels = curve_panels(rows)
+    if not panels:
         return
-    cols = min(3, len(keys))
-    n_rows = math.ceil(len(keys) / 3)
-    fig = Figure(figsize=(4.5 * cols, 3 * n_rows), layout="tight")
-    for ax, key in zip(fig.subplots(n_rows, cols, squeeze=False).flat, keys):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".")
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    for ax in fig.axes[len(keys) :]:
-        ax.axis("off")
+    fig = Figure(figsize=(4.5 * len(panels), 3.2), layout="tight")
+    for ax, keys in zip(fig.subplots(1, len(panels), squeeze=False).flat, panels):
+        for key in keys:
+            ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), marker=".", label=key)
+        ax.set(xlabel="step", ylabel=keys[0])
+        ax.legend(fontsize=8)
     fig.savefig(png_path, dpi=100)
 
 

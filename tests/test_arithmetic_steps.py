@@ -516,12 +516,14 @@ def test_gpt_sft_on_k_step_problems_evaluates_and_writes_k_line_answers(k2_polic
     ]
     assert evals[-1]["eval/accuracy"] == pytest.approx(sum(exact) / len(problems))
     assert sum(a is not None for a in answers) > len(answers) / 2  # most answers reach their second newline
-    lines = (k2_policy / "samples.txt").read_text().splitlines()
+    lines = (k2_policy / "samples.txt").read_text().splitlines()[1:]  # under the header line
     assert len(lines) == len(problems)
-    for line, (prompt, _), answer in zip(lines, problems, answers):
+    for line, (prompt, right), answer, ok in zip(lines, problems, answers, exact):
+        written, _, wrong = line.partition("  # wrong: ")
         assert line.startswith(prompt)
+        assert wrong == ("" if ok else right.strip().replace("\n", "\\n"))
         if answer is not None:
-            assert line == prompt + answer.replace("\n", "\\n") and answer.count("\n") == 1
+            assert written == prompt + answer.replace("\n", "\\n") and answer.count("\n") == 1
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writ
 ):
     """A tiny SFT run: every evaluation logs eval/accuracy in [0, 1] and eval/n_problems, the distinct held-out
     problems of grpo.py's evaluation draw; the final accuracy (final_results.json) equals greedy decoding + exact
-    match recomputed here on ckpt.pt, and samples.txt holds each problem with the model's greedy answer."""
+    match recomputed here on ckpt.pt, and samples.txt holds each problem with the model's greedy answer, a wrong one marked."""
     out = tmp_path / "run"
     args = [*FLAGS, *TINY, "--max_steps", "60", "--eval_every", "30", "--eval_iters", "2", "--lr", "1e-2"]
     run_main(gpt, monkeypatch, *args, "--warmup_steps", "5", "--out_dir", out)
@@ -62,12 +62,15 @@ def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writ
     assert results["final_accuracy"] == evals[-1]["eval/accuracy"] == sum(exact) / len(problems)
     assert results["n_problems"] == len(problems)
 
-    lines = (out / "samples.txt").read_text().splitlines()
+    header, *lines = (out / "samples.txt").read_text().splitlines()
+    assert header == f"# greedy answers to the {len(problems)} held-out problems, sorted; {sum(exact)} right"
     assert len(lines) == len(problems)
-    for line, (prompt, _), answer in zip(lines, problems, answers):
+    for line, (prompt, right), answer, ok in zip(lines, problems, answers, exact):
+        written, _, wrong = line.partition("  # wrong: ")
         assert line.startswith(prompt) and held(prompt)
+        assert wrong == ("" if ok else right.strip())  # a wrong answer is marked, with the right one
         if answer is not None:  # an answer that ended within the horizon is written whole
-            assert line == prompt + answer
+            assert written == prompt + answer
 
 
 def test_eval_problems_are_grpo_step0_evaluation_problems():
