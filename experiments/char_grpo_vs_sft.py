@@ -18,10 +18,12 @@ table as it is. --quick runs a one-layer model for 4 steps.
 
 import os
 
-from common import ROOT, fmt, final_results, mean_se, metrics, parse_args, print_table, run
+from common import ROOT, final_results, fmt, mean_se, metrics, parse_args, print_table, run
 
 args = parse_args(
-    "char_grpo_vs_sft", __doc__, extra={
+    "char_grpo_vs_sft",
+    __doc__,
+    extra={
         "--budgets": ("300,600", "steps of each budget, comma-separated"),
         "--only": ("", "the settings to run, by short name (a,b,c_warm,c_const,d,b_h1,c_h1; default: all)"),
     },
@@ -52,14 +54,16 @@ if args.only:  # a part of the runs (to split them over processes); the tables s
     SETTINGS = {name: v for name, v in SETTINGS.items() if v[0] in args.only.split(",")}
 METRICS = ("eval/next_token_acc", "eval/bpc", "eval/greedy_match", "eval/greedy_space_frac")
 
-bigram = [
-    run("char_grpo.py", [*flags, "--eval_reference", "--seed", s], f"{args.out}/e_seed{s}") for s in args.seeds
-]
+bigram = [run("char_grpo.py", [*flags, "--eval_reference", "--seed", s], f"{args.out}/e_seed{s}") for s in args.seeds]
 runs = {}  # (name, budget): [run folder of each seed]
 for steps in budgets:
     for name, (short, extra) in SETTINGS.items():
         runs[name, steps] = [
-            run("char_grpo.py", [*flags, *extra, "--max_steps", steps, "--seed", s], f"{args.out}/{short}_{steps}_seed{s}")
+            run(
+                "char_grpo.py",
+                [*flags, *extra, "--max_steps", steps, "--seed", s],
+                f"{args.out}/{short}_{steps}_seed{s}",
+            )
             for s in args.seeds
         ]
 

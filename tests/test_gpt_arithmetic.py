@@ -42,7 +42,8 @@ def test_arithmetic_sft_logs_greedy_exact_accuracy_on_held_out_problems_and_writ
 ):
     """A tiny SFT run: every evaluation logs eval/accuracy in [0, 1] and eval/n_problems, the distinct held-out
     problems of grpo.py's evaluation draw; the final accuracy (final_results.json) equals greedy decoding + exact
-    match recomputed here on ckpt.pt, and samples.txt holds each problem with the model's greedy answer, a wrong one marked."""
+    match recomputed here on ckpt.pt, and samples.txt holds each problem with the model's greedy answer, a wrong one
+    marked."""
     out = tmp_path / "run"
     args = [*FLAGS, *TINY, "--max_steps", "60", "--eval_every", "30", "--eval_iters", "2", "--lr", "1e-2"]
     run_main(gpt, monkeypatch, *args, "--warmup_steps", "5", "--out_dir", out)

@@ -110,7 +110,9 @@ def test_every_logged_metric_name_is_documented_and_every_documented_name_is_log
     logged |= run(capsys, "grpo", monkeypatch, next(out), *next_token, *small, "--reference", "init")
     flags = ["--dynamic_sampling", "--top_entropy_quantile", "0.5", "--off_policy_mask", "1e-3"]
     arithmetic = ["--task", "arithmetic", "--init_from", arith_init, "--reward_model", arith_rm]
-    logged |= run(capsys, "grpo", monkeypatch, next(out), *arithmetic, *flags, "--num_iterations", "2", "--steps", "2", *small)
+    logged |= run(
+        capsys, "grpo", monkeypatch, next(out), *arithmetic, *flags, "--num_iterations", "2", "--steps", "2", *small
+    )
     reasoning_init = char_checkpoint(tmp_path / "reasoning.pt", gpt.REASONING_CHARS, block_size=32)
     reasoning = ["--task", "reasoning", "--init_from", reasoning_init, "--steps", "2", "--ops", "+-"]
     logged |= run(capsys, "grpo", monkeypatch, next(out), *reasoning, *small)
@@ -118,7 +120,9 @@ def test_every_logged_metric_name_is_documented_and_every_documented_name_is_log
     logged |= run(capsys, "grpo", monkeypatch, next(out), *hh_task, "--max_prompt_len", "40", *small)
     # ppo.py: next_token with the dual clip; arithmetic with a reward model
     ppo_small = ["--horizon", "4", "--batch_size", "4", "--num_minibatches", "2", "--eval_size", "8", *steps]
-    logged |= run(capsys, "ppo", monkeypatch, next(out), *next_token, *ppo_small, "--reference", "init", "--dual_clip", "3")
+    logged |= run(
+        capsys, "ppo", monkeypatch, next(out), *next_token, *ppo_small, "--reference", "init", "--dual_clip", "3"
+    )
     logged |= run(capsys, "ppo", monkeypatch, next(out), *arithmetic, *ppo_small)
     # dpo.py: kto with a judge, bco_pair
     dpo_args = ["--data_path", pairs, "--init_from", pair_init, "--max_len", "64", "--batch_size", "4", *steps]
