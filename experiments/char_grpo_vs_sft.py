@@ -25,7 +25,7 @@ args = parse_args(
     __doc__,
     extra={
         "--budgets": ("300,600", "steps of each budget, comma-separated"),
-        "--only": ("", "the settings to run, by short name (a,b,c_warm,c_const,d,b_h1,c_h1; default: all)"),
+        "--only": ("", "the settings to run, by short name (a,b,c_warm,c_const,d; default: all)"),
     },
 )
 budgets = [int(b) for b in args.budgets.split(",")]
@@ -36,19 +36,12 @@ if args.quick:
     flags += ["--eval_every", 2, "--eval_size", 8, "--batch_size", 2, "--group_size", 4]
     flags += ["--n_layer", 1, "--n_head", 2, "--n_embd", 32]
 constant_kl = ["--beta_kl", 0.5, "--kl_warmup_tokens", 0]
-horizon_1 = ["--horizon", 1, "--batch_size", 256, "--context_len", 47]
-if args.quick:
-    horizon_1 = ["--horizon", 1, "--batch_size", 8]
 SETTINGS = {  # name: (short name, flags)
     "(a) reward alone, no reference": ("a", ["--reference", "none"]),
     "(b) bigram KL alone, no reward": ("b", ["--reward_mode", "none", *constant_kl]),
     "(c) reward + bigram KL, beta 0.02 warmed up": ("c_warm", ["--beta_kl", 0.02, "--kl_warmup_tokens", 200000]),
     "(c) reward + bigram KL, beta 0.5 constant": ("c_const", constant_kl),
     "(d) supervised": ("d", ["--supervised"]),
-    # the reward is the next-character accuracy itself where each rollout is one character from a true context:
-    # --horizon 1 with 16 times the contexts, the same characters a step
-    "(b) bigram KL alone, horizon 1": ("b_h1", ["--reward_mode", "none", *constant_kl, *horizon_1]),
-    "(c) reward + bigram KL 0.5, horizon 1": ("c_h1", [*constant_kl, *horizon_1]),
 }
 if args.only:  # a part of the runs (to split them over processes); the tables show that part
     SETTINGS = {name: v for name, v in SETTINGS.items() if v[0] in args.only.split(",")}
