@@ -18,7 +18,8 @@ group's mean and std, A_t = sum of normalised rewards from t on) or outcome adva
 grpo.py's: the rollout's mean reward, normalised within the group). Where we depart from the paper, on purpose:
   - the reference policy is a choice (`--reference bigram|random|init|none`): a frozen add-one-smoothed bigram
     model of the training text by default, since a model trained from scratch has no sensible "initial" policy;
-  - beta is annealed linearly from 0 to --beta_kl over --kl_warmup_tokens generated characters;
+  - the KL holds from the first step at beta 0.5, far above DeepSeekMath's 0.04: without it the reward's cheap
+    optimum (writing spaces) takes over within 25 steps (docs/char_grpo.md); --kl_warmup_tokens anneals beta from 0;
   - the KL term is the mean per-character --kl_estimator value, differentiated as a loss term: k3 (the default, as
     in DeepSeekMath) estimates KL(pi || pi_ref) but its gradient is that of KL(pi_ref || pi) (Tang & Munos 2025);
     k2's gradient is that of KL(pi || pi_ref); k1 is refused, its expected gradient on-policy is zero;
@@ -91,8 +92,8 @@ class Config:
     scale_rewards: str = "group"  # --adv group's std: group | batch | none (Dr. GRPO: no std scaling)
     # KL to a frozen reference
     reference: str = "bigram"  # KL reference: bigram | random | init | none
-    beta_kl: float = 0.02  # final KL coefficient
-    kl_warmup_tokens: int = 200000  # generated characters over which beta rises linearly from 0 to beta_kl
+    beta_kl: float = 0.5  # KL coefficient (final, with a warm-up)
+    kl_warmup_tokens: int = 0  # generated characters over which beta rises linearly from 0 to beta_kl (0: none)
     kl_estimator: str = "k3"  # k2 | k3, the per-character KL term of the loss (k1 is refused: zero gradient)
     # loss
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo | reinforce

@@ -113,3 +113,17 @@ def test_bigram_row_is_a_direct_count_of_the_text(tmp_path, monkeypatch):
     for name, value in expected.items():
         assert math.isclose(results[name], value, rel_tol=1e-5, abs_tol=1e-6), name
     assert 0 < expected["greedy_space_frac"] < 1  # the check would see a wrong space index
+
+
+def test_the_default_holds_the_kl_from_the_first_step(tmp_path, text_file, monkeypatch):
+    """The defaults (a constant beta of 0.5 to the bigram) run end to end: rl/beta is 0.5 from step 0, the KL term is
+    in the loss, and the run folder is whole."""
+    out = tmp_path / "run"
+    assert run_in_process(["--data", text_file, *SMALL_RUN, "--max_steps", 2, "--out_dir", out], monkeypatch) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["beta_kl"] == 0.5 and config["kl_warmup_tokens"] == 0 and config["reference"] == "bigram"
+    steps = [r for r in metrics(out) if "rl/beta" in r]
+    assert [r["rl/beta"] for r in steps] == [0.5, 0.5]
+    assert all(r["rl/kl"] != 0 for r in steps)
+    for name in ("config.json", "metrics.jsonl", "final_results.json", "ckpt.pt", "samples.txt"):
+        assert (out / name).is_file()
