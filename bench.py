@@ -153,17 +153,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, attn_mask, layer, cache):
         B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
         hs = C // self.n_head  # head size
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        # each (B, T, C), split into heads: (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, max_len, hs)
-        causal = attn_mask is None  # no mask (no cache, no padding): plain causal attention over this chunk
         dropout = self.dropout if self.training else 0.0
-        # (B, nh, T, hs): each query's weighted sum of the values it may see
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): the heads side by side
+        # (B, nh, T, hs): each query's weighted sum of the values it may see; no mask (no cache, no padding): plain
+        # causal attention over this chunk
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): the heads side by side
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
@@ -196,28 +194,30 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
-        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.transformer.drop = nn.Dropout(config.dropout)
-        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.transformer = nn.ModuleDict(  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+    def num_params(self):  # without the position embeddings (wte counts: it is lm_head's weight too), as nanoGPT
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
 
     def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **sampling):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
@@ -238,20 +238,19 @@ class GPT(nn.Module):
             cache.at = q_at  # where update writes this chunk's keys and values
             cache.real.index_copy_(1, q_at, real)
             real = cache.real  # (B, max_len): keys are every cached position, written or not
+            cache.pos += T
         if real.size(1) > self.config.block_size:  # a cache counts its whole max_len
             raise ValueError(f"sequence of {real.size(1)} tokens is longer than block_size {self.config.block_size}")
         pos = (real.long().cumsum(1) - 1).clamp(min=0)[:, q_at]  # (B, T), counted from each row's first real token
         mask = None
         if cache is not None or attention_mask is not None:  # causal and real keys; a query always sees itself
             k_at = torch.arange(real.size(1), device=idx.device)  # (S,) absolute key position, S = T or max_len
-            mask = ((k_at <= q_at[:, None]) & real[:, None, :]) | (k_at == q_at[:, None])  # (B, T, S)
-            mask = mask[:, None]  # (B, 1, T, S): one mask for every head
+            # (B, 1, T, S): one mask for every head
+            mask = ((k_at <= q_at[:, None]) & real[:, None, None, :]) | (k_at == q_at[:, None])
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, mask, layer, cache)
         x = self.transformer.ln_f(x)  # (B, T, C)
-        if cache is not None:
-            cache.pos += T
         if cache is not None or keep_last:
             x = x[:, -(keep_last or 1) :].contiguous()  # contiguous: one matrix product below, not one per row
         if output == "hidden":
@@ -263,12 +262,10 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
-        if logits is None:  # project the hidden states chunk by chunk
-            logp, _ = linear_logprobs(
-                x.flatten(0, 1), self.lm_head.weight, y.clamp(min=0), entropy=False, recompute=False
-            )
-        else:
-            logp, _ = linear_logprobs(logits.flatten(0, 1), None, y.clamp(min=0), entropy=False, recompute=False)
+        # "loss": the hidden states, projected chunk by chunk; "logits": the logits just made
+        scores = x if logits is None else logits
+        weight = self.lm_head.weight if logits is None else None
+        logp, _ = linear_logprobs(scores.flatten(0, 1), weight, y.clamp(min=0), entropy=False, recompute=False)
         return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
@@ -324,10 +321,7 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
 
     parts = []
     for x, y in zip(h.split(rows), targets.split(rows)):
-        if recompute:
-            parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False))
-        else:
-            parts.append(chunk(x, y))
+        parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) if recompute else chunk(x, y))
     out = [torch.cat(p) for p in zip(*parts)]
     return out[0], out[1] if entropy else None
 
@@ -406,8 +400,8 @@ def generate(
         idx, attn = prompts.to(device), None
     else:
         idx, attn = left_pad(prompts, device)
-    if attn is not None and attn.all():
-        attn = None  # no padding: plain causal attention
+        if attn.all():
+            attn = None  # no padding: plain causal attention
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")

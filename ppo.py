@@ -1594,17 +1594,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, attn_mask, layer, cache):
         B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
         hs = C // self.n_head  # head size
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        # each (B, T, C), split into heads: (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, max_len, hs)
-        causal = attn_mask is None  # no mask (no cache, no padding): plain causal attention over this chunk
         dropout = self.dropout if self.training else 0.0
-        # (B, nh, T, hs): each query's weighted sum of the values it may see
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): the heads side by side
+        # (B, nh, T, hs): each query's weighted sum of the values it may see; no mask (no cache, no padding): plain
+        # causal attention over this chunk
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): the heads side by side
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
@@ -1637,28 +1635,30 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict()  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
-        self.transformer.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.transformer.drop = nn.Dropout(config.dropout)
-        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.transformer.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.transformer = nn.ModuleDict(  # GPT-2's weight names: transformer.wte, .wpe, .h.0..., .ln_f
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # residual projections: std 0.02/sqrt(2 * n_layer) (GPT-2)
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+    def num_params(self):  # without the position embeddings (wte counts: it is lm_head's weight too), as nanoGPT
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
 
     def forward(self, idx, targets=None, attention_mask=None, cache=None, keep_last=0, output="logits", **sampling):
         """idx (B, T) token ids; targets (B, T) with -1 where no loss; attention_mask (B, T), 0 on (left) padding:
@@ -1679,20 +1679,19 @@ class GPT(nn.Module):
             cache.at = q_at  # where update writes this chunk's keys and values
             cache.real.index_copy_(1, q_at, real)
             real = cache.real  # (B, max_len): keys are every cached position, written or not
+            cache.pos += T
         if real.size(1) > self.config.block_size:  # a cache counts its whole max_len
             raise ValueError(f"sequence of {real.size(1)} tokens is longer than block_size {self.config.block_size}")
         pos = (real.long().cumsum(1) - 1).clamp(min=0)[:, q_at]  # (B, T), counted from each row's first real token
         mask = None
         if cache is not None or attention_mask is not None:  # causal and real keys; a query always sees itself
             k_at = torch.arange(real.size(1), device=idx.device)  # (S,) absolute key position, S = T or max_len
-            mask = ((k_at <= q_at[:, None]) & real[:, None, :]) | (k_at == q_at[:, None])  # (B, T, S)
-            mask = mask[:, None]  # (B, 1, T, S): one mask for every head
+            # (B, 1, T, S): one mask for every head
+            mask = ((k_at <= q_at[:, None]) & real[:, None, None, :]) | (k_at == q_at[:, None])
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, mask, layer, cache)
         x = self.transformer.ln_f(x)  # (B, T, C)
-        if cache is not None:
-            cache.pos += T
         if cache is not None or keep_last:
             x = x[:, -(keep_last or 1) :].contiguous()  # contiguous: one matrix product below, not one per row
         if output == "hidden":
@@ -1704,12 +1703,10 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
-        if logits is None:  # project the hidden states chunk by chunk
-            logp, _ = linear_logprobs(
-                x.flatten(0, 1), self.lm_head.weight, y.clamp(min=0), entropy=False, recompute=False
-            )
-        else:
-            logp, _ = linear_logprobs(logits.flatten(0, 1), None, y.clamp(min=0), entropy=False, recompute=False)
+        # "loss": the hidden states, projected chunk by chunk; "logits": the logits just made
+        scores = x if logits is None else logits
+        weight = self.lm_head.weight if logits is None else None
+        logp, _ = linear_logprobs(scores.flatten(0, 1), weight, y.clamp(min=0), entropy=False, recompute=False)
         return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
@@ -1765,10 +1762,7 @@ def linear_logprobs(h, weight, targets, entropy=True, temperature=1.0, top_k=Non
 
     parts = []
     for x, y in zip(h.split(rows), targets.split(rows)):
-        if recompute:
-            parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False))
-        else:
-            parts.append(chunk(x, y))
+        parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) if recompute else chunk(x, y))
     out = [torch.cat(p) for p in zip(*parts)]
     return out[0], out[1] if entropy else None
 
@@ -1847,8 +1841,8 @@ def generate(
         idx, attn = prompts.to(device), None
     else:
         idx, attn = left_pad(prompts, device)
-    if attn is not None and attn.all():
-        attn = None  # no padding: plain causal attention
+        if attn.all():
+            attn = None  # no padding: plain causal attention
     B, T = idx.shape
     if T + max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > block_size {model.config.block_size}")
@@ -1917,8 +1911,7 @@ def parse_config(cls, argv=None):
     with open(path, errors="replace") as f:  # a file cut short or not text: no settings, not a traceback
         saved = json_or_none(f.read())
     check(saved, f"--resume: {path} does not hold the settings of a run; restore it or start a new run")
-    names = {f.name for f in dataclasses.fields(cls)}
-    foreign = sorted(set(saved) - names)
+    foreign = sorted(saved.keys() - vars(cfg).keys())  # vars(cfg): the fields
     check(not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})")
     given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
     return dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k not in given})
@@ -2054,9 +2047,10 @@ def make_optimizer(model, lr, weight_decay, betas, device):
     """AdamW; matrices decay, biases and LayerNorm gains do not. The fused kernel (CUDA and CPU) updates each
     parameter in one pass, without temporaries the size of the 50k-token embedding."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 
@@ -2089,10 +2083,9 @@ class GracefulExit:
             signal.signal(s, lambda signum, frame: setattr(self, "signum", signum))
 
     def requested(self, completed_steps, rt):
-        if completed_steps == int(os.environ.get("FAULT_SIGTERM_AT_STEP", -1)):
+        if fault_at("FAULT_SIGTERM_AT_STEP", completed_steps):
             self.signum = signal.SIGTERM
-        raise_rank = int(os.environ.get("FAULT_RAISE_RANK", 0))
-        if completed_steps == int(os.environ.get("FAULT_RAISE_AT_STEP", -1)) and rt.rank == raise_rank:
+        if fault_at("FAULT_RAISE_AT_STEP", completed_steps) and rt.rank == int(os.environ.get("FAULT_RAISE_RANK", 0)):
             raise RuntimeError(f"FAULT_RAISE_AT_STEP: injected error on rank {rt.rank} after step {completed_steps}")
         # the signal any rank got (self.signum itself is left to the handler: writing it here could erase a signal
         # that arrives during the all_reduce)
@@ -2106,6 +2099,11 @@ class GracefulExit:
             note(f"stopped by {name} at step {step}; checkpoint saved. Continue with: --resume --out_dir {out_dir}")
         cleanup(rt)
         sys.exit(128 + self.agreed)
+
+
+def fault_at(name, step):
+    """Test hooks: whether the environment variable name (FAULT_..._AT_STEP) names step."""
+    return step == int(os.environ.get(name, -1))
 
 
 def print_start(model, rt, out_dir, details):
@@ -2128,7 +2126,7 @@ def stop_if_not_finite(loss, step, ckpt_path, rt):
     """A NaN or infinite loss ends the run with exit code 1 before this step can be saved, so ckpt.pt stays the last
     good checkpoint. The loss is all-reduced, so every rank stops here together. FAULT_NAN_AT_STEP=N (for tests)
     makes step N's loss NaN."""
-    loss = float("nan") if step == int(os.environ.get("FAULT_NAN_AT_STEP", -1)) else loss
+    loss = float("nan") if fault_at("FAULT_NAN_AT_STEP", step) else loss
     if math.isfinite(loss):
         return
     if rt.master:
@@ -2199,7 +2197,7 @@ def save_checkpoint(path, ckpt):
         why = e.strerror if isinstance(e, OSError) else f"{str(e).splitlines()[0]}: is the disk full?"
         note(f"error: cannot write the checkpoint {tmp} ({why}); {path} is left as it was")
         sys.exit(1)
-    if ckpt["step"] == int(os.environ.get("FAULT_SLOW_SAVE_AT_STEP", -1)):
+    if fault_at("FAULT_SLOW_SAVE_AT_STEP", ckpt["step"]):
         time.sleep(60)
     os.replace(tmp, path)
 
