@@ -1728,10 +1728,10 @@ def setup_runtime(cfg):
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     device = torch.device(device)
     dtype = cfg.dtype
-    if dtype == "auto" and device.type != "cuda":
+    if dtype == "auto":  # float32 off a GPU; on one, bfloat16 where it has it, float16 on an older one
         dtype = "float32"
-    elif dtype == "auto":  # bfloat16 on a GPU that has it, float16 on an older one
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        if device.type == "cuda":
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -2110,8 +2110,9 @@ class Logger:
         if self.master and cfg.wandb:
             import wandb
 
-            name = os.path.basename(out_dir)
-            self.wandb = wandb.init(project=cfg.wandb_project, name=name, config=dataclasses.asdict(cfg))
+            self.wandb = wandb.init(
+                project=cfg.wandb_project, name=os.path.basename(out_dir), config=dataclasses.asdict(cfg)
+            )
 
     def log(self, step, metrics, echo=True):
         if not self.master:
