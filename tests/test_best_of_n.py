@@ -177,8 +177,9 @@ def test_best_of_writes_best_of_n_json_and_prints_its_table(tmp_path, monkeypatc
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9)
     assert rows[-1]["proxy"] >= rows[0]["proxy"]  # the mean best over n-subsets never falls as n grows
     lines = stdout.splitlines()
-    assert f"on {len(problems)} held-out problems, 8 answers each" in lines[0]
-    assert [json.loads(line) for line in lines[1:]] == rows  # the table: a row per n, as best_of_n.json holds it
+    assert "1 x cpu, best-of-1,2,4,8" in lines[0] and lines[0].endswith(f"run folder {out}")
+    assert f"on {len(problems)} held-out problems, 8 answers each" in lines[-1]
+    assert [json.loads(line) for line in lines[1:-1]] == rows  # the table: a row per n, as best_of_n.json holds it
     assert not (out / "ckpt.pt").exists()
 
 
