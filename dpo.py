@@ -710,13 +710,10 @@ def truncate_pair(prompt, chosen, rejected, max_len):
     return prompt, chosen[: max_len - len(prompt)], rejected[: max_len - len(prompt)]
 
 
-HH_TURN = "\n\nAssistant:"
-
-
 def split_hh(text):
     """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
     that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    before, turn, response = text.rpartition(HH_TURN)  # turn: "" when there is none
+    before, turn, response = text.rpartition("\n\nAssistant:")  # turn: "" when there is none
     if not turn or not response.strip():
         return None
     return before + turn, response

@@ -925,7 +925,7 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
     different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
     whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
-    ends = None if whole else eos_id
+    ends = None if whole else eos_id  # generate() stops at the first one
     tokens, mask = generate(model, prompts, horizon, temperature, top_k, ends, generator, decode=rt.decode)
     if whole and eos_id is not None:
         is_end = (tokens == eos_id).float()
@@ -1021,11 +1021,14 @@ class NextTokenTask:
         with rt.autocast():
             logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
             greedy, _ = generate(model, x[:, :C], self.cfg.horizon, temperature=0)
-        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        text = f"{tok.decode(x[0, :C].tolist())}|{tok.decode(greedy[0].tolist())}"
-        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
-        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        return {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}, text
+        metrics = {
+            # teacher-forced: the argmax is the next token
+            "eval/next_token_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
+            "eval/val_loss": F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item(),
+            # free-running: greedy tokens equal to the truth at their offset
+            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
+        }
+        return metrics, f"{tok.decode(x[0, :C].tolist())}|{tok.decode(greedy[0].tolist())}"
 
 
 def sample_windows(ids, n, context_len, horizon):
@@ -1304,9 +1307,6 @@ def step_metrics(problems, texts, exact):
     }
 
 
-HH_TURN = "\n\nAssistant:"
-
-
 class RewardModelTask:
     """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
 
@@ -1343,7 +1343,7 @@ class RewardModelTask:
 
     def encode_prompts(self, texts):
         """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
-        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
+        pairs = map(split_hh, texts)  # (prompt, response) or None
         return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
 
     def sample(self, n):
@@ -1381,7 +1381,7 @@ class RewardModelTask:
 def split_hh(text):
     """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
     that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    before, turn, response = text.rpartition(HH_TURN)  # turn: "" when there is none
+    before, turn, response = text.rpartition("\n\nAssistant:")  # turn: "" when there is none
     if not turn or not response.strip():
         return None
     return before + turn, response

@@ -501,13 +501,11 @@ def score(model, tok, texts, device, max_len=None, batch_size=32):
 # Data: HH-RLHF pairs (preference) and generated arithmetic (orm, prm). An example is (prompt, chosen, rejected)
 # texts (preference), (prompt, answer, label) (orm) or steps ((text, label), ...) (prm); encode() makes its row.
 
-HH_TURN = "\n\nAssistant:"
-
 
 def split_hh(text):
     """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
     that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    before, turn, response = text.rpartition(HH_TURN)  # turn: "" when there is none
+    before, turn, response = text.rpartition("\n\nAssistant:")  # turn: "" when there is none
     if not turn or not response.strip():
         return None
     return before + turn, response
