@@ -1124,6 +1124,7 @@ class ArithmeticTask:
         return torch.tensor(r, device=completion.device)  # (N,)
 
     def reward(self, text, answer):
+        """The gold reward of one decoded completion: arithmetic_reward, with --format_reward."""
         return arithmetic_reward(text, answer, self.cfg.format_reward)
 
     def rewards(self, prompts, completion, mask, answers, logits):
