@@ -1142,9 +1142,8 @@ def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=
     seq, attn = join(prompts, completion)
     H = completion.size(1)
     logp = completion_logprobs(model, seq, attn, H, temperature=temperature, top_k=top_k)[0]  # (N, H)
-    ref_logp = logp  # no reference: a KL of zero
-    if ref is not None:
-        ref_logp = completion_logprobs(ref, seq, attn, H, temperature=temperature)[0]
+    # no reference: a KL of zero
+    ref_logp = logp if ref is None else completion_logprobs(ref, seq, attn, H, temperature=temperature)[0]
     return ((logp - ref_logp) * mask).sum(1)
 
 
