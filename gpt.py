@@ -496,9 +496,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
     steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
-    step = ""  # one operation: a line is its result alone
-    if steps > 1:
-        step = r"-?\d+[-+*]\d+="
+    step = r"-?\d+[-+*]\d+=" if steps > 1 else ""  # one operation: a line is its result alone
     m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
     if m is None:
         return 0.0
@@ -596,7 +594,7 @@ def read_jsonl(path, required):
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
     check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    parsed = map(json_or_none, lines)  # {} for a line that is not a JSON object
     records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
     bad = len(lines) - len(records)
     check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")

@@ -1103,7 +1103,7 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     stops at the first end token, and under FSDP every forward pass is collective, so ranks cannot stop early at
     different steps: for K > 1 or under FSDP the whole horizon is sampled and the mask is cut after that end token."""
     whole = n_ends > 1 or (rt.distributed and rt.parallel == "fsdp")
-    ends = None if whole else eos_id
+    ends = None if whole else eos_id  # generate() stops at the first one
     tokens, mask = generate(model, prompts, horizon, temperature, top_k, ends, generator, decode=rt.decode)
     if whole and eos_id is not None:
         is_end = (tokens == eos_id).float()
@@ -1140,9 +1140,8 @@ def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=
     seq, attn = join(prompts, completion)
     H = completion.size(1)
     logp = completion_logprobs(model, seq, attn, H, temperature=temperature, top_k=top_k)[0]  # (N, H)
-    ref_logp = logp  # no reference: a KL of zero
-    if ref is not None:
-        ref_logp = completion_logprobs(ref, seq, attn, H, temperature=temperature)[0]
+    # no reference: a KL of zero
+    ref_logp = logp if ref is None else completion_logprobs(ref, seq, attn, H, temperature=temperature)[0]
     return ((logp - ref_logp) * mask).sum(1)
 
 
@@ -1175,7 +1174,7 @@ class NextTokenTask:
             check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
         with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
             torch.manual_seed(0)
-            self.eval_ctx, self.eval_truth = sample_windows(self.val_ids, cfg.eval_size, C, H)
+            self.eval_windows = torch.cat(sample_windows(self.val_ids, cfg.eval_size, C, H), 1)  # (E, C+H)
 
     def sample(self, n):
         ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
@@ -1195,15 +1194,18 @@ class NextTokenTask:
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
         C = self.cfg.context_len
-        x = torch.cat([self.eval_ctx, self.eval_truth], 1).to(rt.device)  # (E, C+H)
+        x = self.eval_windows.to(rt.device)  # (E, C+H): each context and its true continuation
         with rt.autocast():
             logits = model(x[:, :-1])[0].float()  # (E, C+H-1, V)
             greedy, _ = generate(model, x[:, :C], self.cfg.horizon, temperature=0)
-        nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        text = tok.decode(x[0, :C].tolist()) + "|" + tok.decode(greedy[0].tolist())
-        acc = (logits.argmax(-1) == x[:, 1:]).float().mean()  # teacher-forced: the argmax is the next token
-        match = (greedy == x[:, C:]).float().mean()  # free-running: greedy tokens equal to the truth at their offset
-        return {"eval/next_token_acc": acc.item(), "eval/val_loss": nll.item(), "eval/greedy_match": match.item()}, text
+        metrics = {
+            # teacher-forced: the argmax is the next token
+            "eval/next_token_acc": (logits.argmax(-1) == x[:, 1:]).float().mean().item(),
+            "eval/val_loss": F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item(),
+            # free-running: greedy tokens equal to the truth at their offset
+            "eval/greedy_match": (greedy == x[:, C:]).float().mean().item(),
+        }
+        return metrics, f"{tok.decode(x[0, :C].tolist())}|{tok.decode(greedy[0].tolist())}"
 
 
 def sample_windows(ids, n, context_len, horizon):
@@ -1280,16 +1282,27 @@ class ArithmeticTask:
         self.proxy = self.rm is not None
 
     def sample(self, n):
-        problems = [draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps) for _ in range(n)]
+        return self.encode([self.draw() for _ in range(n)])
+
+    def encode(self, problems):
+        """Problems (prompt, answer) as prompts (token-id lists) and what each one's reward needs: its answer."""
         return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+
+    def draw(self):
+        """One training problem (prompt, answer): never a held-out one."""
+        return draw_problem(random, self.cfg.digits, self.cfg.ops, False, self.cfg.steps)
 
     def texts(self, completion, mask):
         return [self.tok.decode(t[m > 0].tolist()) for t, m in zip(completion.cpu(), mask.cpu())]
 
     def gold(self, completion, mask, answers):
-        """Gold rewards (N,): arithmetic_reward of each decoded completion."""
-        r = [arithmetic_reward(t, a, self.cfg.format_reward) for t, a in zip(self.texts(completion, mask), answers)]
+        """Gold rewards (N,): reward() of each decoded completion."""
+        r = [self.reward(t, a) for t, a in zip(self.texts(completion, mask), answers)]
         return torch.tensor(r, device=completion.device)  # (N,)
+
+    def reward(self, text, answer):
+        """The gold reward of one decoded completion: arithmetic_reward, with --format_reward."""
+        return arithmetic_reward(text, answer, self.cfg.format_reward)
 
     def rewards(self, prompts, completion, mask, answers, logits):
         """Process rewards, the reward model's at each step's end (process_rewards), or score()'s outcome reward on
@@ -1310,9 +1323,7 @@ class ArithmeticTask:
             p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
             return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
         scores = reward_model_scores(self.rm, prompts, completion, mask)
-        if self.cfg.rm_sigmoid:
-            return torch.sigmoid(scores)
-        return scores
+        return torch.sigmoid(scores) if self.cfg.rm_sigmoid else scores
 
     def measures(self, completion, mask, answers):
         gold = self.gold(completion, mask, answers)  # (N,)
@@ -1359,8 +1370,8 @@ class ArithmeticTask:
         """n answers of the model to each evaluation problem, in a row, at this temperature (0: greedy) over the whole
         vocabulary, with sampling noise of their own: (prompts, completion, mask, exact), a row per answer, exact 1.0
         for an exact answer."""
-        prompts = [self.tok.encode(p) for p, _ in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
-        answers = [a for _, a in self.eval_problems for _ in range(n)]
+        rows = [problem for problem in self.eval_problems for _ in range(n)]  # n rows a problem, in a row
+        prompts, answers = self.encode(rows)
         gen = torch.Generator(rt.device).manual_seed(0)  # the training streams stay as they were
         with rt.autocast():
             completion, mask = sample_completions(
@@ -1430,9 +1441,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
     steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
-    step = ""  # one operation: a line is its result alone
-    if steps > 1:
-        step = r"-?\d+[-+*]\d+="
+    step = r"-?\d+[-+*]\d+=" if steps > 1 else ""  # one operation: a line is its result alone
     m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
     if m is None:
         return 0.0
@@ -1456,9 +1465,7 @@ def step_correct(prompt, solution):
             continue
         op, y = operations[len(right)]
         result = operate(x, op, int(y))
-        step = f"{x}{op}{y}={result}"
-        if len(operations) == 1:
-            step = f"{result}"
+        step = f"{x}{op}{y}={result}" if len(operations) > 1 else f"{result}"
         right.append(line == step and all(right))
         x = result
     return right
@@ -1476,9 +1483,6 @@ def step_metrics(problems, texts, exact):
         "eval/step_accuracy_right": share[right].mean().item(),  # the mean of none is nan
         "eval/step_accuracy_wrong": share[~right].nanmean().item(),  # over the answers that have a line
     }
-
-
-HH_TURN = "\n\nAssistant:"
 
 
 class RewardModelTask:
@@ -1517,7 +1521,7 @@ class RewardModelTask:
 
     def encode_prompts(self, texts):
         """The prompts of the dialogues that have an Assistant turn, as token ids: their last --max_prompt_len."""
-        pairs = [split_hh(text) for text in texts]  # (prompt, response) or None
+        pairs = map(split_hh, texts)  # (prompt, response) or None
         return [self.tok.encode(pair[0])[-self.cfg.max_prompt_len :] for pair in pairs if pair is not None]
 
     def sample(self, n):
@@ -1540,9 +1544,10 @@ class RewardModelTask:
             completion, mask = sample_completions(model, prompts, self.cfg.horizon, T, top_k, self.eos_id, rt, gen)
             scores = reward_model_scores(self.rm, prompts, completion, mask)
             kl = completion_kl(model, ref, prompts, completion, mask, T, top_k)  # (E,)
-        shown = []
-        for p, t, m, s in zip(prompts[:4], completion.cpu(), mask.cpu(), scores.tolist()):  # the first four
-            shown.append(f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})")
+        shown = [  # the first four
+            f"{tok.decode(p[-40:])}|{tok.decode(t[m > 0].tolist())} (score {s:.3f})"
+            for p, t, m, s in zip(prompts[:4], completion.cpu(), mask.cpu(), scores.tolist())
+        ]
         metrics = {
             "eval/rm_score": scores.mean().item(),
             "eval/completion_kl": kl.mean().item(),
@@ -1554,15 +1559,10 @@ class RewardModelTask:
 def split_hh(text):
     """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
     that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    cut = text.rfind(HH_TURN)
-    if cut < 0:
+    before, turn, response = text.rpartition("\n\nAssistant:")  # turn: "" when there is none
+    if not turn or not response.strip():
         return None
-    end = cut + len(HH_TURN)
-    prompt = text[:end]
-    response = text[end:]
-    if not response.strip():
-        return None
-    return prompt, response
+    return before + turn, response
 
 
 class RewardModel(nn.Module):
@@ -1607,8 +1607,8 @@ def process_rewards(rm, prompts, completion, steps, eos_id):
     # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
     # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
     written = F.pad(completion, (0, 1), value=eos_id)
-    seq, attn = join(prompts, written)  # (N, P+H+1)
-    scores = rm(seq, attn)[:, -written.size(1) :]  # (N, H+1) the score at each completion position and one after
+    # (N, H+1) the score at each completion position and one after, the prompt (N, P) before them
+    scores = rm(*join(prompts, written))[:, -written.size(1) :]
     at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
     return torch.sigmoid(at_end) * steps
 
@@ -1694,7 +1694,7 @@ def read_jsonl(path, required):
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
     check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    parsed = map(json_or_none, lines)  # {} for a line that is not a JSON object
     records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
     bad = len(lines) - len(records)
     check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
@@ -1731,21 +1731,19 @@ class ReasoningTask(ArithmeticTask):
     def __init__(self, cfg, tok, rt):
         super().__init__(cfg, tok, rt)
         self.n_ends = 1  # the steps and the answer on one line
-        self.eval_problems = []
-        for k in range(cfg.min_steps, cfg.steps + 1):  # --eval_size draws of each number of operations
-            self.eval_problems += map(reasoning_problem, held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, k))
+        self.eval_problems = [
+            reasoning_problem(problem)
+            for k in range(cfg.min_steps, cfg.steps + 1)  # --eval_size draws of each number of operations
+            for problem in held_out_problems(cfg.digits, cfg.ops, cfg.eval_size, k)
+        ]
 
-    def sample(self, n):
-        problems = []
-        for _ in range(n):
-            k = random.randint(self.cfg.min_steps, self.cfg.steps)
-            problems.append(reasoning_problem(draw_problem(random, self.cfg.digits, self.cfg.ops, False, k)))
-        return [self.tok.encode(p) for p, _ in problems], [a for _, a in problems]
+    def draw(self):
+        k = random.randint(self.cfg.min_steps, self.cfg.steps)  # the number of operations, then the problem
+        return reasoning_problem(draw_problem(random, self.cfg.digits, self.cfg.ops, False, k))
 
-    def gold(self, completion, mask, answers):
-        """(N,) 1.0 where the completion's answer is the value, else 0.0."""
-        right = [read_answer(t) == a for t, a in zip(self.texts(completion, mask), answers)]
-        return torch.tensor(right, device=completion.device).float()
+    def reward(self, text, answer):
+        """1.0 where the completion's answer is the value, else 0.0."""
+        return float(read_answer(text) == answer)
 
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):

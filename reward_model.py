@@ -501,21 +501,14 @@ def score(model, tok, texts, device, max_len=None, batch_size=32):
 # Data: HH-RLHF pairs (preference) and generated arithmetic (orm, prm). An example is (prompt, chosen, rejected)
 # texts (preference), (prompt, answer, label) (orm) or steps ((text, label), ...) (prm); encode() makes its row.
 
-HH_TURN = "\n\nAssistant:"
-
 
 def split_hh(text):
     """An HH-RLHF dialogue as (prompt, response): the prompt runs through the last "\\n\\nAssistant:", the response is
     that final Assistant turn. None when there is no Assistant turn or its response is blank."""
-    cut = text.rfind(HH_TURN)
-    if cut < 0:
+    before, turn, response = text.rpartition("\n\nAssistant:")  # turn: "" when there is none
+    if not turn or not response.strip():
         return None
-    end = cut + len(HH_TURN)
-    prompt = text[:end]
-    response = text[end:]
-    if not response.strip():
-        return None
-    return prompt, response
+    return before + turn, response
 
 
 def hh_pairs(records):
@@ -563,7 +556,7 @@ def read_jsonl(path, required):
     except (OSError, UnicodeDecodeError, EOFError) as e:
         die(f"cannot read {path} ({type(e).__name__}: {e})")
     check(lines, f"data file {path} is empty")
-    parsed = [json_or_none(line) for line in lines]  # {} for a line that is not a JSON object
+    parsed = map(json_or_none, lines)  # {} for a line that is not a JSON object
     records = [r for r in parsed if all(isinstance(r.get(k), str) and r[k] for k in required)]
     bad = len(lines) - len(records)
     check(records, f"{path}: no usable line ({bad} malformed; each line must be JSON with {', '.join(required)})")
@@ -673,9 +666,7 @@ def arithmetic_reward(text, answer, format_reward=0.0):
     (several), each ended by a newline, the last one by a newline or <|endoftext|>. Only the final result is checked,
     not the steps (grpo.py's step_correct judges them)."""
     steps = len(answer.splitlines())  # the answer's lines (its newline may be left off)
-    step = ""  # one operation: a line is its result alone
-    if steps > 1:
-        step = r"-?\d+[-+*]\d+="
+    step = r"-?\d+[-+*]\d+=" if steps > 1 else ""  # one operation: a line is its result alone
     m = re.fullmatch(rf"(?:{step}-?\d+\n){{{steps - 1}}}{step}(-?\d+)(?:\n|<\|endoftext\|>)", text)
     if m is None:
         return 0.0
@@ -708,9 +699,7 @@ def step_correct(prompt, solution):
             continue
         op, y = operations[len(right)]
         result = operate(x, op, int(y))
-        step = f"{x}{op}{y}={result}"
-        if len(operations) == 1:
-            step = f"{result}"
+        step = f"{x}{op}{y}={result}" if len(operations) > 1 else f"{result}"
         right.append(line == step and all(right))
         x = result
     return right
