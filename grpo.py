@@ -303,7 +303,7 @@ def policy_loss(
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
         loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
-        return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
+        return loss, {"clip_frac": clipped.mean(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
     clipped = torch.zeros_like(ratio)  # sapo (a soft gate) and reinforce never clip
     if loss_type in ("grpo", "dapo", "dr_grpo"):
@@ -328,10 +328,9 @@ def policy_loss(
         loss = per_token.sum() / (num_seqs * (max_len or T))
     else:
         loss = per_token.sum() / num_tokens
-    n = mask.sum().clamp(min=1)
-    clip_frac = (clipped * mask).sum() / n
-    ratio_mean = (ratio * mask).sum() / n
-    return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
+    n = mask.sum().clamp(min=1)  # this batch's real tokens
+    # (clipped carries no gradient)
+    return loss, {"clip_frac": (clipped * mask).sum() / n, "ratio_mean": (ratio * mask).sum().detach() / n}
 
 
 def high_entropy_mask(entropy, mask, quantile):
@@ -395,10 +394,9 @@ def training_step(run, step):
     )
 
     # 5. loss and policy update; the KL coefficient warms up over the first --kl_warmup_tokens generated tokens
-    beta = 0.0  # no reference, no KL term
-    if run.ref is not None:
-        warm = min(1.0, run.tokens / cfg.kl_warmup_tokens) if cfg.kl_warmup_tokens else 1.0
-        beta = cfg.beta_kl * warm
+    beta = 0.0 if run.ref is None else cfg.beta_kl  # no reference, no KL term
+    if cfg.kl_warmup_tokens:
+        beta *= min(1.0, run.tokens / cfg.kl_warmup_tokens)
     losses, grad_norm = update_policy(run, batch, adv, beta)
     run.tokens += int(all_reduce(batch["mask"].sum(), rt))
     if cfg.ref_sync_steps and (step + 1) % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows the policy
@@ -592,7 +590,7 @@ def update_policy(run, batch, adv, beta):
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
     keep = mask.clone()  # the tokens the policy term trains on: every real token, or the top quantile by entropy
     for iteration in range(cfg.num_iterations):
-        sums = {}  # this rank's share of each metric, summed over the micro-batches
+        sums = 0.0  # this rank's share of each metric (in the order of shares), summed over the micro-batches
         for i in range(0, N, n_micro):
             rows = slice(i, i + n_micro)
             grad_sync(run.policy, i + n_micro >= N)
@@ -619,8 +617,7 @@ def update_policy(run, batch, adv, beta):
                 cfg, logp, entropies, old_logp, ref_logp, adv[rows], keep[rows], mask[rows], beta, n_seqs, n_tokens
             )
             run.scaler.scale(loss * rt.world_size).backward()  # DDP averages gradients over ranks
-            for name, value in shares.items():
-                sums[name] = sums.get(name, 0.0) + value.float()
+            sums = sums + torch.stack([value.float() for value in shares.values()])
         # unscale (float16), clip, step, zero the gradients
         run.scaler.unscale_(run.optimizer)
         grad_norm = clip_grad_norm(run.policy, cfg.grad_clip)  # before clipping
@@ -628,8 +625,8 @@ def update_policy(run, batch, adv, beta):
         run.scaler.update()
         run.optimizer.zero_grad()  # set_to_none, the default
     # each rank's shares are normalised by the whole step's counts: their sum over ranks is the step's value
-    totals = all_reduce(torch.stack(list(sums.values())), rt)  # one collective for them all
-    return dict(zip(sums, totals.tolist())), grad_norm
+    totals = all_reduce(sums, rt)  # one collective for them all
+    return dict(zip(shares, totals.tolist())), grad_norm
 
 
 def grpo_loss(cfg, logp, entropies, old_logp, ref_logp, adv, keep, mask, beta, n_seqs, n_tokens):
@@ -850,19 +847,13 @@ def resolve_clip(cfg):
     paper's 3e-4 and 4e-4 (Zheng et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never
     clip. --clip_eps_high 0 means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is
     given. config.json records the values used, and the losses receive exactly these."""
-    gspo = cfg.loss_type in ("gspo", "luspo")
-    if cfg.clip_eps is not None:
-        clip_eps = cfg.clip_eps
-    elif gspo:
-        clip_eps = 3e-4
-    else:
-        clip_eps = 0.2
-    if cfg.clip_eps_high:
-        high = cfg.clip_eps_high
-    elif gspo and cfg.clip_eps is None and cfg.clip_eps_high is None:
-        high = 4e-4
-    else:
-        high = clip_eps  # unset or 0: the symmetric clip
+    paper = cfg.loss_type in ("gspo", "luspo") and cfg.clip_eps is None  # the paper's ranges, unless a range is given
+    clip_eps = cfg.clip_eps
+    if clip_eps is None:
+        clip_eps = 3e-4 if paper else 0.2
+    high = cfg.clip_eps_high
+    if not high:  # unset or 0: the symmetric clip (gspo's own upper range when neither range is given)
+        high = 4e-4 if paper and high is None else clip_eps
     return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
@@ -888,8 +879,7 @@ def setup(cfg):
         text = read_text(path)
     adv_kind = advantage_kind(cfg)
     source = ckpt_path if cfg.resume else cfg.init_from
-    ckpt = None  # the checkpoint loaded, if any: a resumed run's state is read from it
-    if source == "scratch":  # a new model
+    if source == "scratch":  # a new model (and no ckpt: only a resumed run, which loads one, reads its state)
         # char: the text's characters, or arithmetic's
         tok = BPETokenizer() if cfg.tokenizer == "gpt2" else CharTokenizer(sorted(set(text or ARITHMETIC_CHARS)))
         model = GPT(GPTConfig(cfg.block_size, tok.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd))  # no dropout
@@ -926,8 +916,7 @@ def setup(cfg):
     model.to(rt.device)
     reference = cfg.reference
     if reference == "auto":  # a model trained from scratch on text has no sensible initial policy
-        text_from_scratch = cfg.task == "next_token" and cfg.init_from == "scratch"
-        reference = "bigram" if text_from_scratch else "init"
+        reference = "bigram" if cfg.task == "next_token" and cfg.init_from == "scratch" else "init"
 
     # frozen reference: never wrapped, never trained; a copy of rank 0's starting weights on every rank
     broadcast_weights(model, rt)

@@ -246,7 +246,7 @@ def policy_loss(
         clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
         loss = -torch.min(ratio * seq_adv, clipped_ratio * seq_adv).sum() / num_seqs
         clipped = (clipped_ratio * seq_adv < ratio * seq_adv).float()
-        return loss, {"clip_frac": clipped.mean().detach(), "ratio_mean": ratio.mean().detach()}
+        return loss, {"clip_frac": clipped.mean(), "ratio_mean": ratio.mean().detach()}
     ratio = log_ratio.exp()  # (N, T)
     clipped = torch.zeros_like(ratio)  # sapo (a soft gate) and reinforce never clip
     if loss_type in ("grpo", "dapo", "dr_grpo"):
@@ -271,10 +271,9 @@ def policy_loss(
         loss = per_token.sum() / (num_seqs * (max_len or T))
     else:
         loss = per_token.sum() / num_tokens
-    n = mask.sum().clamp(min=1)
-    clip_frac = (clipped * mask).sum() / n
-    ratio_mean = (ratio * mask).sum() / n
-    return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
+    n = mask.sum().clamp(min=1)  # this batch's real tokens
+    # (clipped carries no gradient)
+    return loss, {"clip_frac": (clipped * mask).sum() / n, "ratio_mean": (ratio * mask).sum().detach() / n}
 
 
 def vocab_kl(logp, ref_logp, kind="forward"):
@@ -1212,19 +1211,13 @@ def resolve_clip(cfg):
     paper's 3e-4 and 4e-4 (Zheng et al. 2025): a length-normalised sequence ratio stays within 1 +- 0.2 and would never
     clip. --clip_eps_high 0 means clip_eps; a given --clip_eps is gspo's upper range too unless --clip_eps_high is
     given. config.json records the values used, and the losses receive exactly these."""
-    gspo = cfg.loss_type in ("gspo", "luspo")
-    if cfg.clip_eps is not None:
-        clip_eps = cfg.clip_eps
-    elif gspo:
-        clip_eps = 3e-4
-    else:
-        clip_eps = 0.2
-    if cfg.clip_eps_high:
-        high = cfg.clip_eps_high
-    elif gspo and cfg.clip_eps is None and cfg.clip_eps_high is None:
-        high = 4e-4
-    else:
-        high = clip_eps  # unset or 0: the symmetric clip
+    paper = cfg.loss_type in ("gspo", "luspo") and cfg.clip_eps is None  # the paper's ranges, unless a range is given
+    clip_eps = cfg.clip_eps
+    if clip_eps is None:
+        clip_eps = 3e-4 if paper else 0.2
+    high = cfg.clip_eps_high
+    if not high:  # unset or 0: the symmetric clip (gspo's own upper range when neither range is given)
+        high = 4e-4 if paper and high is None else clip_eps
     return dataclasses.replace(cfg, clip_eps=clip_eps, clip_eps_high=high)
 
 
