@@ -1156,14 +1156,14 @@ class NextTokenTask:
         self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
         self.cfg = cfg
         ids = torch.tensor(tok.encode(text))
-        self.train_ids, self.val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
+        self.train_ids, val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
         C = cfg.context_len
         H = cfg.horizon
-        for name, split in (("train", self.train_ids), ("val", self.val_ids)):
+        for name, split in (("train", self.train_ids), ("val", val_ids)):
             check(len(split) > C + H, f"the {name} split of {path} has {len(split)} tokens; it needs > {C + H}")
         with torch.random.fork_rng(devices=[]):  # fixed evaluation windows, without touching the training streams
             torch.manual_seed(0)
-            self.eval_windows = torch.cat(sample_windows(self.val_ids, cfg.eval_size, C, H), 1)  # (E, C+H)
+            self.eval_windows = torch.cat(sample_windows(val_ids, cfg.eval_size, C, H), 1)  # (E, C+H)
 
     def sample(self, n):
         ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
@@ -1297,8 +1297,7 @@ class ArithmeticTask:
         """Process rewards, the reward model's at each step's end (process_rewards), or score()'s outcome reward on
         the last real token: (N, H) each, rewards and their reward mask."""
         if self.process:
-            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
-            return process_rewards(self.rm, prompts, completion, steps, self.eos_id), steps
+            return process_rewards(self.rm, prompts, completion, mask, self.eos_id)
         return at_last_token(self.score(prompts, completion, mask, answers), mask)
 
     def score(self, prompts, completion, mask, answers):
@@ -1308,8 +1307,7 @@ class ArithmeticTask:
         if self.rm is None:
             return self.gold(completion, mask, answers)
         if self.rm_task == "prm":
-            steps = step_ends(completion, mask, self.eos_id)  # (N, H)
-            p = process_rewards(self.rm, prompts, completion, steps, self.eos_id)  # (N, H), 0 off the step ends
+            p, steps = process_rewards(self.rm, prompts, completion, mask, self.eos_id)  # (N, H), 0 off the step ends
             return (p + 1 - steps).prod(1)  # the product of p over the step ends (1 elsewhere)
         scores = reward_model_scores(self.rm, prompts, completion, mask)
         return torch.sigmoid(scores) if self.cfg.rm_sigmoid else scores
@@ -1503,8 +1501,7 @@ class RewardModelTask:
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:
                 die(f"cannot load Anthropic/hh-rlhf from the hub ({type(e).__name__}); pass --data_path FILE.jsonl.gz")
-        self.train_prompts = self.encode_prompts(parts[0])
-        val_prompts = self.encode_prompts(parts[1])
+        self.train_prompts, val_prompts = map(self.encode_prompts, parts)
         check(self.train_prompts and val_prompts, "no HH-RLHF dialogue with an Assistant turn in the data")
         self.eval_set = val_prompts[: cfg.eval_size]
 
@@ -1584,14 +1581,16 @@ def reward_model_scores(rm, prompts, completion, mask):
     return rm(*left_pad(rows, completion.device))[:, -1]  # (N,)
 
 
-def process_rewards(rm, prompts, completion, steps, eos_id):
-    """(N, H) step rewards of a reward model: at the token that ends each step of a completion (steps, 1.0 there:
-    step_ends) the sigmoid of its score at the step's newline (eos_id), 0 at every other position. A step cut off at
-    the horizon is scored at a newline put after it, where reward_model.py trains and best-of-n scores such a step. A
-    prm (reward_model.py --task prm) gives its probability that the step is right if the steps before it are; an orm,
-    trained on the outcome label at every answer token, its probability that the answer will end right (an
-    outcome-supervised value: Uesato et al. 2022, arXiv 2211.14275). A completion follows its left-padded prompt
-    whole: the model is causal, so what comes after a completion's last real token changes no score up to it."""
+def process_rewards(rm, prompts, completion, mask, eos_id):
+    """A reward model's step rewards as the contract's per-token rewards, with their reward mask, (N, H) each: at the
+    token that ends each step of a completion (step_ends: the reward mask, 1.0 there) the sigmoid of its score at the
+    step's newline (eos_id), 0 at every other position. A step cut off at the horizon is scored at a newline put after
+    it, where reward_model.py trains and best-of-n scores such a step. A prm (reward_model.py --task prm) gives its
+    probability that the step is right if the steps before it are; an orm, trained on the outcome label at every
+    answer token, its probability that the answer will end right (an outcome-supervised value: Uesato et al. 2022,
+    arXiv 2211.14275). A completion follows its left-padded prompt whole: the model is causal, so what comes after a
+    completion's last real token changes no score up to it."""
+    steps = step_ends(completion, mask, eos_id)  # (N, H)
     cut_off = steps * (completion != eos_id)  # (N, H) 1.0 at the last real token of a step without its newline
     # (N, H+1): a newline after the last position. A step cut off before its newline ends at the horizon, or (in a
     # completion padded, as sample_completions pads it, with the newline) before padding: its newline is next
@@ -1599,7 +1598,7 @@ def process_rewards(rm, prompts, completion, steps, eos_id):
     # (N, H+1) the score at each completion position and one after, the prompt (N, P) before them
     scores = rm(*join(prompts, written))[:, -written.size(1) :]
     at_end = torch.where(cut_off > 0, scores[:, 1:], scores[:, :-1])  # (N, H) the score at each step's newline
-    return torch.sigmoid(at_end) * steps
+    return torch.sigmoid(at_end) * steps, steps
 
 
 def at_last_token(rewards, mask):

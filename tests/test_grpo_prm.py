@@ -140,8 +140,8 @@ def test_the_prm_reward_of_a_step_is_the_sigmoid_of_its_score_at_the_step_newlin
     prompts = ["1+2*4=", "12-3+5=", "9*9-1="]
     texts = ["1+2=3\n3*4=1", "12-3=9\n9+5=1", "9*9=81\n"]
     completion, mask = completion_of(texts, horizon)
-    ends = grpo.step_ends(completion, mask, NEWLINE)
-    rewards = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, ends, NEWLINE)
+    rewards, ends = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, mask, NEWLINE)
+    assert torch.equal(ends, grpo.step_ends(completion, mask, NEWLINE))
     assert torch.all(rewards[ends == 0] == 0)
     with torch.no_grad():
         for i, (p, t) in enumerate(zip(prompts, texts)):
@@ -179,7 +179,7 @@ def test_collect_gives_the_reward_at_each_step_end_and_advantages_on_every_real_
     completion, mask = batch["completion"], batch["mask"]
     steps = grpo.step_ends(completion, mask, NEWLINE)
     assert torch.equal(batch["reward_mask"], steps)
-    expected = grpo.process_rewards(task.rm, batch["prompts"], completion, steps, NEWLINE)
+    expected, _ = grpo.process_rewards(task.rm, batch["prompts"], completion, mask, NEWLINE)
     torch.testing.assert_close(batch["rewards"], expected)
     assert torch.all(batch["rewards"][steps == 0] == 0) and torch.all(batch["rewards"][steps > 0] > 0)
     adv = grpo.compute_advantages(batch["rewards"], batch["reward_mask"], mask, "process", 4, "group", rt)
@@ -314,7 +314,7 @@ def test_a_step_is_scored_alike_in_training_best_of_n_and_grpo(tmp_path):
         assert found == pytest.approx(expected, abs=1e-5)
     prm = grpo.load_reward_model(path)[0]
     completion, mask = completion_of(texts, 14)
-    ends = grpo.step_ends(completion, mask, NEWLINE)
-    rewards = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, ends, NEWLINE)
+    rewards, ends = grpo.process_rewards(prm, [TOK.encode(p) for p in prompts], completion, mask, NEWLINE)
+    assert torch.equal(ends, grpo.step_ends(completion, mask, NEWLINE))
     for i, expected in enumerate(trained):
         assert rewards[i][ends[i] > 0].tolist() == pytest.approx(expected, abs=1e-5)
