@@ -930,8 +930,8 @@ def sample_completions(model, prompts, horizon, temperature, top_k, eos_id, rt, 
     if whole and eos_id is not None:
         is_end = (tokens == eos_id).float()
         mask = ((is_end.cumsum(1) - is_end) < n_ends).float()  # (N, H): up to the n_ends-th end token
-    pad = (0, horizon - tokens.size(1))  # an early stop: fill up to the horizon (eos, masked)
-    return F.pad(tokens, pad, value=eos_id or 0), F.pad(mask, pad)  # no end token: 0
+    pad = (0, horizon - tokens.size(1))  # an early stop (only at an end token): fill up to the horizon (eos, masked)
+    return F.pad(tokens, pad, value=eos_id), F.pad(mask, pad)
 
 
 def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top_k=None):
@@ -1006,7 +1006,7 @@ class NextTokenTask:
         """A dense reward on every token (N, H); truth: N true continuations, logits (N, H, V) of the sampling
         policy."""
         truth = torch.stack(truth).to(completion.device)  # (N, H)
-        logp_true = token_logprobs(logits, truth) if self.cfg.partial_logprob else None
+        logp_true = token_logprobs(logits, truth) if self.needs_logits else None
         return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob), mask
 
     def measures(self, completion, mask, truth):
