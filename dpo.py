@@ -1655,7 +1655,6 @@ def parse_config(cls, argv=None):
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
         else:
             parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
-    argv = sys.argv[1:] if argv is None else argv
     cfg = cls(**vars(parser.parse_args(argv)))
     if not getattr(cfg, "resume", False):
         return cfg
@@ -1667,8 +1666,8 @@ def parse_config(cls, argv=None):
     check(saved, f"--resume: {path} does not hold the settings of a run; restore it or start a new run")
     foreign = sorted(saved.keys() - vars(cfg).keys())  # vars(cfg): the fields
     check(not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})")
-    given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
-    return dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k not in given})
+    parser.set_defaults(**saved)  # the run's settings are the defaults now: the flags given override them
+    return cls(**vars(parser.parse_args(argv)))
 
 
 def die(message):
