@@ -2169,8 +2169,8 @@ def training_state(model, optimizer, rt):
 
     fsdp = rt.distributed and rt.parallel == "fsdp"
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
-    model_sd = get_model_state_dict(model, options=opts) if opts else model.state_dict()
-    return {k: v.detach().cpu() for k, v in model_sd.items()}, get_optimizer_state_dict(model, optimizer, options=opts)
+    model_sd = get_model_state_dict(model, options=opts)  # without options: model.state_dict(), detached
+    return {k: v.cpu() for k, v in model_sd.items()}, get_optimizer_state_dict(model, optimizer, options=opts)
 
 
 def load_optimizer_state(model, optimizer, state, rt):
