@@ -2039,17 +2039,14 @@ def stop_if_not_finite(loss, step, ckpt_path, rt):
     sys.exit(1)
 
 
-def rng_state():
-    """Python's and torch's generator states (numpy's random is not used)."""
-    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), **cuda}
-
-
 def all_rng_states(rt):
-    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
-    states = [rng_state()] * rt.world_size
+    """Every rank's Python and torch generator states (rank order; numpy's random is not used), so a resumed
+    multi-process run continues each rank's stream."""
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), **cuda}
+    states = [state] * rt.world_size
     if rt.distributed:
-        dist.all_gather_object(states, rng_state())
+        dist.all_gather_object(states, state)
     return states
 
 
