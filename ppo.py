@@ -2007,9 +2007,8 @@ def broadcast_weights(model, rt):
     """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
     with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
     if rt.distributed:
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t, src=0)
+        for t in model.state_dict().values():  # detached views of the weights: broadcast writes into them in place
+            dist.broadcast(t, src=0)
 
 
 def wrap_model(model, rt, compile=False):
