@@ -948,11 +948,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
+        scored = y != -1
         # "loss": the hidden states, projected chunk by chunk; "logits": the logits just made
         scores = x if logits is None else logits
         weight = self.lm_head.weight if logits is None else None
         logp, _ = linear_logprobs(scores.flatten(0, 1), weight, y.clamp(min=0), entropy=False, recompute=False)
-        return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
+        return logits, -(logp * scored).sum() / scored.sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
@@ -1120,7 +1121,7 @@ def generate(
             logits = decode(model, nxt, cache)
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
-            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            attn = None if attn is None else F.pad(attn, (0, 1), value=True)  # the new token is real
             logits, _ = model(idx, attention_mask=attn, keep_last=1)
     return torch.stack(tokens, 1), torch.stack(masks, 1).float()
 
@@ -1200,7 +1201,7 @@ def setup_runtime(cfg):
     check(available[device], f"--device {device}: it is not available")
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     if "RANK" in os.environ:  # launched by torchrun
         if device == "cuda":
             device = f"cuda:{local_rank}"
@@ -1217,7 +1218,7 @@ def setup_runtime(cfg):
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     seed_everything(cfg.seed + rank)
-    return Runtime(device, getattr(torch, dtype), rank, local_rank, max(world_size, 1), cfg.parallel)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
 
 
 def seed_everything(seed):
@@ -1310,7 +1311,7 @@ def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
 
 def clip_grad_norm(model, max_norm):
     """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
 
 
