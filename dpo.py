@@ -1969,7 +1969,7 @@ def load_model(init_from, dropout=0.0):
         ckpt = load_checkpoint(init_from)
         try:  # TypeError: a model_config with fields GPTConfig lacks (gpt.py's --attention mla, --objective denoise)
             model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": dropout}))
-            model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+            model.load_state_dict(ckpt["model"])  # training_state's keys: no torch.compile or DDP prefixes
         except (RuntimeError, TypeError) as e:
             die(f"--init_from {init_from}: not a checkpoint of this script's GPT ({str(e).splitlines()[0]})")
         return model, ckpt["tokenizer"], ckpt
