@@ -1213,7 +1213,7 @@ def setup_runtime(cfg):
         dtype = "float32"
         if device.type == "cuda":
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on a GPU that has them (cuDNN's are on by default)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
