@@ -262,11 +262,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
+        scored = y != -1
         # "loss": the hidden states, projected chunk by chunk; "logits": the logits just made
         scores = x if logits is None else logits
         weight = self.lm_head.weight if logits is None else None
         logp, _ = linear_logprobs(scores.flatten(0, 1), weight, y.clamp(min=0), entropy=False, recompute=False)
-        return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
+        return logits, -(logp * scored).sum() / scored.sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
@@ -434,7 +435,7 @@ def generate(
             logits = decode(model, nxt, cache)
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
-            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            attn = None if attn is None else F.pad(attn, (0, 1), value=True)  # the new token is real
             logits, _ = model(idx, attention_mask=attn, keep_last=1)
     return torch.stack(tokens, 1), torch.stack(masks, 1).float()
 

@@ -948,11 +948,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         y = targets.flatten()
+        scored = y != -1
         # "loss": the hidden states, projected chunk by chunk; "logits": the logits just made
         scores = x if logits is None else logits
         weight = self.lm_head.weight if logits is None else None
         logp, _ = linear_logprobs(scores.flatten(0, 1), weight, y.clamp(min=0), entropy=False, recompute=False)
-        return logits, -(logp * (y != -1)).sum() / (y != -1).sum().clamp(min=1)  # no targets: loss 0, not NaN
+        return logits, -(logp * scored).sum() / scored.sum().clamp(min=1)  # no targets: loss 0, not NaN
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
@@ -1120,7 +1121,7 @@ def generate(
             logits = decode(model, nxt, cache)
         else:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
-            attn = None if attn is None else torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            attn = None if attn is None else F.pad(attn, (0, 1), value=True)  # the new token is real
             logits, _ = model(idx, attention_mask=attn, keep_last=1)
     return torch.stack(tokens, 1), torch.stack(masks, 1).float()
 
@@ -1146,7 +1147,6 @@ def parse_config(cls, argv=None):
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
         else:
             parser.add_argument(f"--{f.name}", type=f.type, metavar=f.type.__name__.upper(), **kw)
-    argv = sys.argv[1:] if argv is None else argv
     cfg = cls(**vars(parser.parse_args(argv)))
     if not getattr(cfg, "resume", False):
         return cfg
@@ -1158,8 +1158,8 @@ def parse_config(cls, argv=None):
     check(saved, f"--resume: {path} does not hold the settings of a run; restore it or start a new run")
     foreign = sorted(saved.keys() - vars(cfg).keys())  # vars(cfg): the fields
     check(not foreign, f"--resume: {cfg.out_dir} holds a run of another script (it has --{', --'.join(foreign[:3])})")
-    given = {a[2:].split("=")[0].removeprefix("no-") for a in argv if a.startswith("--")}
-    return dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k not in given})
+    parser.set_defaults(**saved)  # the run's settings are the defaults now: the flags given override them
+    return cls(**vars(parser.parse_args(argv)))
 
 
 def die(message):
@@ -1201,7 +1201,7 @@ def setup_runtime(cfg):
     check(available[device], f"--device {device}: it is not available")
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     if "RANK" in os.environ:  # launched by torchrun
         if device == "cuda":
             device = f"cuda:{local_rank}"
@@ -1213,12 +1213,12 @@ def setup_runtime(cfg):
         dtype = "float32"
         if device.type == "cuda":
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on a GPU that has them (cuDNN's are on by default)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     seed_everything(cfg.seed + rank)
-    return Runtime(device, getattr(torch, dtype), rank, local_rank, max(world_size, 1), cfg.parallel)
+    return Runtime(device, getattr(torch, dtype), rank, local_rank, world_size, cfg.parallel)
 
 
 def seed_everything(seed):
@@ -1253,9 +1253,8 @@ def broadcast_weights(model, rt):
     """Rank 0's parameters and buffers on every rank. A model built from scratch differs per rank (each rank seeds
     with its rank); DDP copies rank 0's weights when it wraps a model, FSDP2 does not."""
     if rt.distributed:
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t, src=0)
+        for t in model.state_dict().values():  # detached views of the weights: broadcast writes into them in place
+            dist.broadcast(t, src=0)
 
 
 def wrap_model(model, rt, compile=False):
@@ -1312,7 +1311,7 @@ def cosine_lr(step, lr, min_lr, warmup_steps, decay_steps):
 
 def clip_grad_norm(model, max_norm):
     """Clip and return the gradient norm before clipping (max_norm 0: measure only)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
 
 
@@ -1382,17 +1381,14 @@ def stop_if_not_finite(loss, step, ckpt_path, rt):
     sys.exit(1)
 
 
-def rng_state():
-    """Python's and torch's generator states (numpy's random is not used)."""
-    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), **cuda}
-
-
 def all_rng_states(rt):
-    """Every rank's RNG state (rank order), so a resumed multi-process run continues each rank's stream."""
-    states = [rng_state()] * rt.world_size
+    """Every rank's Python and torch generator states (rank order; numpy's random is not used), so a resumed
+    multi-process run continues each rank's stream."""
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), **cuda}
+    states = [state] * rt.world_size
     if rt.distributed:
-        dist.all_gather_object(states, rng_state())
+        dist.all_gather_object(states, state)
     return states
 
 
@@ -1415,8 +1411,8 @@ def training_state(model, optimizer, rt):
 
     fsdp = rt.distributed and rt.parallel == "fsdp"
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if fsdp else None
-    model_sd = get_model_state_dict(model, options=opts) if opts else model.state_dict()
-    return {k: v.detach().cpu() for k, v in model_sd.items()}, get_optimizer_state_dict(model, optimizer, options=opts)
+    model_sd = get_model_state_dict(model, options=opts)  # without options: model.state_dict(), detached
+    return {k: v.cpu() for k, v in model_sd.items()}, get_optimizer_state_dict(model, optimizer, options=opts)
 
 
 def load_optimizer_state(model, optimizer, state, rt):
@@ -1464,7 +1460,7 @@ def load_model(init_from, dropout=0.0):
         ckpt = load_checkpoint(init_from)
         try:  # TypeError: a model_config with fields GPTConfig lacks (gpt.py's --attention mla, --objective denoise)
             model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": dropout}))
-            model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+            model.load_state_dict(ckpt["model"])  # training_state's keys: no torch.compile or DDP prefixes
         except (RuntimeError, TypeError) as e:
             die(f"--init_from {init_from}: not a checkpoint of this script's GPT ({str(e).splitlines()[0]})")
         return model, ckpt["tokenizer"], ckpt
