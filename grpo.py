@@ -889,6 +889,9 @@ def setup(cfg):
     else:
         model, spec, ckpt = load_model(source)
         tok = get_tokenizer(spec)
+    # the longest prompt in tokens: arithmetic's "a*b=" (--steps K: K operations) of the longest numbers; the other
+    # tasks set their own
+    prompt_len = (cfg.steps + 1) * (cfg.digits + 1)
     if cfg.task == "next_token":
         if isinstance(tok, CharTokenizer):
             unknown = sorted(set(text) - set(tok.chars))
@@ -897,10 +900,9 @@ def setup(cfg):
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
         task = ArithmeticTask(cfg, tok, rt, process=adv_kind == "process")
-        prompt_len = (cfg.steps + 1) * (cfg.digits + 1)  # "a*b=" (--steps K: K operations) of the longest numbers
     elif cfg.task == "reasoning":
         task = ReasoningTask(cfg, tok, rt)
-        prompt_len = (cfg.steps + 1) * (cfg.digits + 1) + 2  # "Q:a*b;"
+        prompt_len += 2  # "Q:a*b;": arithmetic's problem between "Q:" and ";" instead of before "="
     else:
         task = RewardModelTask(cfg, tok, rt)
         prompt_len = cfg.max_prompt_len
