@@ -568,7 +568,7 @@ def compute_advantages(rewards, reward_mask, mask, kind, group_size, scale, rt):
         adv = rloo_advantages(returns, group_size)
     else:
         every = group_advantages(gather_rows(returns, rt), group_size, scale)  # (world_size * N,): every rank's rows
-        adv = every.view(rt.world_size, -1)[rt.rank]  # (N,) this rank's rows
+        adv = every.chunk(rt.world_size)[rt.rank]  # (N,) this rank's rows
     return adv[:, None].expand_as(mask)  # (N, H): the same on every token (the loss masks the padding)
 
 
@@ -681,7 +681,7 @@ def top_entropy_tokens(entropies, mask, quantile, rt):
     """(n, H) float, this rank's part of high_entropy_mask: the entropies (n, H) are ranked over this micro-batch of
     every rank (as TRL), and each rank keeps its own rows."""
     every_rank = high_entropy_mask(gather_rows(entropies, rt), gather_rows(mask, rt), quantile)  # (world * n, H)
-    return every_rank.view(rt.world_size, *mask.shape)[rt.rank]
+    return every_rank.chunk(rt.world_size)[rt.rank]  # (n, H) this rank's rows
 
 
 def rollout_metrics(task, first, batch, group_size, rt, kind):
