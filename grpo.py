@@ -288,8 +288,9 @@ def policy_loss(
     N, T = logp.shape
     if num_seqs is None:  # this batch is the whole step
         num_seqs = N
+    n = mask.sum().clamp(min=1)  # this batch's real tokens
     if num_tokens is None:
-        num_tokens = mask.sum().clamp(min=1)
+        num_tokens = n
     if clip_eps_high is None:  # a symmetric clip
         clip_eps_high = clip_eps
     adv = adv.reshape(N, -1)  # (N, 1) one advantage per sequence, the same for each of its tokens, or (N, T)
@@ -328,7 +329,6 @@ def policy_loss(
         loss = per_token.sum() / (num_seqs * (max_len or T))
     else:
         loss = per_token.sum() / num_tokens
-    n = mask.sum().clamp(min=1)  # this batch's real tokens
     # (clipped carries no gradient)
     return loss, {"clip_frac": (clipped * mask).sum() / n, "ratio_mean": (ratio * mask).sum().detach() / n}
 
@@ -466,36 +466,32 @@ def collect(task, raw, ref, cfg, rt, n_prompts):
     has no dropout, so train and eval modes compute the same."""
     G = cfg.group_size
     prompts, info = task.sample(n_prompts)
-    rows = [p for p in prompts for _ in range(G)]  # each prompt G times in a row: a group
+    prompts = [p for p in prompts for _ in range(G)]  # each prompt G times in a row: a group
     info = [x for x in info for _ in range(G)]
     with torch.no_grad(), rt.autocast():
         # (N, H) each; a completion ends at its task.n_ends-th end token (arithmetic --steps K: its K-th newline)
         completion, mask = sample_completions(
-            raw, rows, cfg.horizon, cfg.temperature, cfg.top_k, task.eos_id, rt, n_ends=task.n_ends
+            raw, prompts, cfg.horizon, cfg.temperature, cfg.top_k, task.eos_id, rt, n_ends=task.n_ends
         )
         truncated = None  # a task without an end token (next_token)
         if task.eos_id is not None:
             truncated = ((completion == task.eos_id) * mask).sum(1) < task.n_ends  # (N,) not ended within H
-        batch = dict(prompts=rows, info=info, completion=completion, mask=mask, truncated=truncated)
-        seq, attn = join(rows, completion)
-        n_micro = len(rows) // cfg.grad_accum  # the training pass's micro-batch size: no pass here is larger
+        batch = dict(prompts=prompts, info=info, completion=completion, mask=mask, truncated=truncated)
+        # the training pass's micro-batches: no pass here is larger
         parts = [
-            score_rows(task, raw, ref, cfg, batch, seq, attn, slice(i, i + n_micro))
-            for i in range(0, len(rows), n_micro)
+            score_rows(task, raw, ref, cfg, batch, rows, seq, attn)
+            for rows, seq, attn in micro_batch_inputs(batch, cfg.grad_accum)
         ]
-    for key in parts[0]:
-        values = [part[key] for part in parts]
-        batch[key] = None if values[0] is None else torch.cat(values)
+    batch.update(take_rows(parts, torch.arange(len(prompts))))  # the parts end to end
     return batch
 
 
-def score_rows(task, raw, ref, cfg, batch, seq, attn, rows):
-    """ALGO LOGIC 2-3: collect's scores of the rows (a slice) of its batch: the sampling policy's log-probs (under the
-    sampling distribution) where something reads them, the reference's (the same temperature, the whole vocabulary;
-    the bigram answers the model's call) and the task's rewards with their reward mask."""
+def score_rows(task, raw, ref, cfg, batch, rows, seq, attn):
+    """ALGO LOGIC 2-3: collect's scores of the rows (a slice) of its batch, whose seq and attn micro_batch_inputs
+    gives: the sampling policy's log-probs (under the sampling distribution) where something reads them, the
+    reference's (the same temperature, the whole vocabulary; the bigram answers the model's call) and the task's
+    rewards with their reward mask."""
     H = cfg.horizon
-    s = seq[rows]
-    a = None if attn is None else attn[rows]
     completion = batch["completion"][rows]
     mask = batch["mask"][rows]
     # With one policy update per batch the sampling policy is the policy being trained: its log-probs are the training
@@ -505,13 +501,13 @@ def score_rows(task, raw, ref, cfg, batch, seq, attn, rows):
     logits = None
     logp = None  # (n, H) the sampling policy's log-probs, where something reads them
     if task.needs_logits:  # (n, H, V): the reward reads them, and they give the log-probs for free
-        logits = completion_logits(raw, s, a, H)
+        logits = completion_logits(raw, seq, attn, H)
         logp = token_logprobs(logits, completion, cfg.temperature, cfg.top_k)
     elif keep_old or logs_kl:
-        logp = completion_logprobs(raw, s, a, H, temperature=cfg.temperature, top_k=cfg.top_k)[0]
+        logp = completion_logprobs(raw, seq, attn, H, temperature=cfg.temperature, top_k=cfg.top_k)[0]
     ref_logp = None  # no reference
     if ref is not None:
-        ref_logp = completion_logprobs(ref, s, a, H, temperature=cfg.temperature)[0]
+        ref_logp = completion_logprobs(ref, seq, attn, H, temperature=cfg.temperature)[0]
     rewards, reward_mask = task.rewards(batch["prompts"][rows], completion, mask, batch["info"][rows], logits)
     return dict(
         old_logp=logp if keep_old else None,
@@ -520,6 +516,17 @@ def score_rows(task, raw, ref, cfg, batch, seq, attn, rows):
         reward_mask=reward_mask,  # (n, H)
         rollout_kl=((logp - ref_logp) * mask).sum(1) if logs_kl else None,  # (n,)
     )
+
+
+def micro_batch_inputs(batch, grad_accum):
+    """The --grad_accum micro-batches of whole groups that a collected batch is scored in (collect) and trained in
+    (update_policy): the same rows, padded alike, so a training pass computes on exactly the shapes that scored them.
+    Yields (rows, a slice; seq (n, P+H); attn (n, P+H) or None)."""
+    seq, attn = join(batch["prompts"], batch["completion"])  # every row padded to the batch's longest prompt
+    n = len(seq) // grad_accum
+    for i in range(0, len(seq), n):
+        rows = slice(i, i + n)
+        yield rows, seq[rows], None if attn is None else attn[rows]
 
 
 def zero_std_groups(adv, group_size):
@@ -561,7 +568,7 @@ def compute_advantages(rewards, reward_mask, mask, kind, group_size, scale, rt):
         adv = rloo_advantages(returns, group_size)
     else:
         every = group_advantages(gather_rows(returns, rt), group_size, scale)  # (world_size * N,): every rank's rows
-        adv = every.view(rt.world_size, -1)[rt.rank]  # (N,) this rank's rows
+        adv = every.chunk(rt.world_size)[rt.rank]  # (N,) this rank's rows
     return adv[:, None].expand_as(mask)  # (N, H): the same on every token (the loss masks the padding)
 
 
@@ -580,26 +587,22 @@ def update_policy(run, batch, adv, beta):
     rank, and its gradient norm."""
     cfg = run.cfg
     rt = run.rt
-    seq, attn = join(batch["prompts"], batch["completion"])
     mask = batch["mask"]
     if cfg.mask_truncated:  # DAPO's overlong filtering: completions without an end token leave the loss
         mask = mask * ~batch["truncated"][:, None]
     N = len(mask)
-    n_micro = N // cfg.grad_accum  # rows per micro-batch: whole groups
     n_seqs = N * rt.world_size  # the whole step's sequences (every rank holds N)
     n_tokens = all_reduce(mask.sum(), rt).clamp(min=1)  # the whole step's tokens: dapo's normaliser
     keep = mask.clone()  # the tokens the policy term trains on: every real token, or the top quantile by entropy
     for iteration in range(cfg.num_iterations):
         sums = 0.0  # this rank's share of each metric (in the order of shares), summed over the micro-batches
-        for i in range(0, N, n_micro):
-            rows = slice(i, i + n_micro)
-            grad_sync(run.policy, i + n_micro >= N)
-            a = None if attn is None else attn[rows]
+        for rows, seq, attn in micro_batch_inputs(batch, cfg.grad_accum):
+            grad_sync(run.policy, rows.stop == N)  # the last micro-batch
             with rt.autocast():  # under the sampling distribution, as old_logp
                 logp, entropies = completion_logprobs(
                     run.policy,
-                    seq[rows],
-                    a,
+                    seq,
+                    attn,
                     cfg.horizon,
                     entropy=True,
                     temperature=cfg.temperature,
@@ -678,7 +681,7 @@ def top_entropy_tokens(entropies, mask, quantile, rt):
     """(n, H) float, this rank's part of high_entropy_mask: the entropies (n, H) are ranked over this micro-batch of
     every rank (as TRL), and each rank keeps its own rows."""
     every_rank = high_entropy_mask(gather_rows(entropies, rt), gather_rows(mask, rt), quantile)  # (world * n, H)
-    return every_rank.view(rt.world_size, *mask.shape)[rt.rank]
+    return every_rank.chunk(rt.world_size)[rt.rank]  # (n, H) this rank's rows
 
 
 def rollout_metrics(task, first, batch, group_size, rt, kind):
@@ -886,6 +889,9 @@ def setup(cfg):
     else:
         model, spec, ckpt = load_model(source)
         tok = get_tokenizer(spec)
+    # the longest prompt in tokens: arithmetic's "a*b=" (--steps K: K operations) of the longest numbers; the other
+    # tasks set their own
+    prompt_len = (cfg.steps + 1) * (cfg.digits + 1)
     if cfg.task == "next_token":
         if isinstance(tok, CharTokenizer):
             unknown = sorted(set(text) - set(tok.chars))
@@ -894,10 +900,9 @@ def setup(cfg):
         prompt_len = cfg.context_len
     elif cfg.task == "arithmetic":
         task = ArithmeticTask(cfg, tok, rt, process=adv_kind == "process")
-        prompt_len = (cfg.steps + 1) * (cfg.digits + 1)  # "a*b=" (--steps K: K operations) of the longest numbers
     elif cfg.task == "reasoning":
         task = ReasoningTask(cfg, tok, rt)
-        prompt_len = (cfg.steps + 1) * (cfg.digits + 1) + 2  # "Q:a*b;"
+        prompt_len += 2  # "Q:a*b;": arithmetic's problem between "Q:" and ";" instead of before "="
     else:
         task = RewardModelTask(cfg, tok, rt)
         prompt_len = cfg.max_prompt_len

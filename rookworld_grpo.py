@@ -231,8 +231,9 @@ def policy_loss(
     N, T = logp.shape
     if num_seqs is None:  # this batch is the whole step
         num_seqs = N
+    n = mask.sum().clamp(min=1)  # this batch's real tokens
     if num_tokens is None:
-        num_tokens = mask.sum().clamp(min=1)
+        num_tokens = n
     if clip_eps_high is None:  # a symmetric clip
         clip_eps_high = clip_eps
     adv = adv.reshape(N, -1)  # (N, 1) one advantage per sequence, the same for each of its tokens, or (N, T)
@@ -271,7 +272,6 @@ def policy_loss(
         loss = per_token.sum() / (num_seqs * (max_len or T))
     else:
         loss = per_token.sum() / num_tokens
-    n = mask.sum().clamp(min=1)  # this batch's real tokens
     # (clipped carries no gradient)
     return loss, {"clip_frac": (clipped * mask).sum() / n, "ratio_mean": (ratio * mask).sum().detach() / n}
 
