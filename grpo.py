@@ -908,7 +908,7 @@ def setup(cfg):
         prompt_len = cfg.max_prompt_len
     # the learned reward's weights: a resumed run must be scored by the same ones (a checkpoint written before this
     # check has no checksum, and is refused when a reward model is used)
-    rm_checksum = reward_checksum(task.rm)
+    rm_checksum = None if task.rm is None else weights_checksum(task.rm)  # an ensemble's: all its members'
     check(
         not cfg.resume or ckpt.get("rm_checksum") == rm_checksum,
         f"--resume: --reward_model {cfg.reward_model!r} is not the reward model the run was trained on",
@@ -1667,13 +1667,6 @@ class RewardEnsemble(nn.Module):
     def forward(self, idx, attention_mask=None):  # (B, T) -> (B, T)
         scores = torch.stack([rm(idx, attention_mask) for rm in self.members])  # (K, B, T)
         return ensemble_scores(scores, self.kind, self.uwo_lambda)
-
-
-def reward_checksum(rm):
-    """weights_checksum of the reward model; of each member of a RewardEnsemble (a list); None without one."""
-    if isinstance(rm, RewardEnsemble):
-        return [weights_checksum(m) for m in rm.members]
-    return None if rm is None else weights_checksum(rm)
 
 
 def read_jsonl(path, required):
