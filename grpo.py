@@ -58,7 +58,7 @@ completions of HH-RLHF prompts).
 
 Where we depart from the papers, on purpose:
   - beta can warm up linearly over --kl_warmup_tokens generated tokens, and the reference is a choice
-    (--reference bigram|random|init|none): a model trained from scratch has no sensible "initial" policy;
+    (--reference bigram|init|none): a model trained from scratch has no sensible "initial" policy;
   - --dynamic_sampling (DAPO) samples at most --max_sampling_rounds rounds, then tops the batch up with
     zero-advantage groups, so every rank keeps the same batch shape;
   - --mask_truncated (DAPO's overlong filtering) drops completions that never reached the end token from the loss;
@@ -75,6 +75,7 @@ Commands:
 """
 
 import argparse
+import copy
 import dataclasses
 import gzip
 import inspect
@@ -161,7 +162,7 @@ class Config:
     entropy_coef: float = 0.0  # entropy bonus coefficient
 
     # KL to a frozen reference (a loss term, not a reward penalty)
-    reference: str = "auto"  # auto | bigram | random | init | none (auto: bigram for scratch next_token, else init)
+    reference: str = "auto"  # auto | bigram | init | none (auto: bigram for scratch next_token, else init)
     beta_kl: float = 0.02  # KL coefficient (0: no KL term; the KL is still logged when there is a reference)
     kl_estimator: str = "k3"  # k2 | k3, the KL term of the loss (k1 is refused: its expected gradient is zero)
     kl_warmup_tokens: int = 0  # beta rises linearly from 0 to beta_kl over this many generated tokens (0: no warm-up)
@@ -787,7 +788,7 @@ def validate(cfg):
         "scale_rewards": ["group", "batch", "none"],
         "kl_estimator": ["k2", "k3"],
         "loss_type": ["grpo", "dapo", "dr_grpo", "gspo", "luspo", "cispo", "reinforce", "sapo"],
-        "reference": ["auto", "bigram", "random", "init", "none"],
+        "reference": ["auto", "bigram", "init", "none"],
     }
     for name, allowed in choices.items():
         value = getattr(cfg, name)
@@ -928,16 +929,12 @@ def setup(cfg):
     ref = None
     if reference == "bigram":
         ref = BigramReference(task.train_ids.to(rt.device), model.config.vocab_size)
-    elif reference != "none":  # random or init
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + 10_000)  # the same random reference on every rank and after a resume
-            ref = GPT(model.config)
-        if reference == "init":
-            ref.load_state_dict(model.state_dict())
+    elif reference == "init":
+        ref = copy.deepcopy(model)  # the starting weights (a resumed run's: its policy's, until the next line)
         if cfg.resume and ckpt["reference"]:  # as it was saved (--ref_sync_steps moves it); older runs: None
             ref.load_state_dict(ckpt["reference"])
         ref.to(rt.device).eval().requires_grad_(False)
-    check(not cfg.ref_sync_steps or isinstance(ref, GPT), "--ref_sync_steps: use --reference init or random")
+    check(not cfg.ref_sync_steps or isinstance(ref, GPT), "--ref_sync_steps: use --reference init")
 
     policy = wrap_model(model, rt, cfg.compile)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, 0.99), rt.device)

@@ -418,8 +418,8 @@ NO_CAP = ("gspo", "luspo", "cispo", "sapo", "reinforce")  # losses --clip_delta 
         (["--ref_mixup", "1.5"], "--ref_mixup must be in [0, 1]"),
         (["--ref_mixup", "-0.5"], "--ref_mixup must be in [0, 1]"),
         (["--ref_sync_steps", "-1"], "--ref_sync_steps must be >= 0"),
-        (["--ref_sync_steps", "2"], "--reference init or random"),  # next_token from scratch: the bigram table
-        (["--ref_sync_steps", "2", "--reference", "none"], "--reference init or random"),
+        (["--ref_sync_steps", "2"], "--reference init"),  # next_token from scratch: the bigram table
+        (["--ref_sync_steps", "2", "--reference", "none"], "--reference init"),
         # a sequence loss averages a completion's advantages: the entropy mask would not pick token gradients
         (["--loss_type", "gspo", "--top_entropy_quantile", "0.5"], "--top_entropy_quantile acts on token losses"),
         (["--loss_type", "luspo", "--top_entropy_quantile", "0.2"], "--loss_type luspo averages"),
