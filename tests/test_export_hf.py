@@ -147,3 +147,23 @@ def test_generate_on_an_exported_char_model_stops_at_the_newline(tmp_path, monke
     expected, mask = gpt.generate(ours, prompt, new_tokens, temperature=0.0, eos_id=newline)
     out = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt.size(1) :].tolist()
     assert out == expected[0, mask[0] > 0].tolist() == [newline]  # without an eos_token_id: 20 newlines
+
+
+def test_the_readme_generate_line_runs_on_an_exported_default_char_model(tmp_path, monkeypatch):
+    """README's transformers example, exactly as written there, on the export of a char model of gpt.py's default
+    block_size: it samples past the newline (eos_token_id=None) and fits the model's positions."""
+    import re
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    call = re.search(r"`(model\.generate\(\*\*tok\(.*?\))`", readme).group(1)
+    init = char_checkpoint(tmp_path / "ckpt.pt", CHARS, block_size=gpt.Config.block_size, seed=3)
+    assert export(monkeypatch, "--export_hf", tmp_path / "hf", "--init_from", init) == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.manual_seed(0)
+    out = eval(call, {"model": model, "tok": tok})  # the README's own line
+    new = int(re.search(r"max_new_tokens=(\d+)", call).group(1))
+    assert out.shape == (1, len("ROMEO:") + new)  # no stop at a newline
