@@ -118,7 +118,6 @@ class Config:
     rm_sigmoid: bool = False  # arithmetic: an orm's reward is sigmoid(score) (a prm's is a probability already)
     context_len: int = 32  # next_token: tokens of real text before each rollout
     reward_mode: str = "plus1"  # next_token: plus1 (1 per correct token, else 0) | pm1 (+1 correct, -1 wrong)
-    partial_logprob: float = 0.0  # next_token: w, adds w * log p(true token | rollout prefix) to every reward
     digits: int = 1  # arithmetic: most digits per operand
     ops: str = "+-*"  # arithmetic: operators to draw from
     steps: int = 1  # arithmetic: operations per problem (K), evaluated left to right, solved one step a line
@@ -415,12 +414,11 @@ def rollout(run):
             s = seq[rows]
             a = None if attn is None else attn[rows]
             logp, _, values = logprobs_and_values(actor, run.critic, s, a, cfg)  # (n, H) each
-            logits = completion_logits(actor, s, a, H) if task.needs_logits else None  # (n, H, V): the reward's
             ref_logp = logp  # no reference: k1 = 0
             if run.ref is not None:  # the same temperature, the whole vocabulary (the bigram answers the same call)
                 ref_logp = completion_logprobs(run.ref, s, a, H, temperature=cfg.temperature)[0]
             # (n, H) each; info: the true continuations, arithmetic's answers, or None each (reward_model)
-            rewards, reward_mask = task.rewards(prompts[rows], completion[rows], mask[rows], info[rows], logits)
+            rewards, reward_mask = task.rewards(prompts[rows], completion[rows], mask[rows], info[rows])
             parts["old_logp"].append(logp)
             parts["old_values"].append(values)
             parts["ref_logp"].append(ref_logp)
@@ -900,12 +898,11 @@ def peak_memory_mb(rt):
 # Tasks, behind one contract: the PPO step reads nothing else of a task. A task has
 #   eos_id        the token that ends a completion (None: rollouts run the whole horizon)
 #   n_ends        a completion ends at its n_ends-th end token (arithmetic --steps K: one step a line)
-#   needs_logits  its rewards read the sampling policy's logits (N, H, V) (next_token's partial credit)
 #   proxy         its reward is a learned stand-in for a gold one that it measures too (rl/gold_reward): the
 #                 rollouts' KL to the reference is logged beside it (rl/rollout_kl)
 #   sample(n)                                         -> n prompts (token-id lists) and what each one's reward
 #                                                        needs (a list of n, or None)
-#   rewards(prompts, completion, mask, info, logits)  -> rewards (N, H) and reward_mask (N, H), 1.0 where a reward
+#   rewards(prompts, completion, mask, info)          -> rewards (N, H) and reward_mask (N, H), 1.0 where a reward
 #                                                        sits: an outcome reward on the last real token
 #                                                        (at_last_token), a dense one on every token, a process
 #                                                        reward at each step's end
@@ -951,11 +948,6 @@ def completion_logprobs(model, seq, attn, H, entropy=False, temperature=1.0, top
     )
 
 
-def completion_logits(model, seq, attn, H):
-    """The logits (N, H, V) at the last H positions of seq: what a task that needs_logits reads."""
-    return model(seq[:, :-1], attention_mask=None if attn is None else attn[:, :-1], keep_last=H)[0]
-
-
 def completion_kl(model, ref, prompts, completion, mask, temperature=1.0, top_k=None):
     """(N,) k1 summed over each completion's real tokens, the model under its sampling distribution against the
     reference at the same temperature over every token: an unbiased estimate of the sequence KL. No reference: 0."""
@@ -986,7 +978,6 @@ class NextTokenTask:
     rm = None
 
     def __init__(self, cfg, tok, text, path):
-        self.needs_logits = bool(cfg.partial_logprob)  # the reward adds log p(true token) under the sampling policy
         self.cfg = cfg
         ids = torch.tensor(tok.encode(text))
         self.train_ids, val_ids = ids.tensor_split([int(0.9 * len(ids))])  # 90% to train, 10% to evaluate
@@ -1002,12 +993,10 @@ class NextTokenTask:
         ctx, truth = sample_windows(self.train_ids, n, self.cfg.context_len, self.cfg.horizon)
         return ctx.tolist(), list(truth)  # prompts, and each one's true continuation (H,)
 
-    def rewards(self, prompts, completion, mask, truth, logits):
-        """A dense reward on every token (N, H); truth: N true continuations, logits (N, H, V) of the sampling
-        policy."""
+    def rewards(self, prompts, completion, mask, truth):
+        """A dense reward on every token (N, H); truth: N true continuations."""
         truth = torch.stack(truth).to(completion.device)  # (N, H)
-        logp_true = token_logprobs(logits, truth) if self.needs_logits else None
-        return token_rewards(completion, truth, self.cfg.reward_mode, logp_true, self.cfg.partial_logprob), mask
+        return token_rewards(completion, truth, self.cfg.reward_mode), mask
 
     def measures(self, completion, mask, truth):
         truth = torch.stack(truth).to(completion.device)  # (N, H)
@@ -1079,8 +1068,6 @@ class ArithmeticTask:
     is only measured: RLHF with a known gold reward, where over-optimisation of the proxy can be watched. Training
     draws no held-out problem, and every evaluation uses held-out problems only (held_out)."""
 
-    needs_logits = False  # rewards() ignores the sampling policy's logits
-
     def __init__(self, cfg, tok, rt, process=False):
         self.cfg = cfg
         self.tok = tok
@@ -1126,7 +1113,7 @@ class ArithmeticTask:
         """The gold reward of one decoded completion: arithmetic_reward, with --format_reward."""
         return arithmetic_reward(text, answer, self.cfg.format_reward)
 
-    def rewards(self, prompts, completion, mask, answers, logits):
+    def rewards(self, prompts, completion, mask, answers):
         """Process rewards, the reward model's at each step's end (process_rewards), or score()'s outcome reward on
         the last real token: (N, H) each, rewards and their reward mask."""
         if self.process:
@@ -1308,7 +1295,6 @@ def step_metrics(problems, texts, exact):
 class RewardModelTask:
     """HH-RLHF prompts; a reward_model.py checkpoint scores prompt + completion at its last real token."""
 
-    needs_logits = False
     n_ends = 1
     proxy = False  # no gold reward to measure
 
@@ -1346,7 +1332,7 @@ class RewardModelTask:
     def sample(self, n):
         return [random.choice(self.train_prompts) for _ in range(n)], [None] * n  # the reward reads the text alone
 
-    def rewards(self, prompts, completion, mask, info, logits):
+    def rewards(self, prompts, completion, mask, info):
         return at_last_token(reward_model_scores(self.rm, prompts, completion, mask), mask)
 
     def measures(self, completion, mask, info):

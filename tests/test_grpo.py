@@ -415,9 +415,9 @@ def test_old_logprobs_are_those_of_the_top_k_sampler_and_the_first_update_has_ra
 @pytest.mark.plots
 def test_next_token_run_writes_the_run_folder_and_resume_is_exact(tmp_path, text_file, monkeypatch):
     """SIGTERM after 3 of 6 steps saves and exits 143; --resume continues to exactly the uninterrupted metrics
-    (reference init, partial credit, 2 iterations per batch, 2 micro-batches, entropy bonus, KL warm-up)."""
+    (reference init, 2 iterations per batch, 2 micro-batches, entropy bonus, KL warm-up)."""
     common = ["--data", text_file, *NEXT, "--eval_every", "3", "--save_every", "3", "--eval_size", "16"]
-    common += ["--reference", "init", "--partial_logprob", "0.1", "--num_iterations", "2", "--grad_accum", "2"]
+    common += ["--reference", "init", "--num_iterations", "2", "--grad_accum", "2"]
     common += ["--entropy_coef", "0.01", "--kl_warmup_tokens", "100", "--warmup_steps", "0", "--max_steps", "6"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_main(grpo, monkeypatch, *common, "--out_dir", full)
@@ -629,7 +629,7 @@ def test_a_learned_arithmetic_reward_is_trained_on_and_the_gold_reward_is_logged
     mask = torch.tensor([[float(i < len(t)) for i in range(4)] for t in texts])
     prompts = [tok.encode(p) for p in problems]
     answers = [f"{eval(p[:-1])}\n" for p in problems]  # the gold answers, computed here
-    rewards, reward_mask = task.rewards(prompts, completion, mask, answers, None)
+    rewards, reward_mask = task.rewards(prompts, completion, mask, answers)
     last = torch.tensor([[float(i == len(t) - 1) for i in range(4)] for t in texts])  # the last real token
     assert torch.equal(reward_mask, last) and torch.all(rewards[last == 0] == 0)
     proxy = rewards.sum(1)  # the score, on the last real token

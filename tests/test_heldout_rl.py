@@ -277,7 +277,7 @@ def test_a_learned_outcome_reward_is_an_orms_score_or_a_prms_product_of_step_pro
     raw = arithmetic_task(module, tmp_path, reward_model=str(orm), steps=2, horizon=14)
     sig = arithmetic_task(module, tmp_path, reward_model=str(orm), steps=2, horizon=14, rm_sigmoid=True)
     scores = raw.score(prompts, completion, mask, None)
-    on_last, reward_mask = raw.rewards(prompts, completion, mask, None, None)  # the score on the last real token
+    on_last, reward_mask = raw.rewards(prompts, completion, mask, None)  # the score on the last real token
     assert torch.equal(on_last.sum(1), scores) and reward_mask.sum(1).tolist() == [1.0, 1.0]
     with torch.no_grad():
         last = [raw.rm(torch.tensor([p + tok.encode(t)]))[0, -1] for p, t in zip(prompts, texts)]

@@ -123,7 +123,7 @@ def test_reward_is_one_for_a_right_direct_answer_and_for_right_steps_alike_and_s
         "7+2=9-5;9-5=4;A:4;7+2=9-5;9-5=4": 0.0,  # no newline within the horizon
     }
     completion, mask = encode(tok, list(texts), 24)
-    rewards, reward_mask = task.rewards([tok.encode(prompt)] * len(texts), completion, mask, [4] * len(texts), None)
+    rewards, reward_mask = task.rewards([tok.encode(prompt)] * len(texts), completion, mask, [4] * len(texts))
     last = mask.sum(1).long() - 1
     assert torch.equal(reward_mask, torch.nn.functional.one_hot(last, 24).float())
     assert rewards[torch.arange(len(texts)), last].tolist() == list(texts.values())

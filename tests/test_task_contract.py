@@ -57,7 +57,7 @@ def test_the_docs_task_holds_its_numbers_out_and_rewards_exact_reversals_on_the_
     texts = [answers[0], answers[1][:-1] + "0", "1\n", answers[3]]  # right, no newline, wrong, right
     completion = torch.tensor([run.tok.encode(t.ljust(5, "\n")) for t in texts])
     mask = torch.tensor([[float(i < len(t)) for i in range(5)] for t in texts])
-    rewards, reward_mask = task.rewards(prompts[:4], completion, mask, answers[:4], None)
+    rewards, reward_mask = task.rewards(prompts[:4], completion, mask, answers[:4])
     last = torch.tensor([[float(i == len(t) - 1) for i in range(5)] for t in texts])
     assert torch.equal(reward_mask, last)
     assert rewards.sum(1).tolist() == [1.0, 0.0, 0.0, 1.0] and torch.all(rewards[last == 0] == 0)
