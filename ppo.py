@@ -1142,22 +1142,18 @@ class ArithmeticTask:
     @torch.no_grad()
     def evaluate(self, model, ref, rt, tok, step):
         """eval/ metrics of the greedy answers to the held-out problems; with a --reward_model, of sampled ones too."""
-        prompts, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
+        _, completion, mask, exact = self.answer(model, rt, 1, 0.0)  # greedy
         texts = self.texts(completion, mask)
-        # well formed: any reward with a format reward of 1, ended by a newline (the end token)
-        well_formed = [
-            arithmetic_reward(t, a, 1.0) > 0 and t.endswith("\n") for t, (_, a) in zip(texts, self.eval_problems)
-        ]
+        # well formed: any reward under a format reward of 1 (arithmetic_reward's form, whatever the result)
+        well_formed = sum(arithmetic_reward(t, a, 1.0) > 0 for t, (_, a) in zip(texts, self.eval_problems))
         shown = [f"{p}{t!r} (answer {a.split('=')[-1].strip()})" for (p, a), t in zip(self.eval_problems[:8], texts)]
         metrics = {
             "eval/accuracy": exact.mean().item(),
-            "eval/format_rate": sum(well_formed) / len(texts),
+            "eval/format_rate": well_formed / len(texts),
             "eval/n_problems": len(texts),  # distinct held-out problems
         }
         if self.cfg.steps > 1:  # how right the steps of the same greedy answers are
             metrics.update(step_metrics(self.eval_problems, texts, exact))
-        if self.proxy:  # the reward model's view of the same greedy answers
-            metrics["eval/rm_score"] = self.score(prompts, completion, mask, None).mean().item()
         if ref is not None and (self.proxy or self.cfg.steps > 1):
             # four answers a problem sampled as in training (temperature 1): gold, proxy and KL to the reference on
             # the held-out problems, the axes of over-optimisation; gold on each half of the problems too (even and odd
@@ -1310,12 +1306,9 @@ class RewardModelTask:
             n_val = max(1, len(records) // 20)  # gpt.py's hh_sft split
             parts = [chosen[n_val:], chosen[:n_val]]
         else:
-            try:
+            try:  # offline, set HF_HUB_OFFLINE=1: datasets otherwise retries the hub for about a minute first
                 import datasets
-                import huggingface_hub
 
-                if not huggingface_hub.constants.HF_HUB_OFFLINE:  # one quick request: datasets retries for a minute
-                    huggingface_hub.dataset_info("Anthropic/hh-rlhf", timeout=10)
                 hub = datasets.load_dataset("Anthropic/hh-rlhf")
                 parts = [hub["train"]["chosen"], hub["test"]["chosen"]]
             except Exception as e:

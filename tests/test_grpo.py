@@ -567,7 +567,7 @@ def test_two_process_gloo_runs(tmp_path, text_file, parallel):
         (["--context_len", "30", "--horizon", "10"], "block_size"),
         (["--batch_size", "3", "--grad_accum", "2"], "--grad_accum"),
         (["--temperature", "0"], "--temperature"),
-        (["--kl_estimator", "k1"], "zero expected gradient"),  # k1 belongs in the reward, not in the loss
+        (["--kl_estimator", "k1"], "use one of k2 k3"),  # k1 belongs in the reward, not in the loss (--help says why)
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, text_file, args, needle, monkeypatch, capsys):
@@ -667,7 +667,9 @@ def test_rl_on_a_learned_arithmetic_reward_measures_the_gold_reward_beside_it(tm
     rows = [r for r in metrics(out) if "rl/reward_mean" in r]
     assert len(rows) == 3 and all(0.0 <= r["rl/gold_reward"] <= 1.0 and "rl/kl" in r for r in rows)
     results = json.loads((out / "final_results.json").read_text())
-    assert {"accuracy", "rm_score"} <= set(results["before"]) and {"accuracy", "rm_score"} <= set(results["after"])
+    assert {"accuracy", "format_rate"} <= set(results["before"]) and {"accuracy", "format_rate"} <= set(
+        results["after"]
+    )
     sampled = {"sample_accuracy", "sample_accuracy_a", "sample_accuracy_b", "sample_rm_score", "sample_kl"}
     assert sampled <= set(results["before"]) and sampled <= set(results["after"])
     assert not (out / "overoptimization.png").exists() and not (out / "best_of_n.json").exists()

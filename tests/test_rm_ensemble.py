@@ -62,29 +62,30 @@ def test_one_member_trains_exactly_as_the_single_reward_model(tmp_path, monkeypa
         run_main(module, monkeypatch, *arithmetic_args(tmp_path, module, out), "--reward_model", *rm_args)
         rows[name] = metrics(out)
     assert rows["new"] == rows["old"] and rows["same"][0] == rows["old"][0]
-    assert any("eval/rm_score" in r for r in rows["new"])
+    assert any("eval/sample_rm_score" in r for r in rows["new"])
 
 
 @pytest.mark.parametrize("module", [grpo, ppo])
 @pytest.mark.parametrize("kind", ["mean", "min", "uwo"])
 def test_three_members_train_on_the_ensemble_score(tmp_path, monkeypatch, module, kind):
-    """Three members: the run trains and reports eval/rm_score; at step 0 (the initial policy's greedy answers) it is
-    the ensemble of the three members' own scores; the checkpoint's checksum covers every member."""
+    """Three members: the run trains and reports eval/sample_rm_score; at step 0 (the initial policy's answers, sampled
+    with the evaluation's fixed seed, so the same in every run) it is the ensemble of the three members' own scores;
+    the checkpoint's checksum covers every member."""
     paths = [orm(tmp_path / f"rm{i}.pt", i) for i in range(3)]
     single = []
     for i, path in enumerate(paths):
         out = tmp_path / f"single{i}"
         run_main(module, monkeypatch, *arithmetic_args(tmp_path, module, out), "--reward_model", path)
-        single.append(metrics(out)[0]["eval/rm_score"])
+        single.append(metrics(out)[0]["eval/sample_rm_score"])
     out = tmp_path / "ens"
     args = [*arithmetic_args(tmp_path, module, out), "--reward_model", ",".join(paths), "--rm_ensemble", kind]
     run_main(module, monkeypatch, *args)
     rows = metrics(out)
     assert any("rl/reward_mean" in r for r in rows)
-    if kind == "mean":  # a mean of means: the mean of the members' eval/rm_score
-        assert rows[0]["eval/rm_score"] == pytest.approx(sum(single) / 3, abs=1e-5)
+    if kind == "mean":  # a mean of means: the mean of the members' eval/sample_rm_score
+        assert rows[0]["eval/sample_rm_score"] == pytest.approx(sum(single) / 3, abs=1e-5)
     elif kind == "min":  # the min of each answer's scores is at most each member's mean
-        assert rows[0]["eval/rm_score"] <= min(single) + 1e-6
+        assert rows[0]["eval/sample_rm_score"] <= min(single) + 1e-6
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     # the ensemble's fingerprint: every member's weights, summed over the members as the state dicts are read
     members = sum(module.weights_checksum(module.load_reward_model(path)[0]) for path in paths)
