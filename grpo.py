@@ -605,8 +605,8 @@ def update_policy(run, batch, adv, beta):
                     top_k=cfg.top_k,  # 0: the whole vocabulary
                 )
             # The first iteration's policy is the sampler (no update yet): its entropies are the sampling
-            # distribution's, and the mask it gives stays for the later iterations
-            # The entropies are ranked over this micro-batch of every rank (as TRL), and each rank keeps its own rows
+            # distribution's, and the mask it gives stays for the later iterations. They are ranked over this
+            # micro-batch of every rank (as TRL), and each rank keeps its own rows
             if iteration == 0 and cfg.top_entropy_quantile < 1:
                 every_rank = high_entropy_mask(
                     gather_rows(entropies.detach(), rt), gather_rows(mask[rows], rt), cfg.top_entropy_quantile
